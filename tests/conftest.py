@@ -1,0 +1,25 @@
+"""Shared test fixtures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# The tests share 2 CPU cores; a single intra-op thread keeps them fast and deterministic.
+torch.set_num_threads(1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The offline copies of the benchmark sets (``../shared/data``); skips if absent."""
+    path = Path(os.environ.get("ECHOTRAIN_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+    if not path.is_dir():
+        pytest.skip(f"shared data folder not found at {path}")
+    return path

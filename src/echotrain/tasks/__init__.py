@@ -1,1 +1,53 @@
-"""echotrain.tasks."""
+"""echotrain.tasks: prompts and gold answers for RL from verifiable rewards.
+
+Public API
+----------
+``Example`` (dataclass): one prompt.
+    ``messages``  chat messages ``[{"role": ..., "content": ...}]``: system instruction, an
+                  optional one-shot user/assistant exchange, then the user question. Render with
+                  ``tokenizer.apply_chat_template(ex.messages, add_generation_prompt=True)``.
+    ``question``  the bare question text; ``answer`` the gold answer as text;
+    ``metadata``  what the task's scorer needs (the reasoning-gym entry, the dataset row);
+    ``task``      the task name; ``index`` the example's index in its dataset.
+
+``Task`` (protocol) — every task has:
+    ``name: str``, ``answer_format: "tag" | "boxed"``,
+    ``sample(n, seed) -> list[Example]``  n examples, reproducible for a given seed,
+    ``__iter__() / __len__()``            the examples in dataset order,
+    ``extract(completion) -> str | None`` the final answer (``<answer>..</answer>`` or the last
+                                          ``\\boxed{}``), ``None`` when absent (no fallback),
+    ``score(completion, example) -> float`` 1.0 correct / 0.0 otherwise (binary by default),
+    ``is_formatted(completion) -> bool``  whether an answer in the task's format is present.
+    Score the batch through ``echotrain.rewards.RewardFunction(task)`` (timeouts, counted errors).
+
+``get_task(name, **options) -> Task``; ``task_names() -> list[str]``; ``register_task(name)``.
+    ``"default"``           the task of ``echotrain train`` with no arguments (see
+                            ``echotrain.tasks.gym.DEFAULT_TASK``; starting accuracy of
+                            SmolLM2-135M-Instruct measured by ``scripts/measure_start_accuracy.py``),
+    ``"basic_arithmetic"``  reasoning-gym basic_arithmetic with our one-shot prompt,
+    ``"rg:<dataset>"``      any reasoning-gym dataset; options go to its config
+                            (``size=``, ``seed=``, ``min_terms=`` ...), scored by its own scorer,
+    ``"gsm8k"``             GSM8K (``path=`` a local JSONL file or folder, else the hub
+                            ``openai/gsm8k``), math-verify equivalence,
+    ``"math500"``           MATH-500 (``path=`` local JSONL, else ``HuggingFaceH4/MATH-500``).
+    Unknown names raise ``KeyError`` listing the valid ones.
+"""
+
+from __future__ import annotations
+
+from echotrain.tasks.base import Example, Task, get_task, register_task, task_names
+from echotrain.tasks.gym import DEFAULT_TASK, ReasoningGymTask
+from echotrain.tasks.math_sets import JsonlMathTask, load_gsm8k, load_math500
+
+__all__ = [
+    "DEFAULT_TASK",
+    "Example",
+    "JsonlMathTask",
+    "ReasoningGymTask",
+    "Task",
+    "get_task",
+    "load_gsm8k",
+    "load_math500",
+    "register_task",
+    "task_names",
+]

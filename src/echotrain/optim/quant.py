@@ -1,0 +1,376 @@
+"""4-bit quantizers for optimizer states, as pure tensor functions.
+
+Source: B. Li, J. Chen, J. Zhu, "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023
+(arXiv 2309.01507), section 3-4. A quantizer is a *normalisation* (a scale per block, or a
+rank-1 scale per element) followed by a *map*: the normalised value is replaced by the index of
+the nearest of 16 code values. Two 4-bit codes are packed into one byte.
+
+- First moment m: "B128/DE" -- block-wise absmax scale over the row-major flattened tensor
+  (block 128, last block zero-padded) and the signed dynamic-exponent map :data:`DE_MAP_4BIT`.
+- Second moment v: "Rank-1/Linear" -- rank-1 scale (:func:`rank1_scale`) and the zero-free
+  linear map :data:`LINEAR_MAP_4BIT` (k/16, k = 1..16), so that a positive v never dequantizes
+  to 0 (the paper's "zero-point problem", section 4.1). 1-D tensors use B128 blocks instead.
+
+Conventions (ours): codes are ``torch.uint8`` in ``[0, 15]``; in a packed byte the element with
+the even index is the high nibble. Scales are float32 and stored *unclamped*: a block whose
+values are all 0 has scale 0, is normalised by ``max(scale, tiny)`` (so 0/0 never happens) and
+dequantizes to exactly 0 whatever its codes. "Nearest" rounding breaks exact ties toward the
+lower code value.
+
+Everything here is plain PyTorch (CPU or GPU) with no data-dependent Python control flow, so
+the functions can be used inside ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+# The signed 4-bit dynamic-exponent map (Dettmers 2016, "8-bit approximations"; with 3 exponent
+# bits and no zero padding, as in the paper's B128/DE and torchao's ``create_dynamic_map(True,
+# 3, 4)``). Sorted; contains an exact 0 and +1 but not -1.
+DE_MAP_4BIT: tuple[float, ...] = (
+    -0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
+    0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0,
+)  # fmt: skip
+# The unsigned linear map without zero (paper section 4.1): k/16 for k = 1..16.
+LINEAR_MAP_4BIT: tuple[float, ...] = tuple(k / 16 for k in range(1, 17))
+
+BLOCK_SIZE = 128
+# Guard for zero scales: normalisation divides by max(scale, _TINY).
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def as_map(qmap: Sequence[float] | Tensor) -> tuple[float, ...]:
+    """Validate a 16-value map and return it as a sorted tuple of Python floats.
+
+    Raises:
+        ValueError: not 16 finite values in strictly increasing order.
+    """
+    values = tuple(float(v) for v in (qmap.tolist() if isinstance(qmap, Tensor) else qmap))
+    if len(values) != 16:
+        raise ValueError(f"qmap must have 16 values for 4-bit codes, got {len(values)}")
+    if not all(math.isfinite(v) for v in values) or any(
+        a >= b for a, b in zip(values, values[1:])
+    ):
+        raise ValueError(f"qmap must be finite and strictly increasing, got {values}")
+    return values
+
+
+def map_tensor(qmap: Sequence[float] | Tensor, device: torch.device | str | None = None) -> Tensor:
+    """The map as a float32 tensor of shape (16,)."""
+    return torch.tensor(as_map(qmap), dtype=torch.float32, device=device)
+
+
+# --------------------------------------------------------------------------------------------
+# Normalisation
+# --------------------------------------------------------------------------------------------
+
+
+def num_blocks(numel: int, block_size: int = BLOCK_SIZE) -> int:
+    """Number of blocks of ``block_size`` covering ``numel`` elements (the last one padded)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return -(-numel // block_size)
+
+
+def to_blocks(x: Tensor, block_size: int = BLOCK_SIZE) -> Tensor:
+    """Row-major flatten ``x`` and zero-pad it to shape ``(num_blocks, block_size)``.
+
+    Returns a view when no padding is needed, otherwise a new tensor.
+    """
+    flat = x.reshape(-1)
+    pad = num_blocks(flat.numel(), block_size) * block_size - flat.numel()
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(-1, block_size)
+
+
+def blockwise_scale(x: Tensor, block_size: int = BLOCK_SIZE) -> Tensor:
+    """Block-wise absmax scale (paper eq. 2, "B128" for block_size=128).
+
+    Args:
+        x: any shape, floating point. Flattened row-major; the last block is zero-padded.
+    Returns:
+        float32 tensor of shape ``(ceil(x.numel() / block_size),)``: ``max |x|`` per block.
+    """
+    return to_blocks(x.float(), block_size).abs().amax(dim=1)
+
+
+def rank1_factors(x: Tensor) -> list[Tensor]:
+    """Per-dimension absmax statistics for rank-1 normalisation (paper section 4.2).
+
+    For dim ``d`` the factor is ``max |x|`` over all other dims, shape ``(x.shape[d],)``. For a
+    matrix these are the row maxima and the column maxima.
+
+    Raises:
+        ValueError: ``x`` is 0-d.
+    """
+    if x.dim() == 0:
+        raise ValueError("rank-1 normalisation needs a tensor with at least 1 dim")
+    a = x.float().abs()
+    dims = range(x.dim())
+    return [a.amax(dim=[e for e in dims if e != d]) if x.dim() > 1 else a for d in dims]
+
+
+def rank1_scale(factors: Sequence[Tensor]) -> Tensor:
+    """Rank-1 scale from :func:`rank1_factors`: ``scale[i_1..i_n] = min_d factor_d[i_d]``.
+
+    For a matrix, ``scale_ij = min(rowmax_i, colmax_j)`` (paper eq. 3), which is >= |x_ij|, so
+    every normalised value lies in [-1, 1]. Returns float32 of shape ``(len(f) for f in factors)``.
+    """
+    n = len(factors)
+    scale = None
+    for d, f in enumerate(factors):
+        shape = [1] * n
+        shape[d] = f.numel()
+        fd = f.view(shape)
+        scale = fd if scale is None else torch.minimum(scale, fd)
+    return scale
+
+
+def flatten_factors(factors: Sequence[Tensor]) -> Tensor:
+    """Concatenate rank-1 factors into one float32 vector of length ``sum(shape)``."""
+    return torch.cat([f.reshape(-1).float() for f in factors])
+
+
+def split_factors(flat: Tensor, shape: Sequence[int]) -> list[Tensor]:
+    """Inverse of :func:`flatten_factors` for a tensor of ``shape``.
+
+    Raises:
+        ValueError: ``flat`` does not have ``sum(shape)`` elements.
+    """
+    if flat.numel() != sum(shape):
+        raise ValueError(f"rank-1 factors: expected {sum(shape)} values for {tuple(shape)}, got {flat.numel()}")
+    return list(torch.split(flat, list(shape)))
+
+
+def _safe(scale: Tensor) -> Tensor:
+    return scale.clamp(min=_TINY)
+
+
+# --------------------------------------------------------------------------------------------
+# Maps: nearest rounding and lookup
+#
+# Codes are computed as float32 small integers inside (``_*_f`` helpers) because float
+# compare/select/add vectorise well both in eager PyTorch and in torch.compile's CPU code, where
+# uint8 arithmetic and table gathers do not; the public functions return uint8.
+# --------------------------------------------------------------------------------------------
+
+
+def _nearest_code_f(x: Tensor, values: tuple[float, ...]) -> Tensor:
+    """Nearest code as float32: the number of midpoints strictly below ``x``."""
+    code = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for lo, hi in zip(values, values[1:]):
+        code = code + (x > (lo + hi) / 2).float()
+    return code
+
+
+def _de_code_f(x: Tensor) -> Tensor:
+    """Nearest :data:`DE_MAP_4BIT` code of ``x`` (float32), using the map's symmetry.
+
+    The magnitude index ``j`` in 0..8 is found against the 8 positive midpoints; negative values
+    use ``7 - min(j, 7)`` (the map has no -1). Half the compares of :func:`_nearest_code_f`.
+    """
+    pos = DE_MAP_4BIT[7:]
+    a = x.abs()
+    j = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for lo, hi in zip(pos, pos[1:]):
+        j = j + (a > (lo + hi) / 2).float()
+    return torch.where(x < 0, 7 - j.clamp(max=7), 7 + j)
+
+
+def _de_value(code: Tensor) -> Tensor:
+    """:data:`DE_MAP_4BIT` value of a float32 code (exact, by selects on ``|code - 7|``)."""
+    c = code - 7
+    a = c.abs()
+    pos = DE_MAP_4BIT[7:]
+    mag = torch.zeros(code.shape, dtype=torch.float32, device=code.device)
+    for k in range(1, 9):
+        mag = torch.where(a >= k, pos[k], mag)
+    return torch.where(c < 0, -mag, mag)
+
+
+def _linear_code_f(x: Tensor) -> Tensor:
+    """Nearest :data:`LINEAR_MAP_4BIT` code (float32): ``clamp(ceil(16 x - 1/2) - 1, 0, 15)``."""
+    return (torch.ceil(x * 16 - 0.5) - 1).clamp(0, 15)
+
+
+def _linear_value(code: Tensor) -> Tensor:
+    """:data:`LINEAR_MAP_4BIT` value of a float32 code: ``(code + 1) / 16`` (exact)."""
+    return (code + 1) * 0.0625
+
+
+def quantize_nearest(x: Tensor, qmap: Sequence[float] | Tensor) -> Tensor:
+    """Index of the nearest code value of ``qmap`` for each element.
+
+    Args:
+        x: normalised values, any shape (values outside the map's range go to the end codes).
+        qmap: 16 sorted code values.
+    Returns:
+        uint8 tensor of the shape of ``x`` with values in [0, 15]. Exact ties between two code
+        values go to the lower one here; the specialised DE/Linear quantizers used by the
+        optimizer may break exact ties the other way (a set of measure zero).
+    """
+    return _nearest_code_f(x.float(), as_map(qmap)).to(torch.uint8)
+
+
+def quantize_de(x: Tensor) -> Tensor:
+    """Nearest :data:`DE_MAP_4BIT` code (uint8), the fast symmetric form used by the optimizer."""
+    return _de_code_f(x.float()).to(torch.uint8)
+
+
+def quantize_linear_zero_free(x: Tensor) -> Tensor:
+    """Nearest :data:`LINEAR_MAP_4BIT` code (uint8) in closed form (ties to the lower code)."""
+    return _linear_code_f(x.float()).to(torch.uint8)
+
+
+def dequantize_codes(codes: Tensor, qmap: Sequence[float] | Tensor) -> Tensor:
+    """Look up code values: ``qmap[codes]`` as float32, shape of ``codes``."""
+    table = map_tensor(qmap, codes.device)
+    return table[codes.long()]
+
+
+# --------------------------------------------------------------------------------------------
+# Packing: two codes per byte
+#
+# Layout (ours): for n codes (padded to even), byte i holds code i in the high nibble and code
+# i + n/2 in the low nibble. Both halves are contiguous, so packing and unpacking vectorise
+# (the interleaved layout of lpmm/torchao needs stride-2 access).
+# --------------------------------------------------------------------------------------------
+
+
+def _pack_f(code: Tensor) -> Tensor:
+    """Pack float32 codes (flat, even length) into uint8: ``16 * first half + second half``."""
+    h = code.numel() // 2
+    return (code[:h] * 16 + code[h:]).to(torch.uint8)
+
+
+def _unpack_f(packed: Tensor) -> Tensor:
+    """Unpack to float32 codes of length ``2 * packed.numel()``."""
+    q = packed.float()
+    hi = torch.floor(q * 0.0625)
+    return torch.cat([hi, q - 16 * hi])
+
+
+def pack_4bit(codes: Tensor) -> Tensor:
+    """Pack 4-bit codes two per byte (code i high nibble, code i + n/2 low nibble).
+
+    Args:
+        codes: integer tensor, any shape, values in [0, 15]; flattened row-major. An odd count
+            is padded with one code 0.
+    Returns:
+        uint8 tensor of shape ``(ceil(codes.numel() / 2),)``.
+    Raises:
+        ValueError: a code outside [0, 15].
+    """
+    flat = codes.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) > 15):
+        raise ValueError("pack_4bit: codes must be in [0, 15]")
+    flat = flat.to(torch.uint8)
+    if flat.numel() % 2:
+        flat = torch.nn.functional.pad(flat, (0, 1))
+    h = flat.numel() // 2
+    return (flat[:h] << 4) | flat[h:]
+
+
+def unpack_4bit(packed: Tensor, numel: int | None = None) -> Tensor:
+    """Inverse of :func:`pack_4bit`: uint8 codes of shape ``(numel,)`` (default ``2 * len``).
+
+    Raises:
+        ValueError: ``numel`` exceeds the packed capacity.
+    """
+    if numel is None:
+        numel = 2 * packed.numel()
+    if numel > 2 * packed.numel():
+        raise ValueError(f"unpack_4bit: {numel} codes requested from {packed.numel()} bytes")
+    return torch.cat([packed >> 4, packed & 15])[:numel]
+
+
+# --------------------------------------------------------------------------------------------
+# Quantizers: normalisation + map + packing
+# --------------------------------------------------------------------------------------------
+
+
+def quantize_blockwise(
+    x: Tensor, qmap: Sequence[float] | Tensor, block_size: int = BLOCK_SIZE
+) -> tuple[Tensor, Tensor]:
+    """Block-wise quantization (paper "B128/DE" for m with ``DE_MAP_4BIT``).
+
+    Args:
+        x: floating tensor, any shape (row-major flattened; the last block zero-padded).
+        qmap: 16 sorted code values in [-1, 1].
+        block_size: elements per scale.
+    Returns:
+        ``(packed, scale)``: uint8 of shape ``(num_blocks * block_size / 2,)`` and float32 absmax
+        scales of shape ``(num_blocks,)``.
+    Raises:
+        ValueError: ``x`` has NaN or Inf (a NaN would silently become a valid code).
+    """
+    if not torch.isfinite(x).all():
+        raise ValueError("quantize_blockwise: x has NaN or Inf values")
+    blocks = to_blocks(x.float(), block_size)
+    scale = blocks.abs().amax(dim=1)
+    codes = quantize_nearest(blocks / _safe(scale)[:, None], qmap)
+    return pack_4bit(codes), scale
+
+
+def dequantize_blockwise(
+    packed: Tensor,
+    scale: Tensor,
+    qmap: Sequence[float] | Tensor,
+    shape: Sequence[int],
+    block_size: int = BLOCK_SIZE,
+) -> Tensor:
+    """Inverse of :func:`quantize_blockwise`: float32 tensor of ``shape``.
+
+    Raises:
+        ValueError: ``packed``/``scale`` sizes do not match ``shape`` and ``block_size``.
+    """
+    numel = math.prod(shape)
+    nb = num_blocks(numel, block_size)
+    if scale.numel() != nb or packed.numel() * 2 != nb * block_size:
+        raise ValueError(
+            f"dequantize_blockwise: shape {tuple(shape)} with block {block_size} needs {nb} scales "
+            f"and {nb * block_size // 2} bytes, got {scale.numel()} and {packed.numel()}"
+        )
+    values = dequantize_codes(unpack_4bit(packed), qmap)
+    return (values.view(nb, block_size) * scale.float()[:, None]).view(-1)[:numel].view(shape)
+
+
+def quantize_rank1(x: Tensor, qmap: Sequence[float] | Tensor) -> tuple[Tensor, Tensor]:
+    """Rank-1 quantization (paper "Rank-1/Linear" for v with ``LINEAR_MAP_4BIT``).
+
+    Args:
+        x: floating tensor with >= 1 dims.
+        qmap: 16 sorted code values.
+    Returns:
+        ``(packed, factors)``: uint8 of shape ``(ceil(numel / 2),)`` and the float32 rank-1
+        factors concatenated, shape ``(sum(x.shape),)`` (see :func:`split_factors`).
+    Raises:
+        ValueError: NaN/Inf in ``x`` or a 0-d ``x``.
+    """
+    if not torch.isfinite(x).all():
+        raise ValueError("quantize_rank1: x has NaN or Inf values")
+    factors = rank1_factors(x)
+    codes = quantize_nearest(x.float() / _safe(rank1_scale(factors)), qmap)
+    return pack_4bit(codes), flatten_factors(factors)
+
+
+def dequantize_rank1(
+    packed: Tensor, factors: Tensor, qmap: Sequence[float] | Tensor, shape: Sequence[int]
+) -> Tensor:
+    """Inverse of :func:`quantize_rank1`: float32 tensor of ``shape``.
+
+    Raises:
+        ValueError: sizes of ``packed`` or ``factors`` do not match ``shape``.
+    """
+    numel = math.prod(shape)
+    if packed.numel() != -(-numel // 2):
+        raise ValueError(f"dequantize_rank1: {tuple(shape)} needs {-(-numel // 2)} bytes, got {packed.numel()}")
+    scale = rank1_scale(split_factors(factors.float(), shape))
+    values = dequantize_codes(unpack_4bit(packed, numel), qmap)
+    return values.view(shape) * scale

@@ -1,0 +1,307 @@
+"""Sharpness-Aware Minimization (SAM) wrapping any ``torch.optim`` optimizer.
+
+Foret, Kleiner, Mobahi, Neyshabur, "Sharpness-Aware Minimization for Efficiently Improving
+Generalization", ICLR 2021 (arXiv 2010.01412), eq. 2; adaptive SAM (ASAM) from Kwon et al.,
+ICML 2021 (arXiv 2102.11600), eq. 9. One SAM step on a batch B:
+
+    g     = grad L_B(w)
+    e     = rho * T(w)^2 g / (|| T(w) g || + eps)      T(w) = I (SAM) or diag|w| (ASAM)
+    g_sam = grad L_B(w + e)
+    w     <- base_optimizer_update(w, g_sam)           (w itself is restored before the update)
+
+The norm is the global L2 norm over every parameter that has a gradient, across all param
+groups. A zero gradient gives e = 0 (the ``eps`` keeps the division finite).
+
+Why our own class rather than ``pytorch_optimizer.SAM`` (4.1.0): the core is ~40 lines, and we
+need three things it leaves to the caller — BatchNorm running statistics updated only in the
+first pass, a gradient-scaler path where an inf/NaN in the first pass skips the whole step, and
+wrapping an optimizer that is already built (the late-phase switch in
+:mod:`echotrain.optim.schedules` wraps the trainer's SGD without rebuilding it).
+
+Usage (the closure computes the loss and its gradients at the current weights; ``step`` calls
+it twice, once at ``w`` and once at ``w + e``, and zeroes the gradients before each call)::
+
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.05, lr=0.1, momentum=0.9, model=model)
+    for x, y in loader:
+        def closure():
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        loss = opt.step(closure)
+
+Note: davda54/sam's ``step(closure)`` expects the first backward to be done *before* ``step``
+and calls the closure once; ours calls it for both passes, like ``torch.optim.LBFGS`` calls its
+closure as often as it needs. ``first_step`` / ``second_step`` are there for manual loops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+Closure = Callable[[], torch.Tensor]
+
+
+@contextlib.contextmanager
+def frozen_running_stats(model: nn.Module | None) -> Iterator[None]:
+    """Run the body with the running statistics of every BatchNorm-like module frozen.
+
+    The buffers (``running_mean``, ``running_var``, ``num_batches_tracked``) of every
+    ``_NormBase`` module (BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm with
+    ``track_running_stats=True``) are copied before the body and copied back after it, so the
+    forward pass still normalises with the batch statistics (training mode is unchanged) but the
+    running averages end exactly as they were. Used for SAM's second forward pass: the running
+    statistics must reflect the weights ``w``, not the perturbed ``w + e`` (Foret et al. 2021,
+    official code; momentum 0.1 and batch mean 1 leave running_mean 0.1 after one step, not 0.19).
+
+    Args:
+        model: the module tree to freeze; ``None`` makes this a no-op.
+    """
+    if model is None:
+        yield
+        return
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for module in model.modules():
+        if isinstance(module, _NormBase) and module.track_running_stats:
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                buf = getattr(module, name, None)
+                if buf is not None:
+                    saved.append((buf, buf.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, copy in saved:
+                buf.copy_(copy)
+
+
+def _resolve_base(base_optimizer: Any) -> Any:
+    """A registry name (``"sgd"``) becomes its class; classes and instances pass through."""
+    if isinstance(base_optimizer, str):
+        from echotrain.optim.registry import optimizer_class  # lazy: the registry imports us lazily
+
+        return optimizer_class(base_optimizer)
+    return base_optimizer
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-Aware Minimization around a base optimizer (Foret et al. 2021, eq. 2).
+
+    Args:
+        params: parameters or param-group dicts, as for any ``torch.optim`` optimizer. Pass
+            ``None`` when ``base_optimizer`` is an already-built optimizer (its groups are used).
+        base_optimizer: the optimizer that applies the update with the SAM gradient: a
+            ``torch.optim.Optimizer`` subclass (built here on ``params`` with ``**base_kwargs``),
+            a name from :data:`echotrain.optim.registry.OPTIMIZERS` (``"sgd"``), or an optimizer
+            instance (wrapped as it is, its state and param groups shared).
+        rho: neighbourhood radius (L2 ball), >= 0. Foret et al. use 0.05 on CIFAR-10; ASAM
+            needs about 10x larger (Kwon et al. use 0.5-2.0). Can differ per param group.
+        adaptive: ASAM: scale the perturbation by |w| (Kwon et al. 2021, eq. 9).
+        eps: added to the gradient norm, > 0; keeps a zero gradient from giving NaN.
+        model: if given, the running statistics of its BatchNorm modules are frozen during the
+            second forward pass of :meth:`step` (see :func:`frozen_running_stats`).
+        **base_kwargs: passed to ``base_optimizer`` when it is a class or a name (``lr``,
+            ``momentum``, ``weight_decay`` ...).
+
+    The param groups and the state are the base optimizer's own (shared objects), so an LR
+    scheduler built on either object changes both, and ``state_dict()`` holds the base
+    optimizer's state (momentum buffers ...) plus ``rho``/``adaptive`` in each group.
+
+    Raises:
+        ValueError: ``rho`` negative or not finite; ``eps`` not positive; ``params`` given
+            together with an optimizer instance that does not hold exactly those parameters;
+            ``base_kwargs`` given with an instance.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any] | None,
+        base_optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer | str,
+        rho: float = 0.05,
+        adaptive: bool = False,
+        eps: float = 1e-12,
+        model: nn.Module | None = None,
+        **base_kwargs: Any,
+    ) -> None:
+        if not (rho >= 0.0 and rho < float("inf")):
+            raise ValueError(f"rho={rho!r} must be finite and >= 0")
+        if not eps > 0.0:
+            raise ValueError(f"eps={eps!r} must be > 0")
+        base_optimizer = _resolve_base(base_optimizer)
+        defaults = dict(rho=rho, adaptive=adaptive)
+        if isinstance(base_optimizer, torch.optim.Optimizer):
+            if base_kwargs:
+                raise ValueError(
+                    f"base_kwargs {sorted(base_kwargs)} cannot be applied to an already-built "
+                    "base_optimizer; set them on that optimizer instead"
+                )
+            if params is not None:
+                given = {id(p) for p in _flatten_params(params)}
+                held = {id(p) for g in base_optimizer.param_groups for p in g["params"]}
+                if given != held:
+                    raise ValueError(
+                        "params must be None or exactly the parameters of the base_optimizer instance"
+                    )
+            base = base_optimizer
+            for group in base.param_groups:
+                for key, value in defaults.items():
+                    group.setdefault(key, value)
+            super().__init__(base.param_groups, defaults)
+        else:
+            if params is None:
+                raise ValueError("params is None but base_optimizer is a class, not an optimizer instance")
+            super().__init__(params, defaults)
+            base = base_optimizer(self.param_groups, **base_kwargs)
+        self.base_optimizer = base
+        # Share the groups and the state: one source of truth for lr, momentum buffers, saving.
+        self.param_groups = base.param_groups
+        self.state = base.state
+        self.defaults.update(base.defaults)
+        self.model = model
+        self.eps = eps
+        # w before the perturbation, kept outside `state` so it never reaches a checkpoint.
+        self._saved_w: dict[torch.Tensor, torch.Tensor] = {}
+
+    # --- the two halves of a SAM step -------------------------------------------------------
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm || T(w) g || over all params with a gradient (a 0-d fp32 tensor).
+
+        T(w) = |w| in groups with ``adaptive=True``, the identity otherwise. 0 if no gradient.
+        """
+        norms = []
+        device = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                device = device or p.grad.device
+                g = p.grad.float()
+                if group["adaptive"]:
+                    g = g * p.detach().float().abs()
+                norms.append(torch.linalg.vector_norm(g).to(device))
+        if not norms:
+            return torch.zeros((), dtype=torch.float32)
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False) -> torch.Tensor:
+        """Move to w + e, e = rho T(w)^2 g / (||T(w) g|| + eps), with g the current ``.grad``.
+
+        Saves w so that :meth:`second_step` restores it exactly (a copy, not w + e - e).
+
+        Returns:
+            the gradient norm ||T(w) g|| (0-d fp32 tensor).
+
+        Raises:
+            FloatingPointError: the gradient norm is NaN or Inf (with mixed precision use
+                ``step(closure, grad_scaler=...)``, which skips such steps instead).
+            RuntimeError: called again before :meth:`second_step` / :meth:`restore` (the saved
+                w would be lost).
+        """
+        if self._saved_w:
+            raise RuntimeError("first_step called twice without second_step(): the weights are still perturbed")
+        norm = self.grad_norm()
+        if not torch.isfinite(norm):
+            raise FloatingPointError(
+                f"SAM first_step: the gradient norm is {norm.item()} (NaN/Inf gradients); "
+                "pass grad_scaler= to step() to skip such steps"
+            )
+        for group in self.param_groups:
+            scale = group["rho"] / (norm + self.eps)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self._saved_w[p] = p.detach().clone()
+                e = p.grad * scale.to(device=p.device, dtype=p.grad.dtype)
+                if group["adaptive"]:
+                    e = e * p.detach().square()
+                p.add_(e.to(p.dtype))
+        if zero_grad:
+            self.zero_grad()
+        return norm
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put back the weights w saved by :meth:`first_step` (no-op if nothing is saved)."""
+        for p, w in self._saved_w.items():
+            p.copy_(w)
+        self._saved_w.clear()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = False) -> None:
+        """Restore w and step the base optimizer with the gradient now in ``.grad`` (g_sam)."""
+        self.restore()
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+    # --- the whole step ---------------------------------------------------------------------
+
+    def step(self, closure: Closure | None = None, grad_scaler: Any | None = None) -> torch.Tensor | None:  # type: ignore[override]
+        """One SAM step: closure at w, perturb, closure at w + e, restore, base update.
+
+        Args:
+            closure: computes the loss on the batch, calls ``backward`` (on
+                ``grad_scaler.scale(loss)`` when a scaler is used) and returns the loss; it need
+                not zero the gradients (done here before each call). Called twice, on the same
+                batch; BatchNorm statistics are frozen on the second call when ``model`` was
+                given.
+            grad_scaler: a ``torch.amp.GradScaler``: the gradients of each pass are unscaled;
+                an inf/NaN in the first pass skips the step (weights untouched), one in the
+                second pass skips the base update (weights restored). Call
+                ``grad_scaler.update()`` after this, as usual.
+
+        Returns:
+            the closure's loss at w (first pass).
+
+        Raises:
+            ValueError: ``closure`` is None.
+            FloatingPointError: NaN/Inf gradient norm in the first pass without a scaler.
+        """
+        if closure is None:
+            raise ValueError("closure is required: SAM re-evaluates the loss at the perturbed weights")
+        closure = torch.enable_grad()(closure)
+        self.zero_grad()
+        loss = closure()
+        if grad_scaler is not None:
+            grad_scaler.unscale_(self)  # records found_inf for this step, read by update()
+            if not torch.isfinite(self.grad_norm()):
+                self.zero_grad()
+                return loss
+        self.first_step(zero_grad=True)
+        with frozen_running_stats(self.model):
+            closure()
+        if grad_scaler is None:
+            self.second_step()
+        else:
+            # The scaler allows one unscale_ per optimizer per update(); the second pass is
+            # unscaled and checked through the base optimizer, which has its own record.
+            grad_scaler.unscale_(self.base_optimizer)
+            self.restore()
+            grad_scaler.step(self.base_optimizer)
+        return loss
+
+    # --- saving -----------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict`; keeps the groups/state shared with the base."""
+        self.base_optimizer.load_state_dict(state_dict)
+        self.param_groups = self.base_optimizer.param_groups
+        self.state = self.base_optimizer.state
+
+
+def _flatten_params(params: Iterable[Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for item in params:
+        if isinstance(item, dict):
+            ps = item["params"]
+            out.extend([ps] if isinstance(ps, torch.Tensor) else list(ps))
+        else:
+            out.append(item)
+    return out

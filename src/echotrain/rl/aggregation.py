@@ -1,0 +1,297 @@
+"""Loss aggregation (``loss_agg_mode``): from a per-token loss matrix to the scalar loss.
+
+Every mode is a weighted sum ``loss = sum_i w_i * sum_t M_{i,t} l_{i,t}`` with one weight per
+sequence (``agg_weights``); the modes differ only in the weights (design/objectives.md §5):
+
+=========================  ==========================================================
+``token-mean``             w_i = 1 / N_tokens                     (DAPO)
+``seq-mean-token-mean``    w_i = 1 / (|o_i| * N_seqs)             (GRPO original)
+``seq-mean-token-sum``     w_i = 1 / N_seqs
+``seq-mean-token-sum-norm`` w_i = 1 / (N_seqs * C)                 (Dr. GRPO, C a constant)
+``balanced``               w_i = (k_g/G_g)/T+_g or (m_g/G_g)/T-_g, / N_groups  (Balanced Agg.)
+=========================  ==========================================================
+
+N_tokens counts valid tokens; N_seqs counts non-empty sequences (as verl does: an empty
+response never adds a phantom token or sequence). Every normaliser is global to the optimizer
+step: pass it explicitly (``num_tokens``, ``num_seqs``, ``balanced``) when the step is split into
+micro-batches or ranks (see :mod:`echotrain.rl.stepwise`); by default it is computed from the
+inputs, which are then taken to be the whole step. An all-masked input gives loss 0 with
+finite (zero) gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from echotrain.rl.validation import (
+    as_bool_mask,
+    check_choice,
+    check_finite,
+    check_group_index,
+    check_same_shape,
+    check_tensor,
+)
+
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "balanced",
+)
+
+Number = Union[int, float, torch.Tensor]
+
+
+def response_sign(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Sign of each response's advantage: ``sign(sum_t M A)`` as an int8 ``(B,)`` in {-1, 0, 1}.
+
+    Outcome advantages are constant over a response's tokens; an empty response has sign 0.
+    ``advantages`` may be ``(B,)`` or ``(B, T)``.
+    """
+    if advantages.dim() == 1:
+        total = advantages * response_mask.any(-1)
+    else:
+        total = torch.where(response_mask, advantages, 0).sum(-1)
+    return torch.sign(total.detach()).to(torch.int8)
+
+
+@dataclass
+class BalancedStats:
+    """Per-group statistics of Balanced Aggregation (Zeng et al., arXiv 2605.04077).
+
+    Every field is a float64 tensor of shape ``(n,)`` indexed by dense group id (row g = group
+    id g). Fields are plain sums, so partial stats from micro-batches and ranks add up
+    (:meth:`to_vector` / :meth:`from_vector` for one all-reduce).
+    """
+
+    num_responses: torch.Tensor  # every response of the group (defines which groups exist)
+    group_size: torch.Tensor  # G: responses counted in G (all, or non-zero-advantage only)
+    num_pos: torch.Tensor  # k: responses with A > 0
+    num_neg: torch.Tensor  # m: responses with A < 0
+    tokens_pos: torch.Tensor  # T+: valid tokens of the positive responses
+    tokens_neg: torch.Tensor  # T-: valid tokens of the negative responses
+
+    _FIELDS = ("num_responses", "group_size", "num_pos", "num_neg", "tokens_pos", "tokens_neg")
+
+    def to_vector(self) -> torch.Tensor:
+        """All fields stacked into one float64 ``(6 * n,)`` vector (for an all-reduce)."""
+        return torch.cat([getattr(self, f) for f in self._FIELDS])
+
+    @classmethod
+    def from_vector(cls, v: torch.Tensor) -> "BalancedStats":
+        """Inverse of :meth:`to_vector`."""
+        return cls(*v.reshape(len(cls._FIELDS), -1).unbind(0))
+
+    @property
+    def num_groups(self) -> torch.Tensor:
+        """Number of groups with at least one response (0-d float64)."""
+        return (self.num_responses > 0).sum().to(torch.float64)
+
+    def coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token weights ``(c_pos, c_neg)``, each ``(n,)`` float64.
+
+        c+_g = k_g / (G_g T+_g) / N_groups, c-_g = m_g / (G_g T-_g) / N_groups; 0 where the
+        subset is empty (T = 0) or G = 0, so an empty subset contributes 0, never NaN.
+        """
+        n_groups = self.num_groups.clamp(min=1)
+        g = self.group_size.clamp(min=1)
+        c_pos = torch.where(self.tokens_pos > 0, self.num_pos / (g * self.tokens_pos.clamp(min=1)), 0.0)
+        c_neg = torch.where(self.tokens_neg > 0, self.num_neg / (g * self.tokens_neg.clamp(min=1)), 0.0)
+        return c_pos / n_groups, c_neg / n_groups
+
+
+def balanced_stats(
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_index: torch.Tensor,
+    *,
+    num_group_ids: int | None = None,
+    count_zero_adv: bool = True,
+) -> BalancedStats:
+    """Sum the Balanced-Aggregation statistics of a (micro-)batch per group id.
+
+    Args:
+        advantages: ``(B, T)`` or ``(B,)`` float; only the sign per response is used.
+        response_mask: ``(B, T)`` bool / 0-1.
+        group_index: ``(B,)`` int, dense non-negative group ids (row of the result).
+        num_group_ids: length n of the result (default ``max(group_index) + 1``); must exceed
+            every id. Pass the step's value so partial stats line up across micro-batches.
+        count_zero_adv: zero-advantage responses count in G (the design's default).
+
+    Returns:
+        :class:`BalancedStats` with ``(n,)`` float64 fields.
+
+    Raises:
+        ValueError: negative ids or ids >= ``num_group_ids``.
+    """
+    mask = as_bool_mask("response_mask", response_mask)
+    check_group_index("group_index", group_index, mask.shape[0])
+    n = int(group_index.max()) + 1 if num_group_ids is None and group_index.numel() else (num_group_ids or 0)
+    if group_index.numel():
+        if int(group_index.min()) < 0:
+            raise ValueError("group_index must be non-negative dense group ids")
+        if int(group_index.max()) >= n:
+            raise ValueError(f"group_index max {int(group_index.max())} >= num_group_ids {n}")
+    sign = response_sign(advantages, mask)
+    lengths = mask.sum(-1).to(torch.float64)
+    ones = torch.ones_like(lengths)
+    pos, neg = (sign > 0).to(torch.float64), (sign < 0).to(torch.float64)
+    counted = ones if count_zero_adv else (sign != 0).to(torch.float64)
+    idx = group_index.long()
+
+    def per_group(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.float64, device=mask.device).index_add_(0, idx, values)
+
+    return BalancedStats(
+        num_responses=per_group(ones),
+        group_size=per_group(counted),
+        num_pos=per_group(pos),
+        num_neg=per_group(neg),
+        tokens_pos=per_group(pos * lengths),
+        tokens_neg=per_group(neg * lengths),
+    )
+
+
+def _positive_count(name: str, value: Number | None, default: torch.Tensor) -> torch.Tensor:
+    """A normaliser as a float64 tensor; 0 stays 0 (callers clamp), negatives are errors."""
+    if value is None:
+        return default.to(torch.float64)
+    v = torch.as_tensor(value, dtype=torch.float64, device=default.device)
+    if v.numel() != 1 or not bool(torch.isfinite(v)) or float(v) < 0:
+        raise ValueError(f"{name} must be a finite scalar >= 0, got {value!r}")
+    return v.reshape(())
+
+
+def agg_weights(
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    *,
+    advantages: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+    num_tokens: Number | None = None,
+    num_seqs: Number | None = None,
+    norm_constant: float | None = None,
+    balanced: BalancedStats | None = None,
+    ba_scope: str = "group",
+    ba_count_zero_adv: bool = True,
+) -> torch.Tensor:
+    """Per-sequence weights w ``(B,)`` float64 with ``loss = sum_i w_i sum_t M_{i,t} l_{i,t}``.
+
+    The per-token weight is ``w_i * M_{i,t}``. Arguments are those of :func:`agg_loss`.
+
+    Raises:
+        ValueError: unknown mode; ``seq-mean-token-sum-norm`` without ``norm_constant``;
+            ``balanced`` without ``advantages`` / ``group_index``; bad normalisers.
+    """
+    check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
+    mask = as_bool_mask("response_mask", response_mask)
+    check_tensor("response_mask", mask, 2)
+    lengths = mask.sum(-1).to(torch.float64)
+    if loss_agg_mode == "token-mean":
+        n_tok = _positive_count("num_tokens", num_tokens, lengths.sum())
+        return (lengths > 0).to(torch.float64) / n_tok.clamp(min=1)
+    if loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        nonempty = (lengths > 0).to(torch.float64)
+        n_seq = _positive_count("num_seqs", num_seqs, nonempty.sum()).clamp(min=1)
+        if loss_agg_mode == "seq-mean-token-mean":
+            return nonempty / (lengths.clamp(min=1) * n_seq)
+        if loss_agg_mode == "seq-mean-token-sum":
+            return nonempty / n_seq
+        if norm_constant is None:
+            raise ValueError(
+                "loss_agg_mode='seq-mean-token-sum-norm' needs norm_constant (e.g. the maximum response "
+                "length); the padded width of the batch is never used"
+            )
+        if not float(norm_constant) > 0:
+            raise ValueError(f"norm_constant must be > 0, got {norm_constant}")
+        return nonempty / (n_seq * float(norm_constant))
+    # balanced
+    if advantages is None or group_index is None:
+        raise ValueError("loss_agg_mode='balanced' needs advantages and group_index")
+    check_group_index("group_index", group_index, mask.shape[0])
+    check_choice("ba_scope", ba_scope, ("group", "batch"))
+    if ba_scope == "batch":
+        ids = torch.zeros_like(group_index, dtype=torch.long)
+    elif balanced is None:
+        ids = torch.unique(group_index, return_inverse=True)[1]
+    else:
+        ids = group_index.long()
+    if balanced is None:
+        balanced = balanced_stats(advantages, mask, ids, count_zero_adv=ba_count_zero_adv)
+    elif mask.shape[0] and int(ids.max()) >= balanced.num_responses.shape[0]:
+        raise ValueError("group_index has ids beyond the step's BalancedStats")
+    if mask.shape[0] == 0:
+        return lengths
+    c_pos, c_neg = balanced.coefficients()
+    sign = response_sign(advantages, mask)
+    w = torch.where(sign > 0, c_pos[ids], torch.where(sign < 0, c_neg[ids], 0.0))
+    return w * (lengths > 0)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    *,
+    advantages: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+    num_tokens: Number | None = None,
+    num_seqs: Number | None = None,
+    norm_constant: float | None = None,
+    balanced: BalancedStats | None = None,
+    ba_scope: str = "group",
+    ba_count_zero_adv: bool = True,
+    dp_size: int = 1,
+) -> torch.Tensor:
+    """Aggregate a per-token loss matrix into the scalar loss (design/objectives.md §5).
+
+    Args:
+        loss_mat: ``(B, T)`` float per-token loss; masked positions are ignored (may hold
+            anything finite or not; they get neither value nor gradient).
+        response_mask: ``(B, T)`` bool or 0/1; True marks valid response tokens.
+        loss_agg_mode: one of :data:`AGG_MODES`.
+        advantages: ``(B, T)`` or ``(B,)``; needed by ``balanced`` (sign per response).
+        group_index: ``(B,)`` int prompt-group ids; needed by ``balanced``.
+        num_tokens: valid tokens in the whole optimizer step (default: this input's count).
+        num_seqs: non-empty sequences in the whole step (default: this input's count).
+        norm_constant: C of ``seq-mean-token-sum-norm`` (required by that mode).
+        balanced: the step's :class:`BalancedStats` (then ``group_index`` must be the step's
+            dense ids); default: computed from this input.
+        ba_scope: "group" (per prompt group) or "batch" (one pooled group).
+        ba_count_zero_adv: zero-advantage responses count in G.
+        dp_size: multiply the loss by this (DDP averages gradients over ranks; see stepwise).
+
+    Returns:
+        0-d tensor in ``loss_mat``'s dtype.
+
+    Raises:
+        ValueError: unknown mode (lists valid ones), shape mismatch, NaN/Inf at valid
+            positions, missing inputs of the mode.
+    """
+    check_tensor("loss_mat", loss_mat, 2)
+    mask = as_bool_mask("response_mask", response_mask)
+    check_same_shape("loss_mat", loss_mat, response_mask=mask)
+    check_finite("loss_mat", loss_mat, mask)
+    w = agg_weights(
+        mask,
+        loss_agg_mode,
+        advantages=advantages,
+        group_index=group_index,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        norm_constant=norm_constant,
+        balanced=balanced,
+        ba_scope=ba_scope,
+        ba_count_zero_adv=ba_count_zero_adv,
+    )
+    return weighted_sum(loss_mat, mask, w) * dp_size
+
+
+def weighted_sum(loss_mat: torch.Tensor, mask: torch.Tensor, seq_weights: torch.Tensor) -> torch.Tensor:
+    """``sum_i w_i sum_t M_{i,t} l_{i,t}`` (no checks), in ``loss_mat``'s dtype."""
+    seq_sums = torch.where(mask, loss_mat, 0.0).sum(-1)
+    return (seq_sums * seq_weights.to(loss_mat.dtype)).sum()

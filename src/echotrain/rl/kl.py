@@ -1,0 +1,54 @@
+"""KL estimators between the policy and a reference policy, per token (design §6).
+
+With x = ref_log_prob - log_prob = log(pi_ref / pi) on tokens sampled from pi
+(J. Schulman, "Approximating KL divergence", 2020):
+
+- ``k1`` = -x: unbiased for KL(pi || pi_ref); as a *loss* its gradient d log pi has expectation
+  0, so use it as a reward penalty, not a loss term.
+- ``k2`` = x^2 / 2: biased value; as a loss its gradient (log pi - log pi_ref) d log pi is
+  unbiased for grad KL(pi || pi_ref) (reverse KL).
+- ``k3`` = exp(x) - x - 1 (GRPO's estimator, DeepSeekMath Eq. 4): unbiased, non-negative
+  value; as a loss its gradient (1 - pi_ref / pi) d log pi has expectation grad KL(pi_ref || pi)
+  (forward KL).
+
+x is clamped to +-``clamp`` *before* ``exp`` so that value and gradient are finite for extreme
+inputs (clamping only the output hides the overflow and still gives NaN gradients); outside
+the clamp the gradient is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from echotrain.rl.validation import check_choice, check_same_shape, check_tensor
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_penalty(
+    log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: str = "k3", clamp: float = 20.0
+) -> torch.Tensor:
+    """Per-token KL estimate ``(B, T)`` in the dtype of ``log_prob`` (nats).
+
+    Args:
+        log_prob: ``(B, T)`` log pi of the sampled tokens (carries grad).
+        ref_log_prob: ``(B, T)`` log pi_ref of the same tokens.
+        kl_penalty: "k1", "k2" or "k3" (verl's argument name).
+        clamp: bound on |x| before ``exp`` (k3 only).
+
+    Raises:
+        ValueError: unknown estimator (lists the valid ones), shape mismatch, clamp <= 0.
+    """
+    check_choice("kl_penalty", kl_penalty, KL_ESTIMATORS)
+    check_tensor("log_prob", log_prob)
+    check_tensor("ref_log_prob", ref_log_prob)
+    check_same_shape("log_prob", log_prob, ref_log_prob=ref_log_prob)
+    if not clamp > 0:
+        raise ValueError(f"clamp must be > 0, got {clamp}")
+    x = ref_log_prob - log_prob
+    if kl_penalty == "k1":
+        return -x
+    if kl_penalty == "k2":
+        return 0.5 * x.square()
+    x = x.clamp(-clamp, clamp)
+    return torch.exp(x) - x - 1.0

@@ -1,0 +1,69 @@
+"""Named recipes: advantage method + loss mode + aggregation + clip bands, as the papers set them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from echotrain.rl.config import PolicyLossConfig
+from echotrain.rl.validation import check_choice
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One objective recipe. The trainer reads these fields; nothing else is implied."""
+
+    name: str
+    adv_method: str  # echotrain.rl.ADV_METHODS
+    loss_mode: str  # echotrain.rl.POLICY_LOSSES
+    loss_agg_mode: str  # echotrain.rl.AGG_MODES
+    config: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl_coef: float = 0.0  # beta of the KL-to-reference loss term (0: no reference model)
+    kl_penalty: str = "k3"  # estimator when kl_coef > 0
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill
+    overlong_shaping: bool = False  # DAPO: soft overlong penalty + overlong filtering
+    source: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    "grpo": Preset(
+        "grpo", "grpo", "vanilla", "seq-mean-token-mean", PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.2),
+        kl_coef=0.04, kl_penalty="k3", source="DeepSeekMath arXiv 2402.03300 (beta 0.04, eps 0.2)",
+    ),
+    "dapo": Preset(
+        "dapo", "grpo", "vanilla", "token-mean", PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28),
+        dynamic_sampling=True, overlong_shaping=True, source="DAPO arXiv 2503.14476 (clip-higher 0.2/0.28)",
+    ),
+    "dr_grpo": Preset(
+        "dr_grpo", "grpo_no_std", "vanilla", "seq-mean-token-sum-norm",
+        PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.2),
+        source="Dr. GRPO arXiv 2503.20783; set norm_constant to the max response length",
+    ),
+    "gspo": Preset(
+        "gspo", "grpo", "gspo", "seq-mean-token-mean", PolicyLossConfig(clip_ratio_low=3e-4, clip_ratio_high=4e-4),
+        source="GSPO arXiv 2507.18071 (eps 3e-4 / 4e-4)",
+    ),
+    "echo": Preset(
+        "echo", "grpo", "echo", "token-mean", PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28),
+        source="ECHO (OpenReview); our formulation, design/objectives.md §4; batch band provisional",
+    ),
+}
+
+
+def get_preset(name: str, **config_overrides: Any) -> Preset:
+    """The preset ``name`` with optional :class:`PolicyLossConfig` field overrides.
+
+    Example: ``get_preset("dr_grpo", norm_constant=1024)``.
+
+    Raises:
+        ValueError: unknown preset (lists the valid ones) or invalid overrides.
+    """
+    check_choice("preset", name, PRESETS)
+    preset = PRESETS[name]
+    if not config_overrides:
+        return preset
+    bad = sorted(set(config_overrides) - {f.name for f in dataclasses.fields(PolicyLossConfig)})
+    if bad:
+        raise ValueError(f"unknown PolicyLossConfig field(s) {bad}")
+    return dataclasses.replace(preset, config=dataclasses.replace(preset.config, **config_overrides))

@@ -1,0 +1,302 @@
+"""Exact gradient accumulation and data parallelism for one optimizer step.
+
+Every normaliser of a policy loss (token count, sequence count, Balanced-Aggregation group
+statistics, ECHO's batch ratio R) is global to the optimizer step. When the step's mini-batch is
+split into micro-batches (gradient accumulation) and/or across data-parallel ranks, each
+micro-batch must use the *step's* values, not its own, or the summed gradient is not the
+gradient of the loss the config names. This module computes those step-global statistics once
+per step (summing locally, all-reducing across ranks) so that::
+
+    sum over micro-batches and ranks of grad(loss_mb)  ==  grad(loss of the whole step as one batch)
+
+exactly (to float rounding) for every loss mode and every ``loss_agg_mode``.
+
+Usage in a trainer, for one optimizer step whose mini-batch is split into micro-batches ``mbs``
+(each a dict of tensors with verl's keys ``old_log_prob``, ``advantages``, ``response_mask``,
+plus ``group_index`` for ``loss_agg_mode="balanced"``)::
+
+    from echotrain.rl import compute_policy_loss, compute_step_stats, needs_log_prob_prepass
+
+    mbs = split_micro_batches(batch, micro_batch_size)      # or shard_batch(...) per rank first
+    # 1. ECHO only: the batch ratio R depends on the *current* policy over all tokens of the
+    #    step, so run the policy once without grad to get every micro-batch's log_prob.
+    if needs_log_prob_prepass(loss_mode, config):
+        with torch.no_grad():
+            for mb in mbs:
+                mb["log_prob"] = policy_log_prob(model, mb)  # (B_mb, T) current log-probs
+    # 2. step-global statistics (all-reduced over the default process group if
+    #    torch.distributed is initialised; pass process_group=... to choose another one).
+    step = compute_step_stats(mbs, loss_mode=loss_mode, loss_agg_mode=loss_agg_mode,
+                              config=config)
+    # 3. the with-grad pass: each micro-batch's loss uses the step's statistics.
+    optimizer.zero_grad()
+    for mb in mbs:
+        log_prob = policy_log_prob(model, mb)                # with grad
+        loss, metrics = compute_policy_loss(loss_mode, mb["old_log_prob"], log_prob,
+                                            mb["advantages"], mb["response_mask"],
+                                            loss_agg_mode, config,
+                                            group_index=mb.get("group_index"), step=step)
+        loss.backward()                                      # do NOT divide by len(mbs)
+    optimizer.step()
+
+Rules:
+- Do not rescale the micro-batch losses (no ``/ len(mbs)``): the step's normalisers already
+  make the sum over micro-batches the step loss.
+- Data parallelism: ``compute_step_stats`` all-reduces (SUM) the local statistics, so every rank
+  gets the same global ones. DDP/FSDP *average* gradients over ranks, so each rank's loss is
+  multiplied by ``step.dp_size`` (the world size of the process group by default, as verl's
+  ``agg_loss(..., dp_size)`` does); the average then equals the global gradient exactly. If you
+  *sum* gradients yourself (``all_reduce(SUM)`` without dividing), pass ``dp_size=1``.
+- ``group_index`` values must identify a prompt group across the whole step (all micro-batches
+  and ranks): small non-negative integers, e.g. the prompt's index in the step's batch.
+- ECHO: the pre-pass ``log_prob`` must come from the same parameters as the with-grad pass
+  (same step, before ``optimizer.step()``), and with dropout off or the same dropout masks. The
+  with-grad pass then uses R, kappa and the sum S = sum_{i,t} w_{i,t} rho_{i,t} dl/drho~ fixed
+  by this pre-pass, plus a surrogate term S * kappa_mb(theta) whose gradient is this micro-batch's
+  share of dkappa/dtheta; the sum over micro-batches is the full-batch autograd gradient.
+- Metrics returned by ``compute_policy_loss`` are local to the micro-batch (clip fractions,
+  ``ppo_kl``), except the ECHO batch metrics, which are the step's.
+
+Testing without processes: ``compute_step_stats`` takes ``reduce_fn(tensor, op) -> tensor``
+(``op`` is ``"sum"`` or ``"max"``), which replaces the all-reduce; tests use it to emulate
+several ranks in threads of one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from echotrain.rl.aggregation import AGG_MODES, BalancedStats, balanced_stats, weighted_sum
+from echotrain.rl.config import PolicyLossConfig, as_policy_loss_config
+from echotrain.rl.objectives import (
+    POLICY_LOSSES,
+    _seq_weights,
+    batch_kappa,
+    clamped_log_ratio,
+    ppo_clip_loss,
+)
+from echotrain.rl.validation import check_choice, check_group_index, check_token_inputs
+
+ReduceFn = Callable[[torch.Tensor, str], torch.Tensor]
+
+#: Loss modes whose step statistics depend on the current policy (need the no-grad pre-pass).
+PREPASS_LOSS_MODES = ("echo",)
+
+
+@dataclass(frozen=True)
+class EchoStats:
+    """ECHO's step-global batch statistics (design/objectives.md §4)."""
+
+    R: float  # batch ratio over all valid tokens of the step
+    R_bar: float  # clip(R, 1 - eps_b_low, 1 + eps_b_high)
+    kappa: float  # R_bar / R (1 inside the band)
+    clipped: bool  # R outside the band
+    num_tokens: float  # N, valid tokens of the step
+    grad_sum: float  # S = sum_{i,t} w_{i,t} rho_{i,t} dl/drho~ (0 unless clipped and kappa not detached)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Step-global statistics for one optimizer step; pass as ``compute_policy_loss(..., step=)``."""
+
+    loss_mode: str
+    loss_agg_mode: str
+    num_tokens: float  # valid tokens of the step (all micro-batches, all ranks)
+    num_seqs: float  # non-empty sequences of the step
+    dp_size: int  # each rank's loss is multiplied by this (DDP averages gradients)
+    balanced: BalancedStats | None = None  # per-group stats for loss_agg_mode="balanced"
+    echo: EchoStats | None = None  # batch ratio stats for loss_mode="echo"
+
+
+def needs_log_prob_prepass(loss_mode: str, config: PolicyLossConfig | Mapping[str, Any] | None = None) -> bool:
+    """True if :func:`compute_step_stats` needs each micro-batch's current ``log_prob`` (ECHO)."""
+    check_choice("loss_mode", loss_mode, POLICY_LOSSES)
+    return loss_mode in PREPASS_LOSS_MODES
+
+
+def _default_reduce(process_group: Any) -> tuple[ReduceFn, int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return (lambda t, op: t), 1
+
+    def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=process_group)
+        return t
+
+    return reduce, dist.get_world_size(process_group)
+
+
+def compute_step_stats(
+    mbs: Sequence[Mapping[str, Any]],
+    *,
+    loss_mode: str,
+    loss_agg_mode: str,
+    config: PolicyLossConfig | Mapping[str, Any] | None = None,
+    process_group: Any = None,
+    reduce_fn: ReduceFn | None = None,
+    dp_size: int | None = None,
+) -> StepStats:
+    """Sum one optimizer step's statistics over this rank's micro-batches and all-reduce them.
+
+    Args:
+        mbs: this rank's micro-batches; each a mapping with ``old_log_prob`` ``(b, T)``,
+            ``advantages`` ``(b, T)`` or ``(b,)``, ``response_mask`` ``(b, T)``; plus
+            ``log_prob`` ``(b, T)`` (current policy, no grad) for ECHO and ``group_index``
+            ``(b,)`` (step-wide dense non-negative int ids) for ``balanced``.
+        loss_mode: a name in :data:`echotrain.rl.POLICY_LOSSES`.
+        loss_agg_mode: a name in :data:`echotrain.rl.AGG_MODES`.
+        config: :class:`PolicyLossConfig` or dict (the one the losses will use).
+        process_group: torch.distributed group for the all-reduce (default: the world).
+        reduce_fn: ``f(tensor, op) -> tensor`` replacing the all-reduce (``op`` is "sum" or
+            "max"); for tests and custom backends. Default: ``dist.all_reduce`` when
+            torch.distributed is initialised, else identity (one process).
+        dp_size: loss multiplier for gradient-averaging data parallelism (DDP/FSDP). Default:
+            the process group's world size with torch.distributed, else 1 (also with
+            ``reduce_fn``). Pass 1 if your gradient reduction sums instead of averaging.
+
+    Returns:
+        :class:`StepStats`.
+
+    Raises:
+        ValueError: unknown mode names; missing ``log_prob`` (ECHO) or ``group_index``
+            (balanced); bad tensors (see :func:`echotrain.rl.compute_policy_loss`);
+            ``seq-mean-token-sum-norm`` without ``config.norm_constant``.
+    """
+    check_choice("loss_mode", loss_mode, POLICY_LOSSES)
+    check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
+    cfg = as_policy_loss_config(config)
+    if loss_agg_mode == "seq-mean-token-sum-norm" and cfg.norm_constant is None:
+        raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs config.norm_constant")
+    if reduce_fn is None:
+        reduce_fn, world = _default_reduce(process_group)
+    else:
+        world = 1
+    dp_size = world if dp_size is None else int(dp_size)
+    is_echo = loss_mode in PREPASS_LOSS_MODES
+    balanced = loss_agg_mode == "balanced"
+
+    prepared = []
+    device = None
+    for k, mb in enumerate(mbs):
+        for key in ("old_log_prob", "advantages", "response_mask") + (("log_prob",) if is_echo else ()) + (
+            ("group_index",) if balanced else ()
+        ):
+            if mb.get(key) is None:
+                why = " (ECHO needs the no-grad pre-pass log_prob)" if key == "log_prob" else ""
+                raise ValueError(f"micro-batch {k} has no {key!r}{why}")
+        log_prob = mb["log_prob"].detach() if is_echo else mb["old_log_prob"]
+        adv, mask = check_token_inputs(mb["old_log_prob"], log_prob, mb["advantages"], mb["response_mask"])
+        gi = mb.get("group_index")
+        if balanced:
+            check_group_index("group_index", gi, mask.shape[0])
+            if mask.shape[0] and int(gi.min()) < 0:
+                raise ValueError(f"micro-batch {k}: group_index must be non-negative step-wide group ids")
+        if cfg.ba_scope == "batch" and gi is not None:
+            gi = torch.zeros_like(gi)
+        prepared.append((mb["old_log_prob"].detach(), log_prob, adv.detach(), mask, gi))
+        device = mask.device
+    device = device or torch.device("cpu")
+    f64 = dict(dtype=torch.float64, device=device)
+
+    # Round 0: the number of group ids, so that every rank's per-group vectors line up.
+    n_ids = 0
+    if balanced:
+        local = max([int(p[4].max()) + 1 for p in prepared if p[4].numel()] + [0])
+        n_ids = int(reduce_fn(torch.tensor([float(local)], **f64), "max").item())
+
+    # Round 1: plain sums.
+    sums = torch.zeros(4, **f64)  # tokens, non-empty seqs, sum log rho, sum rho
+    bal_vec = torch.zeros(6 * n_ids, **f64)
+    for old, lp, adv, mask, gi in prepared:
+        lengths = mask.sum(-1)
+        sums[0] += lengths.sum()
+        sums[1] += (lengths > 0).sum()
+        if is_echo:
+            lr = clamped_log_ratio(lp, old, cfg.log_ratio_clamp).to(torch.float64)
+            sums[2] += torch.where(mask, lr, 0).sum()
+            sums[3] += torch.where(mask, lr.exp(), 0).sum()
+        if balanced:
+            bal_vec += balanced_stats(adv, mask, gi, num_group_ids=n_ids, count_zero_adv=cfg.ba_count_zero_adv).to_vector()
+    if balanced:
+        both = reduce_fn(torch.cat([sums, bal_vec]), "sum")
+        sums, bal_vec = both[:4], both[4:]
+    else:
+        sums = reduce_fn(sums, "sum")
+    n_tok, n_seq = float(sums[0]), float(sums[1])
+    step = StepStats(
+        loss_mode=loss_mode,
+        loss_agg_mode=loss_agg_mode,
+        num_tokens=n_tok,
+        num_seqs=n_seq,
+        dp_size=dp_size,
+        balanced=BalancedStats.from_vector(bal_vec) if balanced else None,
+    )
+    if not is_echo:
+        return step
+
+    # ECHO: R, kappa; round 2 (only when the batch clip is active): S.
+    n = max(n_tok, 1.0)
+    R_t = torch.exp(sums[2] / n) if cfg.batch_ratio == "geo" else (sums[3] / n if n_tok > 0 else torch.ones((), **f64))
+    kappa_t, clipped = batch_kappa(R_t, cfg.batch_clip_low, cfg.batch_clip_high)
+    R, kappa = float(R_t), float(kappa_t)
+    grad_sum = 0.0
+    if clipped and not cfg.detach_kappa:
+        s = torch.zeros(1, **f64)
+        for old, lp, adv, mask, gi in prepared:
+            ratio = torch.exp(clamped_log_ratio(lp, old, cfg.log_ratio_clamp))
+            x = (kappa * ratio).detach().requires_grad_(True)
+            with torch.enable_grad():
+                loss_mat, _ = ppo_clip_loss(x, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
+                w = _seq_weights(mask, adv, loss_agg_mode, cfg, gi, step)
+                (g,) = torch.autograd.grad(weighted_sum(loss_mat, mask, w), x)
+            s += (g.to(torch.float64) * ratio.to(torch.float64)).sum()
+        grad_sum = float(reduce_fn(s, "sum"))
+    echo = EchoStats(R=R, R_bar=R * kappa, kappa=kappa, clipped=clipped, num_tokens=n, grad_sum=grad_sum)
+    return StepStats(**{**step.__dict__, "echo": echo})
+
+
+def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int | Sequence[int]) -> list[dict[str, Any]]:
+    """Split a batch (mapping of tensors with a leading batch dim) into micro-batches.
+
+    Args:
+        batch: tensors of shape ``(B, ...)``; non-tensor values are copied to every piece.
+        micro_batch_size: rows per micro-batch (the last may be shorter), or a list of sizes
+            summing to B.
+
+    Returns:
+        list of dicts (views of the input tensors).
+
+    Raises:
+        ValueError: tensors with different leading sizes, sizes not summing to B, size < 1.
+    """
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    sizes_b = {v.shape[0] for v in tensors.values()}
+    if len(sizes_b) != 1:
+        raise ValueError(f"batch tensors have different leading sizes: { {k: v.shape[0] for k, v in tensors.items()} }")
+    (B,) = sizes_b
+    if isinstance(micro_batch_size, int):
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        sizes = [min(micro_batch_size, B - s) for s in range(0, B, micro_batch_size)]
+    else:
+        sizes = list(micro_batch_size)
+        if sum(sizes) != B or any(s < 0 for s in sizes):
+            raise ValueError(f"micro-batch sizes {sizes} must be >= 0 and sum to the batch size {B}")
+    parts = {k: torch.split(v, sizes) for k, v in tensors.items()}
+    rest = {k: v for k, v in batch.items() if k not in tensors}
+    return [{**rest, **{k: p[j] for k, p in parts.items()}} for j in range(len(sizes))]
+
+
+def shard_batch(batch: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's contiguous shard of ``batch`` (``torch.tensor_split`` along dim 0).
+
+    Raises:
+        ValueError: ``rank`` not in ``[0, world_size)``.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    return {k: (torch.tensor_split(v, world_size)[rank] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}

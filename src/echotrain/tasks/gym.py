@@ -1,0 +1,166 @@
+"""reasoning-gym tasks: procedural, offline, seeded generators scored by their own scorers.
+
+reasoning-gym (Stojanovski et al., 2025, "REASONING GYM: Reasoning Environments for
+Reinforcement Learning with Verifiable Rewards") provides ~100 generators. Each example's
+answer is read from the LAST ``<answer>...</answer>`` tag of the completion and passed to the
+generator's ``score_answer``; no tag means reward 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from echotrain.tasks.base import Example, build_messages, extract_final_answer, register_task, sample_indices
+
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "DEFAULT_TASK", "ReasoningGymTask"]
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Solve the problem and give the final answer inside "
+    "<answer> </answer> tags, for example <answer>42</answer>."
+)
+
+# Offset between the task's seed and the seed of the generator instance that provides the
+# one-shot example, so the example is never one of the task's own questions' generator states.
+_ONE_SHOT_SEED_OFFSET = 1_000_003
+
+# The task of `echotrain train` with no arguments; see docs/benchmarks.md (tasks section) and
+# scripts/measure_start_accuracy.py for the measured starting accuracy of SmolLM2-135M-Instruct.
+DEFAULT_TASK: dict[str, Any] = {
+    "dataset": "basic_arithmetic",
+    "config": {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 1,
+        "operators": ("+", "-"),
+        "allow_parentheses": False,
+        "allow_negation": False,
+    },
+    # A worked example: the model copies the "a - b = c" line, then the tag. With the bare
+    # answer as example ("auto") it reached 9% (64 prompts); with this one ~40% (see docs).
+    "one_shot": ("Calculate 8 - 2.", "8 - 2 = 6\n<answer>6</answer>"),
+}
+
+
+class ReasoningGymTask:
+    """A reasoning-gym generator as an echotrain task.
+
+    Args:
+        dataset: a reasoning-gym dataset name (``reasoning_gym.factory.DATASETS``).
+        size: number of distinct examples (the generator's virtual dataset size).
+        seed: generator seed; the same seed gives the same questions.
+        system: system instruction (default asks for ``<answer>`` tags).
+        one_shot: ``"auto"`` (one solved example from the same generator with another seed,
+            answered as ``<answer>...</answer>``), ``None`` (no example), or a
+            ``(user, assistant)`` pair.
+        binary: if True (default), reward 1.0 only when the generator's score is 1.0, else 0.0;
+            if False, the generator's own (possibly partial) score in [0, 1].
+        **config: the generator's config fields (e.g. ``min_terms=2`` for basic_arithmetic).
+
+    Raises:
+        KeyError: unknown ``dataset`` (message lists valid names).
+        ValueError: bad ``size``/``one_shot`` or a config the generator rejects.
+        TypeError: an unknown config field.
+    """
+
+    answer_format = "tag"
+
+    def __init__(
+        self,
+        dataset: str,
+        *,
+        size: int = 1000,
+        seed: int = 0,
+        system: str | None = DEFAULT_SYSTEM_PROMPT,
+        one_shot: str | tuple[str, str] | None = "auto",
+        binary: bool = True,
+        **config: Any,
+    ):
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+
+        if dataset not in DATASETS:
+            raise KeyError(f"unknown reasoning-gym dataset {dataset!r}; valid names: {', '.join(sorted(DATASETS))}")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be a positive int, got {size!r}")
+        try:
+            self.dataset = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **config)
+        except AssertionError as exc:  # reasoning-gym validates configs with asserts
+            raise ValueError(f"invalid config for reasoning-gym dataset {dataset!r}: {exc}") from exc
+        self.name = f"rg:{dataset}"
+        self.dataset_name = dataset
+        self.size = size
+        self.seed = seed
+        self.config = dict(config)
+        self.system = system
+        self.binary = binary
+        if one_shot == "auto":
+            shot_ds = reasoning_gym.create_dataset(dataset, size=1, seed=seed + _ONE_SHOT_SEED_OFFSET, **config)
+            entry = shot_ds[0]
+            self.one_shot: tuple[str, str] | None = (entry["question"], f"<answer>{entry['answer']}</answer>")
+        elif one_shot is None or (isinstance(one_shot, tuple) and len(one_shot) == 2):
+            self.one_shot = one_shot
+        else:
+            raise ValueError(f"one_shot must be 'auto', None or a (user, assistant) pair, got {one_shot!r}")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Example:
+        if not 0 <= index < self.size:
+            raise IndexError(f"index {index} out of range for task {self.name} of size {self.size}")
+        entry = self.dataset[index]
+        return Example(
+            messages=build_messages(entry["question"], system=self.system, one_shot=self.one_shot),
+            question=entry["question"],
+            answer=str(entry["answer"]),
+            task=self.name,
+            index=index,
+            metadata={"entry": entry},
+        )
+
+    def __iter__(self) -> Iterator[Example]:
+        for i in range(self.size):
+            yield self[i]
+
+    def sample(self, n: int, seed: int) -> list[Example]:
+        """``n`` examples drawn reproducibly (``seed``) from the task's ``size`` examples."""
+        return [self[i] for i in sample_indices(self.size, n, seed)]
+
+    def extract(self, completion: str) -> str | None:
+        """The content of the last ``<answer>`` tag, or ``None``."""
+        return extract_final_answer(completion, self.answer_format)
+
+    def is_formatted(self, completion: str) -> bool:
+        """Whether a complete, non-empty ``<answer>`` tag is present."""
+        return self.extract(completion) is not None
+
+    def score(self, completion: str, example: Example) -> float:
+        """The generator's ``score_answer`` of the extracted answer (binarised by default).
+
+        Returns 0.0 when no answer tag is present.
+        """
+        answer = self.extract(completion)
+        if answer is None:
+            return 0.0
+        value = float(self.dataset.score_answer(answer, example.metadata["entry"]))
+        if self.binary:
+            return 1.0 if value >= 1.0 - 1e-9 else 0.0
+        return value
+
+    def __repr__(self) -> str:
+        return f"ReasoningGymTask({self.dataset_name!r}, size={self.size}, seed={self.seed}, config={self.config})"
+
+
+@register_task("basic_arithmetic")
+def _basic_arithmetic(**options: Any) -> ReasoningGymTask:
+    return ReasoningGymTask("basic_arithmetic", **options)
+
+
+@register_task("default")
+def _default(**options: Any) -> ReasoningGymTask:
+    """The default task (``DEFAULT_TASK``); options override its settings."""
+    kwargs: dict[str, Any] = dict(DEFAULT_TASK["config"])
+    kwargs["one_shot"] = DEFAULT_TASK["one_shot"]
+    kwargs.update(options)
+    return ReasoningGymTask(DEFAULT_TASK["dataset"], **kwargs)

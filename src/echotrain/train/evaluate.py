@@ -1,0 +1,113 @@
+"""Evaluation: accuracy and unbiased pass@k of a policy on a task.
+
+pass@k uses the unbiased estimator of Chen et al. 2021 (Codex, arXiv 2107.03374, Eq. 1): with
+n samples per problem of which c are correct, pass@k = 1 - C(n - c, k) / C(n, k), averaged over
+problems.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from echotrain.train.rollout import generate_rollouts
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one problem with ``n`` samples, ``c`` correct (Chen et al. 2021, Eq. 1).
+
+    Raises:
+        ValueError: unless 0 <= c <= n and 1 <= k <= n.
+    """
+    if not (0 <= c <= n) or not (1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n: int = 4,
+             ks: Sequence[int] = (1,), max_new_tokens: int = 48, temperature: float = 0.7, seed: int = 1234,
+             batch_prompts: int = 16, reward_fn: Any = None) -> dict[str, float]:
+    """Sample ``n`` completions for each of ``num_prompts`` task prompts and score them.
+
+    Returns:
+        ``{"accuracy": mean correctness over all samples, "format_rate": ..., "pass@k": ... for k
+        in ks, "num_prompts", "n"}``.
+
+    Raises:
+        ValueError: a k outside [1, n].
+    """
+    for k in ks:
+        if not 1 <= k <= n:
+            raise ValueError(f"k={k} must be in [1, n={n}]")
+    if reward_fn is None:
+        from echotrain.rewards import RewardFunction
+
+        reward_fn = RewardFunction(task)
+    torch.manual_seed(seed)
+    examples = list(task.sample(num_prompts, seed))
+    correct_all, fmt_all = [], []
+    for start in range(0, len(examples), batch_prompts):
+        exs = examples[start:start + batch_prompts]
+        batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, max_new_tokens=max_new_tokens,
+                                  temperature=temperature)
+        texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+                 for ids, m in zip(batch.response_ids, batch.response_mask)]
+        _, info = reward_fn(texts, [e for e in exs for _ in range(n)])
+        correct_all.append(torch.as_tensor(info["correct"], dtype=torch.float32).view(len(exs), n))
+        fmt_all.append(torch.as_tensor(info["format_ok"], dtype=torch.float32).view(len(exs), n))
+    correct = torch.cat(correct_all)
+    out: dict[str, float] = {"accuracy": float(correct.mean()), "format_rate": float(torch.cat(fmt_all).mean()),
+                             "num_prompts": float(len(examples)), "n": float(n)}
+    counts = (correct >= 1.0).sum(-1).tolist()
+    for k in ks:
+        out[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in counts) / len(counts)
+    return out
+
+
+def load_for_eval(model: str | None, device: str = "cpu") -> tuple[Any, Any, str]:
+    """Load a policy for evaluation from a model name/path, a run directory or a checkpoint file.
+
+    - run directory (has ``config.yaml``): its ``final_model`` if present, else the base model of
+      its config with the latest checkpoint's weights;
+    - a checkpoint file ``.../checkpoints/step_*.pt``: the run's base model with these weights;
+    - anything else (or None): ``echotrain.models.load_policy(model)``.
+
+    Returns:
+        ``(model, tokenizer, description)``.
+
+    Raises:
+        FileNotFoundError: a run directory without a model or checkpoint.
+    """
+    from echotrain.models import load_policy
+    from echotrain.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    if model is not None and os.path.exists(model):
+        p = Path(model)
+        ckpt = None
+        if p.is_file() and p.suffix == ".pt":
+            ckpt, run_dir = p, p.parent.parent
+        elif p.is_dir() and (p / "config.yaml").is_file():
+            run_dir = p
+            if (p / "final_model").is_dir():
+                m, tok = load_policy(str(p / "final_model"), device=device)
+                return m, tok, f"{p / 'final_model'}"
+            ckpt = latest_checkpoint(p)
+            if ckpt is None:
+                raise FileNotFoundError(f"run directory {str(p)!r} has neither final_model/ nor checkpoints")
+        else:
+            m, tok = load_policy(str(p), device=device)
+            return m, tok, str(p)
+        import yaml
+
+        base = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("model")
+        m, tok = load_policy(base, device=device)
+        m.load_state_dict(load_checkpoint(ckpt, map_location=device)["model"])
+        return m, tok, f"{ckpt} (base {base or 'default'})"
+    m, tok = load_policy(model, device=device)
+    return m, tok, model or "default"

@@ -1,0 +1,145 @@
+"""Run outputs: metrics.jsonl, samples.jsonl, optional TensorBoard / W&B, the summary table.
+
+``metrics.jsonl`` has one JSON object per step. Keys (all floats unless noted):
+
+- ``step`` (int), ``reward/mean``, ``reward/std``, ``accuracy`` (mean correctness), ``format_rate``
+- ``response_length/mean``, ``response_length/max`` (valid tokens), ``truncated_frac`` (no EOS)
+- ``entropy`` (mean token entropy of the rollout policy over valid tokens)
+- ``pg_loss``, ``ppo_kl`` (mean old_log_prob - log_prob), ``kl/ref`` (when kl_coef > 0)
+- ``pg_clipfrac``, ``pg_clipfrac_high``, ``pg_clipfrac_low`` (token-weighted over the step)
+- ``echo/R_batch``, ``echo/R_batch_min``, ``echo/R_batch_max``, ``echo/kappa``, ``echo/batch_clipped``
+  (ECHO only; mean/min/max over the step's optimizer steps)
+- ``grad_norm`` (before clipping, mean over optimizer steps), ``lr``
+- ``groups/kept``, ``groups/zero_variance_frac``, ``sampling_rounds`` (int)
+- ``time/generation``, ``time/scoring``, ``time/update``, ``time/step`` (wall seconds),
+  ``time/step_cpu`` (CPU seconds of this process, all threads; tells load from other processes),
+  ``throughput/tokens_per_s`` (valid response tokens / step time), ``memory/peak_mb``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+#: keys that depend on wall time or the machine, not on the computation (excluded when comparing runs)
+NONDETERMINISTIC_PREFIXES = ("time/", "throughput/", "memory/")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process in MiB: CUDA max allocated on GPU, else peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a JSONL file ([] if missing)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
+    """Drop the records whose ``step`` is > ``max_step`` (used when resuming), atomically."""
+    p = Path(path)
+    if not p.is_file():
+        return
+    keep = [r for r in read_jsonl(p) if r.get("step", 0) <= max_step]
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, p)
+
+
+class MetricsLogger:
+    """Appends step records to ``metrics.jsonl`` (flushed each step) and mirrors them to
+    TensorBoard / W&B when asked for and installed."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = False, wandb: bool = False,
+                 wandb_project: str = "echotrain", config: dict[str, Any] | None = None):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.samples_path = self.run_dir / "samples.jsonl"
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except ImportError:
+                print("echotrain: tensorboard=true but tensorboard is not installed; skipping", file=sys.stderr)
+        if wandb:
+            try:
+                import wandb as _wandb
+
+                self._wandb = _wandb.init(project=wandb_project, dir=str(self.run_dir), config=config or {})
+            except ImportError:
+                print("echotrain: wandb=true but wandb is not installed; skipping", file=sys.stderr)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one step record."""
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        step = int(record["step"])
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def log_samples(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Append sample completions (one JSON object each)."""
+        with open(self.samples_path, "a") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+SUMMARY_KEYS = ("reward/mean", "accuracy", "format_rate", "response_length/mean", "entropy", "ppo_kl",
+                "pg_clipfrac_high", "pg_clipfrac_low", "echo/R_batch", "echo/kappa", "grad_norm",
+                "throughput/tokens_per_s", "time/step")
+
+
+def summary_rows(records: list[dict[str, Any]], head: int = 3) -> list[tuple[str, str, str, str, str]]:
+    """(metric, first, last, min, max) rows; first/last are means over the first/last ``head`` steps."""
+    rows = []
+    for key in SUMMARY_KEYS:
+        vals = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+        if not vals:
+            continue
+        k = min(head, len(vals))
+        first, last = sum(vals[:k]) / k, sum(vals[-k:]) / k
+        rows.append((key, f"{first:.4g}", f"{last:.4g}", f"{min(vals):.4g}", f"{max(vals):.4g}"))
+    return rows
+
+
+def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wall_s: float) -> None:
+    """The closing table in the terminal (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not records:
+        return
+    head = 3
+    table = Table(title=f"echotrain run summary ({len(records)} steps, {wall_s:.0f} s) - {run_dir}")
+    table.add_column("metric")
+    for col in (f"first {head} steps", f"last {head} steps", "min", "max"):
+        table.add_column(col, justify="right")
+    for row in summary_rows(records, head):
+        table.add_row(*row)
+    Console(stderr=True).print(table)

@@ -1,0 +1,261 @@
+"""Rollouts: batched sampling with ``model.generate`` and log-probs of response tokens.
+
+Two functions the trainer calls, and the mask that both rely on:
+
+- :func:`generate_rollouts` samples every prompt x G completion in one ``generate`` call
+  (KV cache, left padding) and returns a :class:`RolloutBatch` of padded tensors.
+- :func:`response_mask_from_ids` marks the valid response tokens: everything up to and
+  including the first EOS; never padding, whether or not an EOS was produced.
+- :func:`forward_log_probs` runs the policy on prompt + response and gathers the log-probability
+  of each response token from ``log_softmax(logits / temperature)``, with the token entropy from
+  the same logits (no gradient).
+
+Any model with ``model(input_ids, attention_mask=...).logits`` and ``model.generate(...)`` works
+(Hugging Face causal LMs, echotrain's looped transformer).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, fields
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class RolloutBatch:
+    """Padded rollout tensors for ``N = B * G`` sequences.
+
+    Attributes:
+        prompt_ids: (N, P) int64, left-padded prompts.
+        prompt_mask: (N, P) int64, 1 on real prompt tokens.
+        response_ids: (N, T) int64, right-padded responses (pad after the first EOS).
+        response_mask: (N, T) float32, 1 on valid response tokens (up to and incl. the first EOS).
+        group_index: (N,) int64, which prompt group each sequence belongs to.
+        truncated: (N,) bool, True if the response has no EOS (hit max_new_tokens).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    group_index: torch.Tensor
+    truncated: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def response_length(self) -> torch.Tensor:
+        """(N,) float32 number of valid response tokens."""
+        return self.response_mask.sum(-1)
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> "RolloutBatch":
+        """Rows ``index`` of every tensor (a new batch)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        return RolloutBatch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | Sequence[int] | None,
+                           pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid-token mask of generated responses.
+
+    A token is valid if no EOS occurs strictly before it (so the first EOS itself is valid) and
+    it is not in the trailing run of padding (``generate`` pads finished rows after their EOS;
+    rows concatenated from several calls are right-padded). When ``pad_token_id`` equals an EOS
+    id, the first EOS still counts once and everything after it is padding. A pad id the model
+    *sampled* in the middle of a response (possible when pad != EOS) stays valid: it was
+    generated and later tokens attended to it.
+
+    Args:
+        response_ids: (N, T) int64.
+        eos_token_ids: one id, several ids, or None (no EOS: only padding is excluded).
+        pad_token_id: the padding id or None.
+
+    Returns:
+        ``(mask, truncated)``: (N, T) float32 mask and (N,) bool, True where no EOS was produced.
+    """
+    if response_ids.dim() != 2:
+        raise ValueError(f"response_ids must be (N, T), got shape {tuple(response_ids.shape)}")
+    if eos_token_ids is None:
+        eos_list: list[int] = []
+    elif isinstance(eos_token_ids, int):
+        eos_list = [eos_token_ids]
+    else:
+        eos_list = [int(e) for e in eos_token_ids]
+    is_eos = torch.zeros_like(response_ids, dtype=torch.bool)
+    for e in eos_list:
+        is_eos |= response_ids == e
+    # number of EOS strictly before position t
+    eos_before = torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()
+    valid = eos_before == 0
+    if pad_token_id is not None:
+        not_pad = (response_ids != pad_token_id) | (is_eos & (eos_before == 0))
+        # trailing padding: positions after the last non-pad token
+        trailing = torch.flip(torch.cumsum(torch.flip(not_pad.long(), [-1]), -1), [-1]) == 0
+        valid &= ~trailing
+    truncated = ~is_eos.any(dim=-1)
+    return valid.float(), truncated
+
+
+def eos_ids_of(model: Any, tokenizer: Any) -> list[int]:
+    """EOS token ids from the model's generation config and the tokenizer (deduplicated)."""
+    ids: list[int] = []
+    gen_cfg = getattr(model, "generation_config", None)
+    for src in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if src is None:
+            continue
+        for e in ([src] if isinstance(src, int) else list(src)):
+            if e not in ids:
+                ids.append(int(e))
+    return ids
+
+
+def render_prompts(tokenizer: Any, prompts: Sequence[Any]) -> list[str]:
+    """Turn task prompts into text: chat message lists go through the tokenizer's chat template
+    (with the generation prompt); plain strings pass unchanged."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append(p)
+        else:
+            out.append(tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True))
+    return out
+
+
+def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_generations: int, *,
+                      max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                      batch_size: int = 0, group_offset: int = 0) -> RolloutBatch:
+    """Sample ``num_generations`` completions of each prompt.
+
+    Each prompt is repeated G times (rows ``g*G .. g*G+G-1`` belong to group ``group_offset + g``)
+    and all rows are generated in one ``generate`` call (or chunks of ``batch_size`` rows), with
+    the KV cache. Sampling uses torch's global RNG, so a run is reproducible given its RNG state.
+
+    Args:
+        prompts: B prompts, each a chat message list or a string.
+        num_generations: G >= 1.
+        max_new_tokens: response length cap.
+        temperature, top_p, top_k: sampling parameters (top_k=0 disables it).
+        batch_size: rows per generate call; 0 = all.
+
+    Returns:
+        A :class:`RolloutBatch` with N = B * G rows.
+    """
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty")
+    texts = render_prompts(tokenizer, prompts)
+    texts = [t for t in texts for _ in range(num_generations)]
+    group_index = torch.arange(len(prompts)).repeat_interleave(num_generations) + group_offset
+    eos = eos_ids_of(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    device = next(model.parameters()).device
+    old_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = old_side
+    ids, attn = enc["input_ids"], enc["attention_mask"]
+    chunk = batch_size or len(texts)
+    responses = []
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(texts), chunk):
+            sl = slice(start, start + chunk)
+            kwargs: dict[str, Any] = dict(
+                attention_mask=attn[sl].to(device), max_new_tokens=max_new_tokens, do_sample=True,
+                temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None,
+                pad_token_id=pad_id, eos_token_id=eos or None, use_cache=True)
+            with torch.inference_mode():
+                out = model.generate(ids[sl].to(device), **kwargs)
+            # clone outside inference mode: later passes use these ids under autograd
+            responses.append(out[:, ids.shape[1]:].cpu().clone())
+    finally:
+        model.train(was_training)
+    width = max(r.shape[1] for r in responses)
+    response_ids = torch.cat([F.pad(r, (0, width - r.shape[1]), value=pad_id) for r in responses])
+    mask, truncated = response_mask_from_ids(response_ids, eos, pad_id)
+    return RolloutBatch(prompt_ids=ids, prompt_mask=attn, response_ids=response_ids, response_mask=mask,
+                        group_index=group_index, truncated=truncated)
+
+
+def concat_rollouts(batches: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """Concatenate rollout batches of different widths (prompts re-left-padded, responses
+    right-padded with masks 0)."""
+    if len(batches) == 1:
+        return batches[0]
+    P = max(b.prompt_ids.shape[1] for b in batches)
+    T = max(b.response_ids.shape[1] for b in batches)
+
+    def lpad(x: torch.Tensor, w: int, v: float) -> torch.Tensor:
+        return F.pad(x, (w - x.shape[1], 0), value=v)
+
+    def rpad(x: torch.Tensor, w: int, v: float) -> torch.Tensor:
+        return F.pad(x, (0, w - x.shape[1]), value=v)
+
+    return RolloutBatch(
+        prompt_ids=torch.cat([lpad(b.prompt_ids, P, pad_token_id) for b in batches]),
+        prompt_mask=torch.cat([lpad(b.prompt_mask, P, 0) for b in batches]),
+        response_ids=torch.cat([rpad(b.response_ids, T, pad_token_id) for b in batches]),
+        response_mask=torch.cat([rpad(b.response_mask, T, 0) for b in batches]),
+        group_index=torch.cat([b.group_index for b in batches]),
+        truncated=torch.cat([b.truncated for b in batches]),
+    )
+
+
+def _accepts(model: Any, name: str) -> bool:
+    """Whether ``model.forward`` takes keyword ``name`` explicitly."""
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                      response_mask: torch.Tensor, *, temperature: float = 1.0,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of the response tokens under ``model``.
+
+    Runs prompt + response through the model with position ids that skip the left padding (as
+    ``generate`` does), keeps only the logits that predict response tokens, and gathers
+    ``log_softmax(logits / temperature)`` at the sampled ids, in float32.
+
+    Args:
+        prompt_ids, prompt_mask: (N, P) int64, left-padded.
+        response_ids, response_mask: (N, T) int64 / float, right-padded.
+        temperature: the sampling temperature (so that on-policy ratios are exactly 1).
+        with_entropy: also return the per-token entropy (N, T) float32, computed without grad.
+
+    Returns:
+        ``(log_prob, entropy)``: (N, T) float32 (differentiable if grad is enabled) and (N, T) or None.
+        Masked positions hold finite values that callers must ignore.
+    """
+    device = next(model.parameters()).device
+    T = response_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1).to(device)
+    attn = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    # padding after EOS is never attended by a valid token, so masking it changes nothing valid
+    attn = attn.to(device)
+    kwargs: dict[str, Any] = {"attention_mask": attn}
+    if _accepts(model, "position_ids"):
+        kwargs["position_ids"] = (attn.cumsum(-1) - 1).clamp(min=0)
+    if _accepts(model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = T + 1
+    logits = model(input_ids, **kwargs).logits
+    logits = logits[:, -(T + 1):-1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    log_prob = torch.gather(logp_all, -1, response_ids.to(device).unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            lp = logp_all.detach()
+            entropy = -(lp.exp() * lp).sum(-1)
+    return log_prob, entropy

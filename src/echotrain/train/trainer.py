@@ -1,0 +1,486 @@
+"""The RL trainer: orchestration only; every formula comes from :mod:`echotrain.rl`.
+
+One training step, top to bottom (:meth:`Trainer.train_step`), in the spirit of CleanRL's ppo.py:
+
+1. rollout   sample B prompts, G completions each, in one batched ``generate`` call (KV cache)
+2. reward    score the completions (task scorer with timeouts); DAPO overlong shaping;
+             DAPO dynamic sampling keeps only groups with mixed correctness and refills
+3. advantage group-relative advantages (``compute_advantages``)
+4. old log-probs of the sampled tokens under the rollout policy (no grad), the reference
+   policy's when ``kl_coef > 0``, and the token entropy
+5. update    for each PPO epoch, for each mini-batch of whole groups (one optimizer step each):
+             [ECHO no-grad pre-pass] -> step-global statistics -> per micro-batch forward,
+             ``compute_policy_loss(..., step=stats)`` (+ KL) and ``backward`` -> clip grad norm
+             -> optimizer step -> scheduler step
+6. metrics   one line of metrics.jsonl, sample completions, progress bar, checkpoint
+
+With more than one mini-batch (or epoch) the later optimizer steps are off-policy, which is
+where ECHO's batch clip and GSPO's sequence ratio differ from token-level PPO.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from echotrain.rl import (
+    agg_loss,
+    compute_advantages,
+    compute_policy_loss,
+    compute_step_stats,
+    kl_penalty,
+    needs_log_prob_prepass,
+    overlong_reward_penalty,
+    zero_variance_groups,
+)
+from echotrain.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    seed_everything,
+    set_rng_state,
+)
+from echotrain.train.config import TrainConfig, save_config
+from echotrain.train.metrics import MetricsLogger, peak_memory_mb, print_summary, read_jsonl, truncate_jsonl
+from echotrain.train.rollout import RolloutBatch, concat_rollouts, forward_log_probs, generate_rollouts
+
+StepCallback = Callable[[int, dict], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda if available else cpu; otherwise ``torch.device(name)``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def default_run_dir(cfg: TrainConfig) -> str:
+    """``runs/<preset>-<UTC timestamp>``."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{cfg.preset.replace('+', '-')}-{stamp}")
+
+
+def lr_lambda(cfg: TrainConfig, total_updates: int) -> Callable[[int], float]:
+    """Multiplier of the peak lr after ``u`` optimizer steps: linear warmup, then constant /
+    linear decay to 0 / cosine decay to 0 over the remaining steps."""
+
+    def f(u: int) -> float:
+        if cfg.warmup_steps and u < cfg.warmup_steps:
+            return (u + 1) / cfg.warmup_steps
+        rest = max(1, total_updates - cfg.warmup_steps)
+        frac = min(1.0, (u - cfg.warmup_steps) / rest)
+        if cfg.lr_scheduler == "linear":
+            return 1.0 - frac
+        if cfg.lr_scheduler == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * frac))
+        return 1.0
+
+    return f
+
+
+class PromptStream:
+    """Reproducible prompts with a resumable position: draw ``d`` is ``task.sample(n, seed_d)``
+    with ``seed_d`` derived from the run seed and ``d``; the position is the draw counter."""
+
+    def __init__(self, task: Any, seed: int):
+        self.task, self.seed, self.draws = task, seed, 0
+
+    def next(self, n: int) -> list[Any]:
+        seed = (self.seed * 1_000_003 + 7919 * self.draws + 1) % (2**31 - 1)
+        self.draws += 1
+        return list(self.task.sample(n, seed))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"draws": self.draws}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.draws = int(state["draws"])
+
+
+class Trainer:
+    """Runs :class:`TrainConfig` end to end and writes the run directory.
+
+    Args:
+        cfg: a validated config (see :func:`echotrain.train.config.resolve_config`).
+        model, tokenizer: the policy; loaded with ``echotrain.models.load_policy(cfg.model)`` if None.
+        task: loaded with ``echotrain.tasks.get_task(cfg.task, **cfg.task_options)`` if None.
+        reward_fn: ``reward_fn(completions, examples) -> (rewards (N,), info)`` with ``info["correct"]``;
+            default ``echotrain.rewards.RewardFunction(task)``.
+        resume: continue from the run directory's latest checkpoint (model, optimizer, scheduler,
+            RNG states, data position); metrics lines after it are dropped and recomputed.
+        callbacks: ``fn(step, record)`` called after each step's metrics are written (before its
+            checkpoint); tests use one to simulate a kill.
+
+    Raises:
+        FileNotFoundError: ``resume`` without a checkpoint in the run directory.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, model: Any = None, tokenizer: Any = None, task: Any = None,
+                 reward_fn: Any = None, resume: bool = False, callbacks: Sequence[StepCallback] = ()):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output_dir or default_run_dir(cfg))
+        self.device = resolve_device(cfg.device)
+        self.callbacks = list(callbacks)
+        seed_everything(cfg.seed)
+        dtype = getattr(torch, cfg.dtype)
+        if model is None or tokenizer is None:
+            from echotrain.models import load_policy
+
+            model, tokenizer = load_policy(cfg.model, dtype=dtype, device=str(self.device))
+        self.model = model.to(self.device)
+        # no dropout: the ECHO pre-pass and the with-grad pass must see the same function
+        self.model.eval()
+        self.tokenizer = tokenizer
+        if task is None:
+            from echotrain.tasks import get_task
+
+            task = get_task(cfg.task, **cfg.task_options)
+        self.task = task
+        if reward_fn is None:
+            from echotrain.rewards import RewardFunction
+
+            reward_fn = RewardFunction(task)
+        self.reward_fn = reward_fn
+        self.ref_model = None
+        if cfg.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        from echotrain.optim.registry import build_optimizer
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt_kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+        if cfg.optimizer in ("adamw", "adamw4bit", "adam"):
+            opt_kwargs.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        self.optimizer = build_optimizer(cfg.optimizer, params, **opt_kwargs)
+        self.total_updates = cfg.steps * cfg.num_mini_batches * cfg.ppo_epochs
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_updates))
+        self.prompts = PromptStream(task, cfg.seed)
+        self.loss_config = cfg.policy_loss_config()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.start_step = 0
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self._resume()
+        save_config(cfg, self.run_dir / "config.yaml")
+        self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                                    wandb_project=cfg.wandb_project, config=cfg.to_dict())
+
+    # ------------------------------------------------------------------ resume
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}")
+        state = load_checkpoint(path, map_location=self.device)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.prompts.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        self.start_step = int(state["step"])
+        truncate_jsonl(self.run_dir / "metrics.jsonl", self.start_step)
+        truncate_jsonl(self.run_dir / "samples.jsonl", self.start_step)
+
+    # ------------------------------------------------------------------ 1-2. rollout and reward
+    def _rollout_round(self, group_offset: int) -> tuple[RolloutBatch, list[Any], list[str], torch.Tensor, dict]:
+        cfg = self.cfg
+        examples = self.prompts.next(cfg.prompts_per_step)
+        t0 = time.perf_counter()
+        batch = generate_rollouts(
+            self.model, self.tokenizer, [ex.messages for ex in examples], cfg.num_generations,
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            batch_size=cfg.rollout_batch_size, group_offset=group_offset)
+        self._t_gen += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rows = [ex for ex in examples for _ in range(cfg.num_generations)]
+        texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                 for ids, mask in zip(batch.response_ids, batch.response_mask)]
+        rewards, info = self.reward_fn(texts, rows)
+        self._t_score += time.perf_counter() - t0
+        return batch, rows, texts, rewards.float(), info
+
+    def collect(self) -> dict[str, Any]:
+        """Steps 1-2: rollouts and rewards for one step, with DAPO dynamic sampling if enabled.
+
+        Returns a dict with the kept ``batch`` (RolloutBatch with dense group ids), ``rewards``,
+        ``correct``, ``format_ok``, ``examples``, ``texts`` and sampling statistics.
+        """
+        cfg = self.cfg
+        parts, rounds, n_seen, n_zero = [], 0, 0, 0
+        kept_groups = 0
+        while True:
+            batch, rows, texts, rewards, info = self._rollout_round(group_offset=rounds * cfg.prompts_per_step)
+            rounds += 1
+            correct = torch.as_tensor(info["correct"], dtype=torch.float32)
+            fmt = torch.as_tensor(info.get("format_ok", torch.zeros(len(rows), dtype=torch.bool)), dtype=torch.bool)
+            keep = torch.ones(len(rows), dtype=torch.bool)
+            zv = zero_variance_groups(correct, batch.group_index)
+            n_seen += cfg.prompts_per_step
+            n_zero += int(zv.view(-1, cfg.num_generations)[:, 0].sum())
+            if cfg.dynamic_sampling:
+                keep = ~zv
+                room = (cfg.prompts_per_step - kept_groups) * cfg.num_generations
+                keep &= torch.cumsum(keep.long(), 0) <= room
+            idx = keep.nonzero().squeeze(-1)
+            if len(idx):
+                parts.append((batch.select(idx), rewards[idx], correct[idx], fmt[idx],
+                              [rows[i] for i in idx.tolist()], [texts[i] for i in idx.tolist()]))
+                kept_groups += len(idx) // cfg.num_generations
+            if not cfg.dynamic_sampling or kept_groups >= cfg.prompts_per_step or rounds >= cfg.max_sampling_rounds:
+                break
+        if not parts:  # nothing informative after max_sampling_rounds: keep the last round (A = 0)
+            parts.append((batch, rewards, correct, fmt, rows, texts))
+        kept = concat_rollouts([p[0] for p in parts], self.pad_id)
+        # dense group ids 0..n_groups-1 (stepwise needs small ids identifying groups in the step)
+        _, kept.group_index = torch.unique(kept.group_index, return_inverse=True)
+        return {
+            "batch": kept,
+            "rewards": torch.cat([p[1] for p in parts]),
+            "correct": torch.cat([p[2] for p in parts]),
+            "format_ok": torch.cat([p[3] for p in parts]),
+            "examples": [e for p in parts for e in p[4]],
+            "texts": [t for p in parts for t in p[5]],
+            "rounds": rounds,
+            "zero_variance_frac": n_zero / max(1, n_seen),
+        }
+
+    # ------------------------------------------------------------------ 4. log-probs
+    def _log_probs(self, model: Any, batch: RolloutBatch, with_entropy: bool = False,
+                   grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with torch.set_grad_enabled(grad):
+            return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                     batch.response_mask, temperature=self.cfg.temperature, with_entropy=with_entropy)
+
+    @torch.no_grad()
+    def _log_probs_batched(self, model: Any, batch: RolloutBatch,
+                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """No-grad log-probs (and entropy) of all rows, in micro-batches; (N, T) float32 on CPU."""
+        lps, ents = [], []
+        for idx in torch.arange(len(batch)).split(self.cfg.micro_batch_size):
+            lp, ent = self._log_probs(model, batch.select(idx), with_entropy=with_entropy)
+            lps.append(lp.cpu())
+            if ent is not None:
+                ents.append(ent.cpu())
+        return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+    # ------------------------------------------------------------------ 5. one optimizer step
+    def update_mini_batch(self, data: dict[str, Any], rows: torch.Tensor, on_policy: bool = False) -> dict[str, float]:
+        """One optimizer step on the sequences ``rows`` of the step's data, exactly micro-batched.
+
+        ``on_policy``: no optimizer step has happened since the old log-probs were computed (the
+        first mini-batch of the first epoch), so the ECHO pre-pass is the old log-probs themselves.
+
+        Returns this optimizer step's metrics (token-weighted over micro-batches).
+        """
+        cfg = self.cfg
+        batch: RolloutBatch = data["batch"].select(rows)
+        _, batch.group_index = torch.unique(batch.group_index, return_inverse=True)
+        mbs = []
+        for idx in torch.arange(len(rows)).split(cfg.micro_batch_size):
+            r = rows[idx]
+            mbs.append({
+                "rows": batch.select(idx),
+                "old_log_prob": data["old_log_prob"][r],
+                "advantages": data["advantages"][r],
+                "response_mask": data["response_mask"][r],
+                "group_index": batch.group_index[idx],
+                "ref_log_prob": data["ref_log_prob"][r] if data["ref_log_prob"] is not None else None,
+            })
+        if needs_log_prob_prepass(cfg.loss_mode, self.loss_config):
+            with torch.no_grad():
+                for mb in mbs:
+                    # same parameters as the old-log-prob pass: reuse it (saves one forward)
+                    mb["log_prob"] = (mb["old_log_prob"].clone() if on_policy
+                                      else self._log_probs(self.model, mb["rows"])[0].cpu())
+        stat_mbs = [{k: v for k, v in mb.items() if k not in ("rows", "ref_log_prob")} for mb in mbs]
+        stats = compute_step_stats(stat_mbs, loss_mode=cfg.loss_mode, loss_agg_mode=cfg.loss_agg_mode,
+                                   config=self.loss_config)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        weight = 0.0
+        batch_metrics: dict[str, float] = {}
+        for mb in mbs:
+            log_prob, _ = self._log_probs(self.model, mb["rows"], grad=True)
+            mask = mb["response_mask"].to(log_prob.device)
+            loss, m = compute_policy_loss(
+                cfg.loss_mode, mb["old_log_prob"].to(log_prob.device), log_prob, mb["advantages"].to(log_prob.device),
+                mask, cfg.loss_agg_mode, self.loss_config, group_index=mb["group_index"].to(log_prob.device),
+                step=stats)
+            if self.ref_model is not None:
+                kl_mat = kl_penalty(log_prob, mb["ref_log_prob"].to(log_prob.device), cfg.kl_penalty)
+                kl_loss = self._agg(kl_mat, mask, mb, stats)
+                loss = loss + cfg.kl_coef * kl_loss
+                m = dict(m, **{"kl/ref": float((kl_mat.detach() * mask).sum() / mask.sum().clamp(min=1))})
+            loss.backward()
+            n_tok = float(mask.sum())
+            for k, v in m.items():
+                if k.startswith("echo/"):
+                    batch_metrics[k] = float(v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + float(v) * n_tok
+            weight += n_tok
+        out = {k: v / weight for k, v in sums.items()} if weight > 0 else {k: 0.0 for k in sums}
+        out.update(batch_metrics)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        out["grad_norm"] = float(grad_norm)
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        return out
+
+    def _agg(self, loss_mat: torch.Tensor, mask: torch.Tensor, mb: dict[str, Any], stats: Any) -> torch.Tensor:
+        """Aggregate an extra per-token loss (the KL term) with the step's global normalisers."""
+        kw: dict[str, Any] = {}
+        for name in ("num_tokens", "num_seqs", "balanced", "dp_size"):
+            if hasattr(stats, name):
+                kw[name] = getattr(stats, name)
+        return agg_loss(loss_mat, mask, self.cfg.loss_agg_mode, advantages=mb["advantages"].to(mask.device),
+                        group_index=mb["group_index"].to(mask.device),
+                        norm_constant=self.loss_config["norm_constant"], **kw)
+
+    # ------------------------------------------------------------------ one training step
+    def train_step(self, step: int) -> dict[str, Any]:
+        """Run training step ``step`` (1-based) and return its metrics record."""
+        cfg = self.cfg
+        t_start, cpu_start = time.perf_counter(), time.process_time()
+        self._t_gen = self._t_score = 0.0
+
+        # 1-2. rollout, reward (+ DAPO dynamic sampling)
+        data = self.collect()
+        batch: RolloutBatch = data["batch"]
+        rewards = data["rewards"]
+        if cfg.overlong_buffer > 0:
+            rewards = rewards + cfg.overlong_penalty_factor * overlong_reward_penalty(
+                batch.response_length, cfg.max_new_tokens, cfg.overlong_buffer)
+        response_mask = batch.response_mask.clone()
+        if cfg.overlong_filtering:
+            response_mask = response_mask * (~batch.truncated).float().unsqueeze(-1)
+        t_update = time.perf_counter()
+
+        # 3. advantages (one scalar per response, broadcast over its tokens)
+        adv = compute_advantages(rewards, batch.group_index, method=cfg.adv_estimator)
+        advantages = adv.unsqueeze(-1) * response_mask
+
+        # 4. old log-probs (rollout policy), reference log-probs, entropy
+        old_log_prob, entropy = self._log_probs_batched(self.model, batch, with_entropy=True)
+        ref_log_prob = self._log_probs_batched(self.ref_model, batch)[0] if self.ref_model is not None else None
+        data.update(old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask,
+                    ref_log_prob=ref_log_prob)
+
+        # 5. update: PPO epochs x mini-batches of whole groups, one optimizer step each
+        n_groups = int(batch.group_index.max()) + 1
+        updates = []
+        for _epoch in range(cfg.ppo_epochs):
+            group_perm = torch.randperm(n_groups)
+            for groups in group_perm.tensor_split(min(cfg.num_mini_batches, n_groups)):
+                rows = torch.isin(batch.group_index, groups).nonzero().squeeze(-1)
+                updates.append(self.update_mini_batch(data, rows, on_policy=not updates))
+        t_update = time.perf_counter() - t_update
+
+        # 6. metrics
+        lengths = batch.response_length
+        valid = batch.response_mask.bool()
+        n_tokens = float(batch.response_mask.sum())
+        step_time = time.perf_counter() - t_start
+        record: dict[str, Any] = {
+            "step": step,
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std(unbiased=False)),
+            "accuracy": float(data["correct"].mean()),
+            "format_rate": float(data["format_ok"].float().mean()),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "truncated_frac": float(batch.truncated.float().mean()),
+            "entropy": float(entropy[valid].mean()) if valid.any() else 0.0,
+            "advantages/abs_mean": float(adv.abs().mean()),
+            "groups/kept": n_groups,
+            "groups/zero_variance_frac": data["zero_variance_frac"],
+            "sampling_rounds": data["rounds"],
+            "optimizer_steps": len(updates),
+        }
+        keys = sorted({k for u in updates for k in u})
+        for k in keys:
+            vals = [u[k] for u in updates if k in u]
+            record[k] = sum(vals) / len(vals)
+        if updates and "echo/R_batch" in keys:
+            rs = [u["echo/R_batch"] for u in updates if "echo/R_batch" in u]
+            record["echo/R_batch_min"], record["echo/R_batch_max"] = min(rs), max(rs)
+        record["lr"] = updates[-1]["lr"] if updates else self.scheduler.get_last_lr()[0]
+        record.update({
+            "time/generation": self._t_gen,
+            "time/scoring": self._t_score,
+            "time/update": t_update,
+            "time/step": step_time,
+            "time/step_cpu": time.process_time() - cpu_start,
+            "throughput/tokens_per_s": n_tokens / max(step_time, 1e-9),
+            "memory/peak_mb": peak_memory_mb(self.device),
+        })
+        self._samples = [
+            {"step": step, "question": getattr(ex, "question", None), "answer": getattr(ex, "answer", None),
+             "completion": text, "reward": float(r), "correct": float(c)}
+            for ex, text, r, c in list(zip(data["examples"], data["texts"], rewards, data["correct"]))[: cfg.log_samples]
+        ]
+        return record
+
+    # ------------------------------------------------------------------ the loop
+    def save(self, step: int) -> Path:
+        """Checkpoint after ``step`` (atomic, keep-last-k)."""
+        return save_checkpoint(self.run_dir, step, model=self.model, optimizer=self.optimizer,
+                               scheduler=self.scheduler, data_state=self.prompts.state_dict(),
+                               keep_last=self.cfg.keep_last)
+
+    def train(self) -> list[dict[str, Any]]:
+        """Run steps ``start_step+1 .. cfg.steps``; returns all metrics records of the run."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        bar = None
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"echotrain {cfg.preset}", unit="step",
+                       dynamic_ncols=True)
+        try:
+            for step in range(self.start_step + 1, cfg.steps + 1):
+                record = self.train_step(step)
+                self.logger.log(record)
+                self.logger.log_samples(self._samples)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{record['reward/mean']:.3f}", acc=f"{record['accuracy']:.3f}",
+                                    len=f"{record['response_length/mean']:.0f}")
+                for cb in self.callbacks:
+                    cb(step, record)
+                if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+                    self.save(step)
+                    if cfg.plots and step != cfg.steps:
+                        self.write_plots()
+        finally:
+            if bar is not None:
+                bar.close()
+            self.logger.close()
+        records = read_jsonl(self.run_dir / "metrics.jsonl")
+        if cfg.plots:
+            self.write_plots(records)
+        if cfg.save_final_model and hasattr(self.model, "save_pretrained"):
+            self.model.save_pretrained(self.run_dir / "final_model")
+            if hasattr(self.tokenizer, "save_pretrained"):
+                self.tokenizer.save_pretrained(self.run_dir / "final_model")
+        if cfg.progress:
+            print_summary(records, self.run_dir, time.perf_counter() - t0)
+        return records
+
+    def write_plots(self, records: list[dict[str, Any]] | None = None) -> list[Path]:
+        from echotrain.train.plots import plot_metrics
+
+        records = read_jsonl(self.run_dir / "metrics.jsonl") if records is None else records
+        return plot_metrics(records, self.run_dir / "plots")

@@ -1,0 +1,59 @@
+"""math-verify equivalence, including off the main thread."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from echotrain.rewards import math_equal
+from echotrain.rewards.math import normalize_answer
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold", "expected"),
+    [
+        ("0.5", r"\frac{1}{2}", True),
+        (r"\frac{1}{2}", "0.5", True),
+        ("1,000", "1000", True),  # thousands separator
+        ("1000", "1,000", True),
+        ("114,200", "114200", True),
+        (r"\frac{1}{3}", "1/3", True),
+        ("x+1", "1+x", True),
+        (r"\left( 3, \frac{\pi}{2} \right)", r"(3, \pi/2)", True),
+        ("18.0", "18", True),
+        ("$18$.", "18", True),
+        ("2", "3", False),
+        ("0.33", r"\frac{1}{3}", False),
+        ("1,2", "12", False),  # a tuple, not a thousands separator
+        (None, "5", False),  # no answer
+        ("", "5", False),
+        ("banana", "5", False),
+    ],
+)
+def test_math_equal(pred, gold, expected):
+    assert math_equal(pred, gold) is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [(" $1,000$. ", "1000"), ("1,2", "1,2"), ("-12,345.5", "-12345.5"), ("3.", "3")]
+)
+def test_normalize_answer(text, expected):
+    assert normalize_answer(text) == expected
+
+
+def test_bad_gold_is_a_clear_error():
+    with pytest.raises(ValueError, match="gold answer is empty"):
+        math_equal("1", "  ")
+    with pytest.raises(TypeError, match="gold must be a str"):
+        math_equal("1", 1)
+    with pytest.raises(TypeError, match="pred must be a str or None"):
+        math_equal(1, "1")
+
+
+def test_math_equal_in_worker_threads():
+    """math-verify's default SIGALRM timeout raises ValueError off the main thread; ours must not."""
+    cases = [("0.5", r"\frac{1}{2}", True), ("1,000", "1000", True), ("2", "3", False), ("x+1", "1+x", True)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda c: math_equal(c[0], c[1]), cases))
+    assert results == [c[2] for c in cases]

@@ -1,0 +1,235 @@
+"""Exact micro-batching and data parallelism: accumulated gradients equal the single-batch one."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from echotrain.rl import (
+    AGG_MODES,
+    POLICY_LOSSES,
+    compute_policy_loss,
+    compute_step_stats,
+    needs_log_prob_prepass,
+    shard_batch,
+    split_micro_batches,
+)
+
+BASE_CFG = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "norm_constant": 9.0}
+
+# ECHO variants: in band, batch clip firing (geo / arith / detached kappa), dual-clip on top.
+ECHO_CASES = [
+    ("echo-inband", dict(batch_clip_low=0.5, batch_clip_high=0.5)),
+    ("echo-geo-clipped", dict(batch_ratio="geo")),
+    ("echo-arith-clipped", dict(batch_ratio="arith")),
+    ("echo-detached", dict(detach_kappa=True)),
+    ("echo-dualclip", dict(clip_ratio_c=1.5)),
+]
+CASES = [(m, m, {}) for m in ("vanilla", "gspo", "gspo_token")] + [("echo", n, o) for n, o in ECHO_CASES]
+CASES += [("vanilla", "vanilla-dualclip", dict(clip_ratio_c=1.5))]
+
+
+def _cfg(overrides):
+    return {**BASE_CFG, **overrides}
+
+
+def _oracle_grad(batch, loss_mode, agg, cfg):
+    log_prob = batch["log_prob"].detach().clone().requires_grad_(True)
+    loss, metrics = compute_policy_loss(
+        loss_mode, batch["old_log_prob"], log_prob, batch["advantages"], batch["response_mask"], agg, cfg,
+        group_index=batch["group_index"],
+    )
+    loss.backward()
+    return loss.detach(), log_prob.grad, metrics
+
+
+def _accumulate(mbs, loss_mode, agg, cfg, step):
+    """The trainer loop of the stepwise docstring; returns (sum of losses, grads per mb)."""
+    total, grads = 0.0, []
+    for mb in mbs:
+        lp = mb["log_prob"].detach().clone().requires_grad_(True)
+        loss, _ = compute_policy_loss(
+            loss_mode, mb["old_log_prob"], lp, mb["advantages"], mb["response_mask"], agg, cfg,
+            group_index=mb["group_index"], step=step,
+        )
+        loss.backward()
+        total += float(loss.detach())
+        grads.append(lp.grad)
+    return total, torch.cat(grads)
+
+
+def _drifted_batch(batch_factory, seed, B=12):
+    # drift -0.1 puts ECHO's geo R near 0.9 and arith R below 1 - 0.02: the batch clip fires.
+    return batch_factory(seed=seed, B=B, T=6, group_size=4, drift=-0.1, noise=0.2)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("loss_mode,name,overrides", CASES, ids=[c[1] for c in CASES])
+def test_random_micro_batch_split_matches_single_batch(batch_factory, loss_mode, name, overrides, agg):
+    cfg = _cfg(overrides)
+    batch = _drifted_batch(batch_factory, seed=3)
+    ref_loss, ref_grad, ref_metrics = _oracle_grad(batch, loss_mode, agg, cfg)
+    if name.endswith("clipped") or name in ("echo-detached", "echo-dualclip"):
+        assert ref_metrics["echo/batch_clipped"] == 1.0  # the case really exercises the batch clip
+    if name == "echo-inband":
+        assert ref_metrics["echo/batch_clipped"] == 0.0
+    g = torch.Generator().manual_seed(7)
+    for _ in range(2):  # two random splits, sizes may be 0
+        cuts = sorted(torch.randint(0, 13, (3,), generator=g).tolist())
+        sizes = [b - a for a, b in zip([0] + cuts, cuts + [12])]
+        mbs = split_micro_batches(batch, sizes)
+        assert needs_log_prob_prepass(loss_mode) == (loss_mode == "echo")
+        step = compute_step_stats(mbs, loss_mode=loss_mode, loss_agg_mode=agg, config=cfg)
+        total, grad = _accumulate(mbs, loss_mode, agg, cfg, step)
+        assert total == pytest.approx(float(ref_loss), abs=1e-10)
+        torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-10)
+
+
+class ThreadAllReduce:
+    """Emulates ``all_reduce`` across ``world`` ranks that run as threads of one process."""
+
+    def __init__(self, world: int):
+        self.barrier = threading.Barrier(world)
+        self.buf: list[torch.Tensor | None] = [None] * world
+
+    def for_rank(self, rank: int):
+        def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+            self.buf[rank] = t.clone()
+            self.barrier.wait()
+            stacked = torch.stack(self.buf)
+            out = stacked.sum(0) if op == "sum" else stacked.max(0).values
+            self.barrier.wait()
+            return t.copy_(out)
+
+        return reduce
+
+
+def _run_ranks(batch, loss_mode, agg, cfg, world=2, mb_size=2, dp_size=None):
+    """Each simulated rank: shard -> micro-batches -> step stats (thread all-reduce) -> backward."""
+    reducer = ThreadAllReduce(world)
+    out: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def work(rank):
+        try:
+            mbs = split_micro_batches(shard_batch(batch, rank, world), mb_size)
+            step = compute_step_stats(
+                mbs, loss_mode=loss_mode, loss_agg_mode=agg, config=cfg, reduce_fn=reducer.for_rank(rank), dp_size=dp_size
+            )
+            out[rank] = _accumulate(mbs, loss_mode, agg, cfg, step)[1]
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+            reducer.barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return torch.cat([out[r] for r in range(world)])
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("loss_mode,name,overrides", CASES[:6], ids=[c[1] for c in CASES[:6]])
+def test_two_simulated_ranks_match_single_batch(batch_factory, loss_mode, name, overrides, agg):
+    cfg = _cfg(overrides)
+    # shard 0 holds groups 0 and half of group 1 -> groups straddle ranks.
+    batch = _drifted_batch(batch_factory, seed=5)
+    _, ref_grad, _ = _oracle_grad(batch, loss_mode, agg, cfg)
+    grad = _run_ranks(batch, loss_mode, agg, cfg)  # ranks' grads summed (dp_size=1)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-10)
+
+
+def test_dp_size_makes_ddp_average_exact(batch_factory):
+    """DDP averages rank gradients: with dp_size=world the average is the global gradient."""
+    cfg = _cfg({"batch_ratio": "geo"})
+    batch = _drifted_batch(batch_factory, seed=11)
+    _, ref_grad, _ = _oracle_grad(batch, "echo", "balanced", cfg)
+    # Each rank's rows only get that rank's gradient; DDP's average over 2 ranks is grad / 2.
+    grad = _run_ranks(batch, "echo", "balanced", cfg, dp_size=2) / 2
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-10)
+
+
+def test_step_for_other_mode_is_rejected(batch_factory):
+    batch = batch_factory()
+    step = compute_step_stats([batch], loss_mode="vanilla", loss_agg_mode="token-mean")
+    with pytest.raises(ValueError, match="loss_mode='vanilla'"):
+        compute_policy_loss("gspo", batch["old_log_prob"], batch["log_prob"], batch["advantages"],
+                            batch["response_mask"], "token-mean", step=step)
+    with pytest.raises(ValueError, match="loss_agg_mode='token-mean'"):
+        compute_policy_loss("vanilla", batch["old_log_prob"], batch["log_prob"], batch["advantages"],
+                            batch["response_mask"], "seq-mean-token-mean", step=step)
+
+
+def test_echo_step_needs_prepass_log_prob(batch_factory):
+    batch = batch_factory()
+    del batch["log_prob"]
+    with pytest.raises(ValueError, match="pre-pass log_prob"):
+        compute_step_stats([batch], loss_mode="echo", loss_agg_mode="token-mean")
+    with pytest.raises(ValueError, match="group_index"):
+        b = batch_factory()
+        del b["group_index"]
+        compute_step_stats([b], loss_mode="vanilla", loss_agg_mode="balanced")
+
+
+def test_registry_covers_the_four_losses():
+    assert set(POLICY_LOSSES) >= {"vanilla", "gspo", "gspo_token", "echo"}
+
+
+def test_split_and_shard_errors(batch_factory):
+    batch = batch_factory()
+    with pytest.raises(ValueError, match="sum to the batch size"):
+        split_micro_batches(batch, [3, 3])
+    with pytest.raises(ValueError, match="rank must be"):
+        shard_batch(batch, 2, 2)
+    assert [mb["old_log_prob"].shape[0] for mb in split_micro_batches(batch, 3)] == [3, 3, 2]
+
+
+def _gloo_worker(rank, world, init_file, out_file):
+    import torch.distributed as dist
+
+    from echotrain.rl import compute_policy_loss, compute_step_stats, shard_batch, split_micro_batches
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        batch = torch.load(out_file + ".in")
+        mbs = split_micro_batches(shard_batch(batch, rank, world), 2)
+        cfg = _cfg({"batch_ratio": "geo"})
+        step = compute_step_stats(mbs, loss_mode="echo", loss_agg_mode="balanced", config=cfg)  # real all_reduce
+        assert step.dp_size == world
+        grads = []
+        for mb in mbs:
+            lp = mb["log_prob"].detach().clone().requires_grad_(True)
+            loss, _ = compute_policy_loss("echo", mb["old_log_prob"], lp, mb["advantages"], mb["response_mask"],
+                                          "balanced", cfg, group_index=mb["group_index"], step=step)
+            loss.backward()
+            grads.append(lp.grad)
+        # What DDP does to a parameter gradient: all-reduce SUM then divide by the world size.
+        full = torch.zeros_like(batch["log_prob"])
+        rows = torch.tensor_split(torch.arange(full.shape[0]), world)[rank]
+        full[rows] = torch.cat(grads)
+        dist.all_reduce(full)
+        if rank == 0:
+            torch.save(full / world, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="torch.distributed gloo backend not available")
+def test_real_gloo_two_processes(batch_factory, tmp_path):
+    """torch.distributed (gloo, 2 processes): ECHO + balanced, DDP-style averaging, exact."""
+    import torch.multiprocessing as mp
+
+    batch = _drifted_batch(batch_factory, seed=13)
+    cfg = _cfg({"batch_ratio": "geo"})
+    _, ref_grad, ref_metrics = _oracle_grad(batch, "echo", "balanced", cfg)
+    assert ref_metrics["echo/batch_clipped"] == 1.0
+    out = str(tmp_path / "grad.pt")
+    torch.save({k: v.detach() for k, v in batch.items()}, out + ".in")
+    mp.start_processes(_gloo_worker, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True, start_method="fork")
+    torch.testing.assert_close(torch.load(out), ref_grad, rtol=0, atol=1e-10)

@@ -1,0 +1,95 @@
+"""Response masks and log-probs of response tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from echotrain.train.rollout import concat_rollouts, forward_log_probs, generate_rollouts, response_mask_from_ids
+
+EOS, PAD = 2, 0
+
+
+def test_mask_eos_produced_pad_differs_from_eos():
+    ids = torch.tensor([[5, 6, EOS, PAD, PAD],
+                        [5, EOS, PAD, PAD, PAD]])
+    mask, trunc = response_mask_from_ids(ids, EOS, PAD)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]
+    assert trunc.tolist() == [False, False]
+
+
+def test_mask_pad_equals_eos_counts_first_eos_once():
+    ids = torch.tensor([[5, 6, EOS, EOS, EOS],
+                        [EOS, EOS, EOS, EOS, EOS]])
+    mask, trunc = response_mask_from_ids(ids, EOS, EOS)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+    assert trunc.tolist() == [False, False]
+
+
+def test_mask_without_eos_excludes_trailing_padding_only():
+    # row 0 hit max_new_tokens (no EOS, no padding); row 1 has no EOS but was right-padded when
+    # batches of different widths were concatenated; row 2 sampled the pad id mid-response.
+    ids = torch.tensor([[5, 6, 7, 8, 9],
+                        [5, 6, 7, PAD, PAD],
+                        [5, PAD, 7, EOS, PAD]])
+    mask, trunc = response_mask_from_ids(ids, EOS, PAD)
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]
+    assert trunc.tolist() == [True, True, False]
+
+
+def test_mask_several_eos_ids_and_tokens_after_eos_excluded():
+    ids = torch.tensor([[5, 11, 6, 2, 7], [5, 6, 2, 11, 7]])
+    mask, trunc = response_mask_from_ids(ids, [2, 11], PAD)
+    assert mask.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert not trunc.any()
+
+
+def test_generated_masks_exclude_padding(tiny_model, tiny_tokenizer):
+    torch.manual_seed(3)
+    prompts = [[{"role": "user", "content": "say 1"}], [{"role": "user", "content": "say 12345"}]]
+    b = generate_rollouts(tiny_model, tiny_tokenizer, prompts, 6, max_new_tokens=12, temperature=1.5)
+    assert b.response_ids.shape[0] == 12 and b.group_index.tolist() == [0] * 6 + [1] * 6
+    eos = tiny_tokenizer.eos_token_id
+    for ids, m, tr in zip(b.response_ids, b.response_mask, b.truncated):
+        n = int(m.sum())
+        assert m[:n].eq(1).all() and m[n:].eq(0).all()  # a prefix
+        if tr:
+            assert eos not in ids[:n].tolist()
+        else:
+            assert ids[n - 1] == eos and eos not in ids[: n - 1].tolist()
+    # concatenating batches of different widths pads with mask 0 and keeps group ids
+    torch.manual_seed(4)
+    b2 = generate_rollouts(tiny_model, tiny_tokenizer, prompts[:1], 2, max_new_tokens=3, temperature=1.0,
+                           group_offset=2)
+    cat = concat_rollouts([b, b2], tiny_tokenizer.pad_token_id)
+    assert cat.response_mask[12:, 3:].eq(0).all()
+    assert cat.group_index.tolist()[-2:] == [2, 2]
+    assert torch.equal(cat.response_mask.sum(-1), torch.cat([b.response_length, b2.response_length]))
+
+
+def test_log_probs_match_generate_scores_with_left_padding(tiny_model, tiny_tokenizer):
+    """forward_log_probs (positions skipping left padding, logits / temperature) reproduces the
+    distribution generate() sampled from, so on-policy ratios are exactly 1."""
+    prompts = [[{"role": "user", "content": "say 1"}], [{"role": "user", "content": "say 123456"}]]
+    temp = 0.8
+    torch.manual_seed(0)
+    b = generate_rollouts(tiny_model, tiny_tokenizer, prompts, 2, max_new_tokens=6, temperature=temp)
+    assert b.prompt_mask[:2].eq(0).any()  # the short prompt is left-padded
+    torch.manual_seed(0)
+    texts = [tiny_tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+             for p in prompts for _ in range(2)]
+    enc = tiny_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = tiny_model.generate(**enc, max_new_tokens=6, do_sample=True, temperature=temp, top_k=None,
+                              pad_token_id=tiny_tokenizer.pad_token_id, eos_token_id=[tiny_tokenizer.eos_token_id],
+                              output_scores=True, return_dict_in_generate=True)
+    ref = torch.stack(out.scores, 1).log_softmax(-1)
+    resp = out.sequences[:, enc["input_ids"].shape[1]:]
+    assert torch.equal(resp, b.response_ids[:, : resp.shape[1]])
+    ref_lp = ref.gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+    lp, ent = forward_log_probs(tiny_model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask,
+                                temperature=temp, with_entropy=True)
+    m = b.response_mask[:, : resp.shape[1]].bool()
+    torch.testing.assert_close(lp[:, : resp.shape[1]][m], ref_lp[m], atol=1e-5, rtol=0)
+    # entropy from the same logits: -sum p log p of the tempered distribution
+    ref_ent = -(ref.exp() * ref).sum(-1)
+    torch.testing.assert_close(ent[:, : resp.shape[1]][m], ref_ent[m], atol=1e-5, rtol=0)
+    assert lp.requires_grad and not ent.requires_grad

@@ -45,6 +45,12 @@ def test_summary_cost_ratios(short_run):
     assert rows[0]["grad_evals_vs_sgd"] == pytest.approx(2.0)
     assert rows[3]["grad_evals_vs_sgd"] == pytest.approx(1.25)
     assert rows[4]["grad_evals_vs_sgd"] == pytest.approx(1.0)
+    assert rows[0]["lambda_gap_closed"][0] == pytest.approx(1.0)
+    assert rows[4]["lambda_gap_closed"][0] == pytest.approx(0.0)
+    assert rows[4]["acc_minus_sgd"] == (0.0, 0.0)
+    r3 = {r.switch_epoch: r for r in results}
+    expected = (r3[4].lambda_max - r3[3].lambda_max) / (r3[4].lambda_max - r3[0].lambda_max)
+    assert rows[3]["lambda_gap_closed"][0] == pytest.approx(expected)
 
 
 def test_cli_writes_json_table_and_plot(tmp_path):

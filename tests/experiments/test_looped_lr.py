@@ -118,3 +118,12 @@ def test_bad_options_raise():
         run_sweep(LoopedLRArgs(rules=["1/L"]))
     with pytest.raises(ValueError, match="lrs"):
         run_sweep(LoopedLRArgs(lrs=[0.0]))
+
+
+def test_cli_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["experiment", "looped-lr", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--n-loops", "--rules", "--lrs", "--short", "--summarize-only", "--eval-sequences"):
+        assert flag in text

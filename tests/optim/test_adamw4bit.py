@@ -224,13 +224,21 @@ def test_save_load_continue_is_bit_identical(dtype, factor):
         assert a.dtype == dtype and torch.equal(a, b)
 
 
-def test_load_state_dict_rejects_a_different_layout():
+def test_load_state_dict_keeps_saved_settings_and_rejects_corrupt_state():
     model = _tiny_model()
     opt = _opt(model.parameters())
     _train(model, opt, 1, seed=0)
     other = _opt(model.parameters(), factor_second_moment=True)
-    with pytest.raises(ValueError, match="factor_second_moment"):
-        other.load_state_dict(opt.state_dict())
+    other.load_state_dict(opt.state_dict())  # as torch.optim: the saved group settings win
+    assert other.param_groups[0]["factor_second_moment"] is False
+    bad = opt.state_dict()
+    pid = next(i for i, s in bad["state"].items() if "exp_avg_scale" in s)
+    bad["state"][pid]["exp_avg_scale"] = bad["state"][pid]["exp_avg_scale"].bfloat16()
+    with pytest.raises(ValueError, match="exp_avg_scale"):
+        _opt(model.parameters()).load_state_dict(bad)
+    del bad["state"][pid]["exp_avg_scale"]
+    with pytest.raises(ValueError, match="keys"):
+        _opt(model.parameters()).load_state_dict(bad)
 
 
 # ------------------------------------------------------------------------------ API and errors

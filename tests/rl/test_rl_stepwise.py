@@ -61,7 +61,7 @@ def _accumulate(mbs, loss_mode, agg, cfg, step):
 
 
 def _drifted_batch(batch_factory, seed, B=12):
-    # drift -0.1 puts ECHO's geo R near 0.9 and arith R below 1 - 0.02: the batch clip fires.
+    # drift -0.1 puts ECHO's geo and arith R near 0.9-0.92, below the default band: the batch clip fires.
     return batch_factory(seed=seed, B=B, T=6, group_size=4, drift=-0.1, noise=0.2)
 
 

@@ -93,3 +93,34 @@ def test_log_probs_match_generate_scores_with_left_padding(tiny_model, tiny_toke
     ref_ent = -(ref.exp() * ref).sum(-1)
     torch.testing.assert_close(ent[:, : resp.shape[1]][m], ref_ent[m], atol=1e-5, rtol=0)
     assert lp.requires_grad and not ent.requires_grad
+
+
+def test_shared_prefix_and_trimming_are_exact(tiny_model, tiny_tokenizer):
+    """Running each distinct prompt once (KV cache expanded to its G responses) and trimming
+    all-padding columns gives the same log-probs and the same parameter gradient as one full
+    forward of every prompt + response."""
+    prompts = [[{"role": "user", "content": "say 7"}], [{"role": "user", "content": "say 1234"}]]
+    torch.manual_seed(5)
+    b = generate_rollouts(tiny_model, tiny_tokenizer, prompts, 3, max_new_tokens=10, temperature=1.3)
+    # widen with extra padding on both sides, as concatenated batches have
+    pad = tiny_tokenizer.pad_token_id
+    p_ids = torch.nn.functional.pad(b.prompt_ids, (2, 0), value=pad)
+    p_mask = torch.nn.functional.pad(b.prompt_mask, (2, 0), value=0)
+    r_ids = torch.nn.functional.pad(b.response_ids, (0, 3), value=pad)
+    r_mask = torch.nn.functional.pad(b.response_mask, (0, 3), value=0)
+    w = torch.randn(r_ids.shape)
+    results = []
+    for share in (False, True):
+        tiny_model.zero_grad()
+        lp, ent = forward_log_probs(tiny_model, p_ids, p_mask, r_ids, r_mask, temperature=1.3, with_entropy=True,
+                                    share_prefix=share)
+        (lp * w * r_mask).sum().backward()
+        grads = {k: p.grad.clone() for k, p in tiny_model.named_parameters()}
+        results.append((lp.detach(), ent, grads))
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    m = r_mask.bool()
+    assert lp0.shape == lp1.shape == r_ids.shape
+    torch.testing.assert_close(lp1[m], lp0[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent1[m], ent0[m], atol=1e-5, rtol=0)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], atol=1e-5, rtol=1e-4)

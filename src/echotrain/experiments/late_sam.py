@@ -265,8 +265,12 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 def summarize(results: list[RunResult], epochs: int) -> list[dict]:
-    """Per arm: mean and sample std over seeds of every measure, and cost relative to SGD only."""
+    """Per arm: mean and sample std over seeds of every measure, costs relative to SGD only, and
+    paired (same-seed) comparisons: ``acc_minus_sgd`` = acc(arm) - acc(SGD) and
+    ``lambda_gap_closed`` = (lambda(SGD) - lambda(arm)) / (lambda(SGD) - lambda(full SAM)), the
+    share of full SAM's sharpness reduction that the arm achieves (1: all of it, 0: none)."""
     arms = sorted({r.switch_epoch for r in results})
+    by = {(r.switch_epoch, r.seed): r for r in results}
     rows = []
     for s in arms:
         rs = [r for r in results if r.switch_epoch == s]
@@ -275,12 +279,22 @@ def summarize(results: list[RunResult], epochs: int) -> list[dict]:
             row[key] = _mean_std([float(getattr(r, key)) for r in rs])
         traces = [r.trace for r in rs if r.trace is not None]
         row["trace"] = _mean_std(traces) if traces else None
+        paired = [(r, by.get((epochs, r.seed)), by.get((0, r.seed))) for r in rs]
+        if all(sgd is not None for _, sgd, _ in paired):
+            row["acc_minus_sgd"] = _mean_std([r.test_acc - sgd.test_acc for r, sgd, _ in paired])
+        else:
+            row["acc_minus_sgd"] = None
+        if all(sgd is not None and sam is not None and sgd.lambda_max != sam.lambda_max for _, sgd, sam in paired):
+            row["lambda_gap_closed"] = _mean_std(
+                [(sgd.lambda_max - r.lambda_max) / (sgd.lambda_max - sam.lambda_max) for r, sgd, sam in paired]
+            )
+        else:
+            row["lambda_gap_closed"] = None
         rows.append(row)
-    sgd = next((row for row in rows if row["switch_epoch"] == epochs), None)
+    sgd_row = next((row for row in rows if row["switch_epoch"] == epochs), None)
     for row in rows:
-        row["wall_vs_sgd"] = row["wall_s"][0] / sgd["wall_s"][0] if sgd else None
-        row["cpu_vs_sgd"] = row["cpu_s"][0] / sgd["cpu_s"][0] if sgd else None
-        row["grad_evals_vs_sgd"] = row["grad_evals"][0] / sgd["grad_evals"][0] if sgd else None
+        for key in ("wall_s", "cpu_s", "grad_evals"):
+            row[f"{key}_vs_sgd"] = row[key][0] / sgd_row[key][0] if sgd_row else None
     return rows
 
 
@@ -289,25 +303,42 @@ def _label(row: dict, epochs: int) -> str:
         return "full SAM"
     if row["switch_epoch"] == epochs:
         return "SGD only"
-    return f"SGD->SAM last {row['sam_epochs']} ep ({100 * row['sam_epochs'] / epochs:.1f}%)"
+    return f"SGD->SAM, last {row['sam_epochs']} ep ({100 * row['sam_epochs'] / epochs:.1f}%)"
+
+
+def _pm(ms: tuple[float, float] | None, fmt: str = ".3f", mult: float = 1.0) -> str:
+    if ms is None:
+        return "-"
+    return f"{mult * ms[0]:{fmt}} +- {mult * ms[1]:{fmt}}"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def markdown_table(summary: list[dict]) -> str:
-    """The per-arm table (mean +- std over seeds) as GitHub markdown."""
+    """Two GitHub-markdown tables (mean +- sample std over seeds): quality, then cost."""
     epochs = summary[0]["switch_epoch"] + summary[0]["sam_epochs"] if summary else 0
     lines = [
-        "| arm | switch epoch | test acc (%) | lambda_max | tr(H) | train loss | wall-clock (s) | CPU time (s) | x SGD (wall / CPU) | grad evals (x SGD) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | switch epoch | test acc (%) | acc - SGD (pp, paired) | lambda_max | share of SAM's lambda_max drop (paired) | tr(H) | train loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
-        tr = f"{r['trace'][0]:.1f} +- {r['trace'][1]:.1f}" if r["trace"] else "-"
-        ratio = f"{r['wall_vs_sgd']:.2f} / {r['cpu_vs_sgd']:.2f}" if r["wall_vs_sgd"] else "-"
-        gratio = f"{r['grad_evals'][0]:.0f} ({r['grad_evals_vs_sgd']:.2f})" if r["grad_evals_vs_sgd"] else f"{r['grad_evals'][0]:.0f}"
         lines.append(
-            f"| {_label(r, epochs)} | {r['switch_epoch']} | {100 * r['test_acc'][0]:.2f} +- {100 * r['test_acc'][1]:.2f} "
-            f"| {r['lambda_max'][0]:.3f} +- {r['lambda_max'][1]:.3f} | {tr} "
-            f"| {r['train_loss'][0]:.4f} +- {r['train_loss'][1]:.4f} | {r['wall_s'][0]:.2f} +- {r['wall_s'][1]:.2f} | {r['cpu_s'][0]:.2f} +- {r['cpu_s'][1]:.2f} "
-            f"| {ratio} | {gratio} |"
+            f"| {_label(r, epochs)} | {r['switch_epoch']} | {_pm(r['test_acc'], '.2f', 100)} "
+            f"| {_pm(r['acc_minus_sgd'], '+.2f', 100)} | {_pm(r['lambda_max'])} | {_pm(r['lambda_gap_closed'], '.2f')} "
+            f"| {_pm(r['trace'], '.2f')} | {_pm(r['train_loss'], '.4f')} |"
+        )
+    lines += [
+        "",
+        "| arm | gradient evaluations | x SGD | training CPU time (s) | x SGD | training wall-clock (s) | x SGD |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in summary:
+        lines.append(
+            f"| {_label(r, epochs)} | {r['grad_evals'][0]:.0f} | {_ratio(r['grad_evals_vs_sgd'])} "
+            f"| {_pm(r['cpu_s'], '.2f')} | {_ratio(r['cpu_s_vs_sgd'])} "
+            f"| {_pm(r['wall_s'], '.2f')} | {_ratio(r['wall_s_vs_sgd'])} |"
         )
     return "\n".join(lines) + "\n"
 

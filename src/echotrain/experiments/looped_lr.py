@@ -379,7 +379,7 @@ def run(args: LoopedLRArgs, log=print) -> dict:
 def register(parser: argparse.ArgumentParser) -> None:
     """Add the options of :class:`LoopedLRArgs` to ``parser`` (``echotrain experiment looped-lr``)."""
     defaults = LoopedLRArgs()
-    docs = _field_docs()
+    docs = {k: v.replace("%", "%%") for k, v in _field_docs().items()}  # argparse formats help with %
     for name, value in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, list):

@@ -11,6 +11,7 @@ Public API
       ``LlamaForCausalLM`` without ``quantization_config`` and saves it as safetensors under
       ``$ECHOTRAIN_CACHE/models/<name>`` (default ``~/.cache/echotrain/models/<name>``), written
       atomically (temp dir + rename); later calls load that folder in about a second, offline.
+    * a path ending in ``.gguf``: converted and cached the same way (``load_gguf_file``).
     * anything else: ``AutoModelForCausalLM.from_pretrained`` (hub id or local folder).
     The tokenizer always has a pad token and ``padding_side="left"`` (ready for batched
     generation) and carries the model's chat template. The model is in ``eval()`` mode with
@@ -36,6 +37,7 @@ from echotrain.models.gguf import (
     default_cache_dir,
     embedded_model_names,
     load_embedded,
+    load_gguf_file,
     locate_gguf,
 )
 from echotrain.models.hf import load_policy, prepare_tokenizer
@@ -45,6 +47,7 @@ __all__ = [
     "default_cache_dir",
     "embedded_model_names",
     "load_embedded",
+    "load_gguf_file",
     "load_policy",
     "locate_gguf",
     "prepare_tokenizer",

@@ -16,6 +16,7 @@ concurrent loader never sees a half-written folder). Later calls load that folde
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -35,6 +36,7 @@ __all__ = [
     "default_cache_dir",
     "embedded_model_names",
     "load_embedded",
+    "load_gguf_file",
     "locate_gguf",
 ]
 
@@ -152,6 +154,37 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def _cached_conversion(gguf_path: Path, folder_name: str, stamp: dict, cache_dir: str | Path | None) -> Path:
+    """``<cache>/models/<folder_name>``, (re)converted from ``gguf_path`` unless its stamp matches."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    final = root / "models" / folder_name
+    if _stamp_matches(final, stamp):
+        return final
+    if final.exists():
+        logger.info("cached %s does not match %s; converting again", final, gguf_path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to a plain model in %s (once)", gguf_path, final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder_name}-", dir=final.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+    try:
+        convert_gguf(gguf_path, tmp)
+        (tmp / _STAMP).write_text(json.dumps(stamp, indent=1))  # written last: marks completion
+        if _stamp_matches(final, stamp):  # another process finished first
+            return final
+        if final.exists():  # stale: move it aside, then swap in
+            old = Path(tempfile.mkdtemp(prefix=f".{folder_name}-old-", dir=final.parent))
+            os.rename(final, old / folder_name)
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _stamp_matches(final, stamp):  # lost a race to an equally complete folder is fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
 def load_embedded(name: str = DEFAULT_MODEL, *, cache_dir: str | Path | None = None) -> Path:
     """Folder of embedded model ``name`` as a plain HF model, converting it on first use.
 
@@ -166,31 +199,22 @@ def load_embedded(name: str = DEFAULT_MODEL, *, cache_dir: str | Path | None = N
         KeyError: unknown ``name``; FileNotFoundError: package missing (see ``locate_gguf``).
     """
     gguf_path = locate_gguf(name)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    final = root / "models" / name
-    stamp = _stamp(name, gguf_path)
-    if _stamp_matches(final, stamp):
-        return final
-    if final.exists():
-        logger.info("cached %s does not match %s; converting again", final, gguf_path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s to a plain model in %s (once)", gguf_path, final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
-    try:
-        convert_gguf(gguf_path, tmp)
-        (tmp / _STAMP).write_text(json.dumps(stamp, indent=1))  # written last: marks completion
-        if _stamp_matches(final, stamp):  # another process finished first
-            return final
-        if final.exists():  # stale: move it aside, then swap in
-            old = Path(tempfile.mkdtemp(prefix=f".{name}-old-", dir=final.parent))
-            os.rename(final, old / name)
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / _STAMP).is_file():  # someone else won the race with a complete folder
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return _cached_conversion(gguf_path, name, _stamp(name, gguf_path), cache_dir)
+
+
+def load_gguf_file(path: str | Path, *, cache_dir: str | Path | None = None) -> Path:
+    """Folder of any local ``.gguf`` causal LM converted to a plain HF model (cached like
+    ``load_embedded``, under ``models/gguf-<stem>-<hash of path, size, mtime>``).
+
+    The architecture must be one transformers reads from GGUF (llama, mistral, qwen2, ...).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+    """
+    p = Path(path).expanduser().resolve()
+    if not p.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {p}")
+    st = p.stat()
+    stamp = {"gguf_path": str(p), "gguf_bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    key = hashlib.sha1(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:10]
+    return _cached_conversion(p, f"gguf-{p.stem}-{key}", stamp, cache_dir)

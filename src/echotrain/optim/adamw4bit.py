@@ -41,6 +41,12 @@ def _squeezed_shape(shape: torch.Size) -> tuple[int, ...]:
     return tuple(s for s in shape if s != 1)
 
 
+def _num_blocks_even(numel: int, block_size: int) -> int:
+    """B128 block count rounded up to even, so each packed half holds whole blocks."""
+    nb = quant.num_blocks(numel, block_size)
+    return nb + nb % 2
+
+
 def _v_kind(p: Tensor, group: dict[str, Any]) -> str:
     """'fp32' | 'rank1' | 'block' | 'factor' for parameter ``p`` in ``group``."""
     if p.numel() <= group["min_quantize_numel"]:
@@ -75,15 +81,19 @@ def adamw4bit_tensor_update_(
 ) -> None:
     """One AdamW step for one parameter with 4-bit m (and 4-bit or factored v), in place.
 
-    Pure tensor math without Python branches on values, so it can be ``torch.compile``d.
+    Pure tensor math without Python branches on values, so it can be ``torch.compile``d. The
+    flattened tensor is zero-padded to ``L = nb * block_size`` elements (``nb`` even) and
+    processed as two contiguous halves, which are exactly the high and low nibbles of the
+    packed codes (see :mod:`echotrain.optim.quant`).
 
     Args:
         p: parameter, any shape, float32 or bfloat16; updated in place (math in float32).
         grad: gradient, shape of ``p``.
-        m_codes, m_scale: packed B128/DE codes (uint8, ``nb * block_size / 2``) and float32
-            block scales (``nb``) of m; replaced in place by the new m.
-        v_codes, v_scale: for ``v_kind`` 'rank1' packed Linear codes (``ceil(numel/2)``) and the
-            concatenated rank-1 factors (``sum(squeezed shape)``); for 'block' like m.
+        m_codes, m_scale: packed B128/DE codes (uint8, ``L / 2``) and float32 block scales
+            (``nb``) of m; replaced in place by the new m.
+        v_codes, v_scale: packed Linear codes of v (uint8, ``L / 2``) and, for ``v_kind``
+            'rank1', the concatenated rank-1 factors (``sum(squeezed shape)``), for 'block'
+            the block scales (``nb``).
         v_row, v_col: for 'factor', float32 Adafactor statistics of shapes ``shape[:-1]`` and
             ``shape[:-2] + shape[-1:]`` of the squeezed shape.
         step: the step count t after incrementing (>= 1).
@@ -94,57 +104,70 @@ def adamw4bit_tensor_update_(
     """
     n = p.numel()
     nb = m_scale.numel()
-    padded = nb * block_size
+    length = nb * block_size
+    half = length // 2
+    bh = nb // 2  # blocks per half
     qshape = _squeezed_shape(p.shape)
-    g = grad.reshape(-1).float()
-
-    # Dequantize m (B128/DE); the padding of the last block is dropped.
-    m = quant._de_value(quant._unpack_f(m_codes)).view(nb, block_size) * m_scale[:, None]
-    m = m.view(-1)[:n]
-    m = m + (1 - beta1) * (g - m)  # lerp: beta1 m + (1 - beta1) g
+    g = _pad_to(grad.reshape(-1).float(), length)
+    p32 = _pad_to(p.reshape(-1).float(), length)
+    step_size = lr / (1 - beta1**step)
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    decay = 1 - lr * weight_decay
 
     if v_kind == "factor":
-        g2 = (g * g).view(qshape)
+        g2 = (g[:n] * g[:n]).view(qshape)
         row = beta2 * v_row + (1 - beta2) * g2.mean(dim=-1)
         col = beta2 * v_col + (1 - beta2) * g2.mean(dim=-2)
         row_mean = row.mean(dim=-1, keepdim=True).clamp(min=_TINY)
-        v = ((row / row_mean).unsqueeze(-1) * col.unsqueeze(-2)).reshape(-1)
-    else:
-        if v_kind == "rank1":
-            scale = quant.rank1_scale(torch.split(v_scale, list(qshape)))
-            v = quant._linear_value(quant._unpack_f(v_codes)[:n]).view(qshape) * scale
-        else:  # block
-            v = quant._linear_value(quant._unpack_f(v_codes)).view(nb, block_size) * v_scale[:, None]
-        v = v.reshape(-1)[:n]
-        v = beta2 * v + (1 - beta2) * (g * g)
+        v_all = _pad_to(((row / row_mean).unsqueeze(-1) * col.unsqueeze(-2)).reshape(-1), length)
+    elif v_kind == "rank1":
+        v_scale_all = _pad_to(quant.rank1_scale(torch.split(v_scale, list(qshape))).reshape(-1), length)
 
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = v.sqrt() / bias_correction2_sqrt + eps
-    p32 = p.reshape(-1).float() * (1 - lr * weight_decay) - (lr / bias_correction1) * (m / denom)
-    p.copy_(p32.view(p.shape))
+    new_p, new_m, new_v = [], [], []
+    for i in (0, 1):
+        gi = g[i * half : (i + 1) * half]
+        mi = quant._de_value(quant._nibble_f(m_codes, i)).view(bh, block_size)
+        mi = (mi * m_scale[i * bh : (i + 1) * bh, None]).view(-1)
+        mi = mi + (1 - beta1) * (gi - mi)  # lerp: beta1 m + (1 - beta1) g
+        if v_kind == "factor":
+            vi = v_all[i * half : (i + 1) * half]
+        else:
+            vi = quant._linear_value(quant._nibble_f(v_codes, i))
+            if v_kind == "rank1":
+                vi = vi * v_scale_all[i * half : (i + 1) * half]
+            else:
+                vi = (vi.view(bh, block_size) * v_scale[i * bh : (i + 1) * bh, None]).view(-1)
+            vi = beta2 * vi + (1 - beta2) * (gi * gi)
+        denom = vi.sqrt() / bias_correction2_sqrt + eps
+        new_p.append(p32[i * half : (i + 1) * half] * decay - step_size * (mi / denom))
+        new_m.append(mi.view(bh, block_size))
+        new_v.append(vi)
+    p.copy_(torch.cat(new_p)[:n].view(p.shape))
 
-    # Quantize the new m: B128/DE.
-    m_blocks = _pad_to(m, padded).view(nb, block_size)
-    new_m_scale = m_blocks.abs().amax(dim=1)
-    m_codes.copy_(quant._pack_f(quant._de_code_f(m_blocks / new_m_scale.clamp(min=_TINY)[:, None]).view(-1)))
-    m_scale.copy_(new_m_scale)
+    # Quantize the new m: B128/DE, one half (= one nibble) at a time.
+    m_scales = [mi.abs().amax(dim=1) for mi in new_m]
+    m_code = [quant._de_code_f(mi / si.clamp(min=_TINY)[:, None]).view(-1) for mi, si in zip(new_m, m_scales)]
+    m_codes.copy_((m_code[0] * 16 + m_code[1]).to(torch.uint8))
+    m_scale.copy_(torch.cat(m_scales))
 
     # Quantize the new v: Rank-1/Linear, B128/Linear, or keep the float32 factors.
     if v_kind == "factor":
         v_row.copy_(row)
         v_col.copy_(col)
-    elif v_kind == "rank1":
-        vq = v.view(qshape)
-        factors = [vq.amax(dim=[e for e in range(len(qshape)) if e != d]) for d in range(len(qshape))]
-        code = quant._linear_code_f(vq / quant.rank1_scale(factors).clamp(min=_TINY))
-        v_codes.copy_(quant._pack_f(_pad_to(code.view(-1), 2 * v_codes.numel())))
+        return
+    if v_kind == "rank1":
+        vq = torch.cat(new_v)[:n].view(qshape)
+        dims = range(len(qshape))
+        factors = [vq.amax(dim=[e for e in dims if e != d]) for d in dims]
+        scale_all = _pad_to(quant.rank1_scale(factors).reshape(-1), length).clamp(min=_TINY)
+        v_code = [quant._linear_code_f(vi / scale_all[i * half : (i + 1) * half]) for i, vi in enumerate(new_v)]
         v_scale.copy_(torch.cat(factors))
     else:
-        v_blocks = _pad_to(v, padded).view(nb, block_size)
-        new_v_scale = v_blocks.amax(dim=1)
-        v_codes.copy_(quant._pack_f(quant._linear_code_f(v_blocks / new_v_scale.clamp(min=_TINY)[:, None]).view(-1)))
-        v_scale.copy_(new_v_scale)
+        v_blocks = [vi.view(bh, block_size) for vi in new_v]
+        v_scales = [vb.amax(dim=1) for vb in v_blocks]
+        v_code = [quant._linear_code_f(vb / s.clamp(min=_TINY)[:, None]).view(-1) for vb, s in zip(v_blocks, v_scales)]
+        v_scale.copy_(torch.cat(v_scales))
+    v_codes.copy_((v_code[0] * 16 + v_code[1]).to(torch.uint8))
 
 
 class AdamW4bit(torch.optim.Optimizer):
@@ -224,7 +247,7 @@ class AdamW4bit(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=dev)
             return state
         bs = group["block_size"]
-        nb = quant.num_blocks(p.numel(), bs)
+        nb = _num_blocks_even(p.numel(), bs)
         # Code 7 of the DE map is 0.0; with scale 0 every code dequantizes to 0 anyway.
         state["exp_avg_codes"] = torch.full((nb * bs // 2,), 0x77, dtype=torch.uint8, device=dev)
         state["exp_avg_scale"] = torch.zeros(nb, dtype=torch.float32, device=dev)
@@ -233,7 +256,7 @@ class AdamW4bit(torch.optim.Optimizer):
             state["exp_avg_sq_row"] = torch.zeros(qshape[:-1], dtype=torch.float32, device=dev)
             state["exp_avg_sq_col"] = torch.zeros(qshape[:-2] + qshape[-1:], dtype=torch.float32, device=dev)
         elif kind == "rank1":
-            state["exp_avg_sq_codes"] = torch.zeros(-(-p.numel() // 2), dtype=torch.uint8, device=dev)
+            state["exp_avg_sq_codes"] = torch.zeros(nb * bs // 2, dtype=torch.uint8, device=dev)
             state["exp_avg_sq_scale"] = torch.zeros(sum(qshape), dtype=torch.float32, device=dev)
         else:
             state["exp_avg_sq_codes"] = torch.zeros(nb * bs // 2, dtype=torch.uint8, device=dev)

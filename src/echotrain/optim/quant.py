@@ -249,11 +249,20 @@ def _pack_f(code: Tensor) -> Tensor:
     return (code[:h] * 16 + code[h:]).to(torch.uint8)
 
 
-def _unpack_f(packed: Tensor) -> Tensor:
-    """Unpack to float32 codes of length ``2 * packed.numel()``."""
+def _nibble_f(packed: Tensor, half: int) -> Tensor:
+    """Float32 codes of one half: ``half=0`` high nibbles (codes 0..n/2-1), ``1`` low nibbles.
+
+    The optimizer works on the two halves separately, so every load stays contiguous and
+    torch.compile vectorises it (a (2, n/2) broadcast or a concatenation does not).
+    """
     q = packed.float()
     hi = torch.floor(q * 0.0625)
-    return torch.cat([hi, q - 16 * hi])
+    return hi if half == 0 else q - 16 * hi
+
+
+def _unpack_f(packed: Tensor) -> Tensor:
+    """Unpack to float32 codes of length ``2 * packed.numel()``."""
+    return torch.cat([_nibble_f(packed, 0), _nibble_f(packed, 1)])
 
 
 def pack_4bit(codes: Tensor) -> Tensor:
@@ -327,15 +336,19 @@ def dequantize_blockwise(
 ) -> Tensor:
     """Inverse of :func:`quantize_blockwise`: float32 tensor of ``shape``.
 
+    ``scale`` may hold more blocks than ``shape`` needs (trailing all-padding blocks, as in the
+    optimizer's state, which rounds the block count up to even); they are dropped.
+
     Raises:
-        ValueError: ``packed``/``scale`` sizes do not match ``shape`` and ``block_size``.
+        ValueError: ``packed``/``scale`` sizes do not match each other or do not cover ``shape``.
     """
     numel = math.prod(shape)
-    nb = num_blocks(numel, block_size)
-    if scale.numel() != nb or packed.numel() * 2 != nb * block_size:
+    nb = scale.numel()
+    if nb < num_blocks(numel, block_size) or packed.numel() * 2 != nb * block_size:
         raise ValueError(
-            f"dequantize_blockwise: shape {tuple(shape)} with block {block_size} needs {nb} scales "
-            f"and {nb * block_size // 2} bytes, got {scale.numel()} and {packed.numel()}"
+            f"dequantize_blockwise: shape {tuple(shape)} with block {block_size} needs at least "
+            f"{num_blocks(numel, block_size)} scales and 2 * bytes == scales * block_size, got "
+            f"{scale.numel()} scales and {packed.numel()} bytes"
         )
     values = dequantize_codes(unpack_4bit(packed), qmap)
     return (values.view(nb, block_size) * scale.float()[:, None]).view(-1)[:numel].view(shape)
@@ -365,12 +378,15 @@ def dequantize_rank1(
 ) -> Tensor:
     """Inverse of :func:`quantize_rank1`: float32 tensor of ``shape``.
 
+    The codes are the first ``numel`` of ``unpack_4bit(packed)``; ``packed`` may be longer
+    (the optimizer pads v's codes to whole B128 blocks).
+
     Raises:
-        ValueError: sizes of ``packed`` or ``factors`` do not match ``shape``.
+        ValueError: ``packed`` too short or ``factors`` not of length ``sum(shape)``.
     """
     numel = math.prod(shape)
-    if packed.numel() != -(-numel // 2):
-        raise ValueError(f"dequantize_rank1: {tuple(shape)} needs {-(-numel // 2)} bytes, got {packed.numel()}")
+    if packed.numel() * 2 < numel:
+        raise ValueError(f"dequantize_rank1: {tuple(shape)} needs >= {-(-numel // 2)} bytes, got {packed.numel()}")
     scale = rank1_scale(split_factors(factors.float(), shape))
     values = dequantize_codes(unpack_4bit(packed, numel), qmap)
     return values.view(shape) * scale

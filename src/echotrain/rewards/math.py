@@ -29,9 +29,12 @@ def normalize_answer(text: str) -> str:
     separators from plain numbers (``1,000`` -> ``1000``; ``1,2`` is left alone because it is a
     tuple, not a number).
     """
-    s = _WRAPPERS.sub("", text.strip()).strip()
-    if s.endswith(".") and not s.endswith(".."):
-        s = s[:-1].rstrip()
+    s, prev = text, None
+    while s != prev:  # "$1,000$." -> "1,000"
+        prev = s
+        s = _WRAPPERS.sub("", s.strip()).strip()
+        if s.endswith(".") and not s.endswith(".."):
+            s = s[:-1]
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
     return s

@@ -16,11 +16,13 @@ from echotrain.rl.validation import check_choice
 
 #: Provisional ECHO batch band (eps_b_low, eps_b_high) on R. Ours: no published value exists.
 #: With the default ``batch_ratio="geo"``, log R is the batch mean of the token log-ratios,
-#: an estimate of -KL(pi_old || pi); it sits at about -1e-3 .. -2e-2 for off-policy
-#: mini-batches, so a PPO-sized band of 0.2 would never fire. 0.02 fires when the step's
-#: KL estimate exceeds ~0.02 (see docs/benchmarks.md, objectives section, for the synthetic
-#: look behind it). Provisional: the trainer's sweep of R must confirm or replace it.
-ECHO_DEFAULT_BATCH_BAND: tuple[float, float] = (0.02, 0.02)
+#: an estimate of -KL(pi_old || pi), so 1 - R_geo ~ KL: a PPO-sized band of 0.2 would need a
+#: KL of ~0.2 and never fires. In a synthetic look (``python benchmarks/bench_objectives.py
+#: --echo-band-look``, table in docs/benchmarks.md) 1 - R_geo = 0.01 is reached when about 10-15%
+#: of the tokens would leave a +-0.2 token band; 0.01 therefore bounds the step's KL at ~0.01.
+#: ``arith`` R stays within ~1e-3 of 1 whatever the drift (E_old[rho] = 1), so it rarely fires.
+#: Provisional: the trainer's sweep of R on real runs must confirm or replace it.
+ECHO_DEFAULT_BATCH_BAND: tuple[float, float] = (0.01, 0.01)
 
 BATCH_RATIOS = ("geo", "arith")
 BA_SCOPES = ("group", "batch")

@@ -51,4 +51,4 @@ def kl_penalty(
     if kl_penalty == "k2":
         return 0.5 * x.square()
     x = x.clamp(-clamp, clamp)
-    return torch.exp(x) - x - 1.0
+    return torch.expm1(x) - x  # = exp(x) - x - 1; expm1 keeps it >= 0 for tiny x in fp32

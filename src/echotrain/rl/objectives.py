@@ -102,18 +102,24 @@ def ppo_clip_loss(
     return loss, flags
 
 
-def clip_metrics(flags: dict[str, torch.Tensor], log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """verl's metrics from :func:`ppo_clip_loss` flags, over valid tokens only."""
+def clip_metrics(
+    flags: dict[str, torch.Tensor],
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    log_ratio_sum: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """verl's metrics from :func:`ppo_clip_loss` flags, over valid tokens only (0 if none).
+
+    ``log_ratio_sum`` (the masked sum of ``log_ratio``) may be passed when already computed.
+    """
     with torch.no_grad():
-        high = masked_mean(flags["high"].to(log_ratio.dtype), mask)
-        low = masked_mean(flags["low"].to(log_ratio.dtype), mask)
-        return {
-            "pg_clipfrac": float(high + low),
-            "pg_clipfrac_high": float(high),
-            "pg_clipfrac_low": float(low),
-            "pg_clipfrac_lower": float(masked_mean(flags["dual"].to(log_ratio.dtype), mask)),
-            "ppo_kl": float(masked_mean(-log_ratio, mask)),
-        }
+        if log_ratio_sum is None:
+            log_ratio_sum = torch.where(mask, log_ratio, 0).sum()
+        counts = torch.stack([(flags[k] & mask).sum() for k in ("high", "low", "dual")]).to(torch.float64)
+        values = torch.cat([counts, -log_ratio_sum.detach().to(torch.float64).reshape(1)])
+        high, low, dual, kl = (values / mask.sum().clamp(min=1)).tolist()
+    return {"pg_clipfrac": high + low, "pg_clipfrac_high": high, "pg_clipfrac_low": low,
+            "pg_clipfrac_lower": dual, "ppo_kl": kl}
 
 
 def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -125,15 +131,17 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return torch.where(mask, log_ratio, 0).sum(-1) / lengths
 
 
-def batch_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
+def batch_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, kind: str, ratio: torch.Tensor | None = None) -> torch.Tensor:
     """ECHO's batch ratio R over all valid tokens (0-d; 1 when there are none).
 
-    ``geo``: R = exp(mean log rho); ``arith``: R = mean rho (design §4, step 1).
+    ``geo``: R = exp(mean log rho); ``arith``: R = mean rho (design §4, step 1). ``ratio``
+    (= exp(log_ratio)) may be passed to save an ``exp``.
     """
     n = mask.sum().clamp(min=1).to(log_ratio.dtype)
     if kind == "geo":
         return torch.exp(torch.where(mask, log_ratio, 0).sum() / n)
-    return torch.where(mask, torch.exp(log_ratio), 0).sum() / n + (~mask.any()).to(log_ratio.dtype)
+    ratio = torch.exp(log_ratio) if ratio is None else ratio
+    return torch.where(mask, ratio, 0).sum() / n + (~mask.any()).to(log_ratio.dtype)
 
 
 def batch_kappa(R: torch.Tensor, batch_clip_low: float, batch_clip_high: float) -> tuple[torch.Tensor, bool]:
@@ -349,43 +357,53 @@ def compute_policy_loss_echo(
     cfg, adv, mask, w = _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step)
     log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp)
     ratio = torch.exp(log_ratio)
+    log_ratio_sum = torch.where(mask, log_ratio, 0).sum()  # shared by R_geo and ppo_kl
     if step is None:
-        R = batch_ratio(log_ratio, mask, cfg.batch_ratio)
+        if cfg.batch_ratio == "geo":
+            R = torch.exp(log_ratio_sum / mask.sum().clamp(min=1))
+        else:
+            R = batch_ratio(log_ratio, mask, "arith", ratio)
         kappa, clipped = batch_kappa(R, cfg.batch_clip_low, cfg.batch_clip_high)
         if cfg.detach_kappa:
             kappa = kappa.detach()
-        loss_mat, flags = ppo_clip_loss(kappa * ratio, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
+        # inside the band kappa is the constant 1: skip the rescaling (same value and gradient)
+        loss_mat, flags = ppo_clip_loss(kappa * ratio if clipped else ratio, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
         loss = weighted_sum(loss_mat, mask, w)
         r_val, k_val = float(R.detach()), float(kappa.detach())
     else:
         echo = step.echo
         if echo is None:
             raise ValueError("step has no ECHO statistics: compute_step_stats(..., loss_mode='echo') is required")
-        loss_mat, flags = ppo_clip_loss(echo.kappa * ratio, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
+        rho_t = echo.kappa * ratio if echo.clipped else ratio
+        loss_mat, flags = ppo_clip_loss(rho_t, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
         loss = weighted_sum(loss_mat, mask, w)
         if echo.clipped and not cfg.detach_kappa:
-            loss = loss + echo.grad_sum * kappa_gradient_share(log_ratio, mask, echo.R, echo.num_tokens, echo.R_bar, cfg.batch_ratio)
+            share = kappa_gradient_share(log_ratio, ratio, mask, echo.R, echo.num_tokens, echo.R_bar, cfg.batch_ratio)
+            loss = loss + echo.grad_sum * share
         r_val, k_val, clipped = echo.R, echo.kappa, echo.clipped
-    metrics = clip_metrics(flags, log_ratio, mask)
+    metrics = clip_metrics(flags, log_ratio, mask, log_ratio_sum)
     metrics.update({"echo/R_batch": r_val, "echo/kappa": k_val, "echo/batch_clipped": float(clipped)})
     return loss * _dp(step), metrics
 
 
 def kappa_gradient_share(
-    log_ratio: torch.Tensor, mask: torch.Tensor, R: float, num_tokens: float, R_bar: float, kind: str
+    log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
+    mask: torch.Tensor,
+    R: float,
+    num_tokens: float,
+    R_bar: float,
+    kind: str,
 ) -> torch.Tensor:
     """A 0-d tensor of value 0 whose gradient is this micro-batch's share of d kappa.
 
     kappa = R_bar / R with R clipped (R_bar constant); R's derivative decomposes over tokens:
     ``geo`` dR = (R / N) sum d log rho, ``arith`` dR = (1 / N) sum d rho. Summing the shares of
-    every micro-batch and rank gives d kappa of the whole step.
+    every micro-batch and rank gives d kappa of the whole step. ``ratio`` = exp(log_ratio).
     """
-    if kind == "geo":
-        delta = torch.where(mask, log_ratio - log_ratio.detach(), 0).sum()
-        r_local = R * torch.exp(delta / num_tokens)
-    else:
-        rho = torch.exp(log_ratio)
-        r_local = R + torch.where(mask, rho - rho.detach(), 0).sum() / num_tokens
+    local = torch.where(mask, log_ratio if kind == "geo" else ratio, 0).sum()
+    delta = (local - local.detach()) / num_tokens
+    r_local = R * torch.exp(delta) if kind == "geo" else R + delta
     kappa_local = R_bar / r_local
     return kappa_local - kappa_local.detach()
 

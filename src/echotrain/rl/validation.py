@@ -47,9 +47,10 @@ def check_finite(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -
     Raises:
         ValueError: NaN or Inf found (the message gives the count).
     """
-    bad = ~torch.isfinite(x.detach())
-    if mask is not None:
-        bad = bad & mask
+    finite = torch.isfinite(x.detach())
+    if bool(finite.all()):  # fast path: one pass, no mask needed
+        return x
+    bad = ~finite if mask is None else ~finite & mask
     n_bad = int(bad.sum())
     if n_bad:
         raise ValueError(f"{name} has {n_bad} NaN/Inf value(s) at valid positions")

@@ -133,6 +133,10 @@ class TrainConfig:
     micro_batch_size: int = _f(8, "Sequences per forward/backward; gradients accumulate over micro-batches with exact "
                                "global normalisers (echotrain.rl.stepwise), so it changes memory, not the result.",
                                group="update")
+    share_prompt_prefix: bool = _f(True, "Compute each distinct prompt once per forward and expand its KV cache to the G "
+                                   "responses sharing it (exact: same log-probs and gradients; ~3x less compute when "
+                                   "prompts are longer than responses). Needs a model with past_key_values.",
+                                   group="update")
     optimizer: str = _f("adamw", "Optimizer by name from echotrain.optim.registry.OPTIMIZERS (adamw, adamw4bit, sgd, ...).",
                         group="update")
     lr: float = _f(3e-6, "Peak learning rate. DAPO: 1e-6 at 32B; small models tolerate ~1e-6..1e-5.", group="update")
@@ -287,8 +291,17 @@ def _check_keys(values: dict[str, Any], where: str) -> None:
             raise ConfigError(f"unknown key {key!r} in {where}" + _suggest(key))
 
 
+# Names other frameworks use (TRL, verl) -> our key, for "did you mean" hints only.
+_OTHER_NAMES = {"learning_rate": "lr", "beta": "kl_coef", "kl_beta": "kl_coef", "kl_loss_coef": "kl_coef",
+                "epsilon": "clip_ratio_low", "epsilon_high": "clip_ratio_high", "num_iterations": "ppo_epochs",
+                "max_completion_length": "max_new_tokens", "max_response_length": "max_new_tokens",
+                "model_name_or_path": "model", "max_steps": "steps", "total_training_steps": "steps",
+                "adv_method": "adv_estimator", "loss_type": "loss_agg_mode", "max_grad_clip": "max_grad_norm"}
+
+
 def _suggest(key: str) -> str:
-    close = difflib.get_close_matches(key, list(FIELDS), n=3, cutoff=0.5)
+    close = ([_OTHER_NAMES[key]] if key in _OTHER_NAMES else []) + difflib.get_close_matches(key, list(FIELDS), n=3,
+                                                                                           cutoff=0.5)
     return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else f"; valid keys: {', '.join(FIELDS)}"
 
 

@@ -217,45 +217,84 @@ def _accepts(model: Any, name: str) -> bool:
         return False
 
 
+def _supports_shared_prefix(model: Any) -> bool:
+    return _accepts(model, "past_key_values") and _accepts(model, "position_ids") and _accepts(model, "use_cache")
+
+
 def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                      response_mask: torch.Tensor, *, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      response_mask: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False,
+                      share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of the response tokens under ``model``.
 
     Runs prompt + response through the model with position ids that skip the left padding (as
     ``generate`` does), keeps only the logits that predict response tokens, and gathers
     ``log_softmax(logits / temperature)`` at the sampled ids, in float32.
 
+    Two exact savings: columns that are padding in every row are trimmed first (the response
+    width becomes the longest valid response), and with ``share_prefix`` (Hugging Face models
+    with a KV cache) each distinct prompt is run once and its key/value cache is expanded to the
+    G responses that share it; gradients flow through the shared prompt exactly as through G
+    copies, at a fraction of the compute (the G rollouts of a group share their prompt).
+
     Args:
         prompt_ids, prompt_mask: (N, P) int64, left-padded.
         response_ids, response_mask: (N, T) int64 / float, right-padded.
         temperature: the sampling temperature (so that on-policy ratios are exactly 1).
         with_entropy: also return the per-token entropy (N, T) float32, computed without grad.
+        share_prefix: compute each distinct prompt once (falls back to one full forward when
+            the model has no ``past_key_values``/``position_ids`` arguments or no prompt repeats).
 
     Returns:
         ``(log_prob, entropy)``: (N, T) float32 (differentiable if grad is enabled) and (N, T) or None.
-        Masked positions hold finite values that callers must ignore.
+        Masked positions hold 0 (trimmed columns) or finite values that callers must ignore.
     """
+    if response_ids.shape != response_mask.shape or prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(f"shape mismatch: prompt {tuple(prompt_ids.shape)} vs mask {tuple(prompt_mask.shape)}, "
+                         f"response {tuple(response_ids.shape)} vs mask {tuple(response_mask.shape)}")
     device = next(model.parameters()).device
-    T = response_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1).to(device)
-    attn = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
-    # padding after EOS is never attended by a valid token, so masking it changes nothing valid
-    attn = attn.to(device)
-    kwargs: dict[str, Any] = {"attention_mask": attn}
-    if _accepts(model, "position_ids"):
-        kwargs["position_ids"] = (attn.cumsum(-1) - 1).clamp(min=0)
-    if _accepts(model, "logits_to_keep"):
-        kwargs["logits_to_keep"] = T + 1
-    logits = model(input_ids, **kwargs).logits
-    logits = logits[:, -(T + 1):-1, :].float()
+    N, T_full = response_ids.shape
+    # exact trimming: all-padding columns carry no valid token and are attended by none
+    T = max(1, int(response_mask.sum(-1).max()))
+    keep_from = int(prompt_mask.long().sum(0).nonzero()[0]) if prompt_mask.any() else 0
+    prompt_ids, prompt_mask = prompt_ids[:, keep_from:].to(device), prompt_mask[:, keep_from:].long().to(device)
+    response_ids, response_mask = response_ids[:, :T].to(device), response_mask[:, :T].long().to(device)
+
+    uniq = inv = None
+    if share_prefix and _supports_shared_prefix(model):
+        uniq, inv = torch.unique(prompt_ids, dim=0, return_inverse=True)
+        if len(uniq) == N:
+            uniq = inv = None
+    if uniq is None:
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+        attn = torch.cat([prompt_mask, response_mask], dim=1)
+        kwargs: dict[str, Any] = {"attention_mask": attn}
+        if _accepts(model, "position_ids"):
+            kwargs["position_ids"] = (attn.cumsum(-1) - 1).clamp(min=0)
+        if _accepts(model, "logits_to_keep"):
+            kwargs["logits_to_keep"] = T + 1
+        logits = model(input_ids, **kwargs).logits[:, -(T + 1):-1, :]
+    else:
+        # one forward per distinct prompt, then the responses on top of its expanded KV cache
+        first = torch.zeros(len(uniq), dtype=torch.long, device=device).scatter_(
+            0, inv.flip(0), torch.arange(N - 1, -1, -1, device=device))  # a row holding each prompt
+        p_mask = prompt_mask[first]
+        p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(uniq, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_select_indices(inv)
+        attn = torch.cat([prompt_mask, response_mask], dim=1)
+        r_pos = prompt_mask.sum(-1, keepdim=True) + torch.arange(T, device=device)
+        out2 = model(response_ids, attention_mask=attn, position_ids=r_pos, past_key_values=cache, use_cache=True,
+                     logits_to_keep=T)
+        logits = torch.cat([out.logits[:, -1:, :][inv], out2.logits[:, :-1, :]], dim=1)
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    log_prob = torch.gather(logp_all, -1, response_ids.to(device).unsqueeze(-1)).squeeze(-1)
+    log_prob = torch.gather(logp_all, -1, response_ids.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
         with torch.no_grad():
             lp = logp_all.detach()
-            entropy = -(lp.exp() * lp).sum(-1)
-    return log_prob, entropy
+            entropy = F.pad(-(lp.exp() * lp).sum(-1), (0, T_full - T))
+    return F.pad(log_prob, (0, T_full - T)), entropy

@@ -257,7 +257,8 @@ class Trainer:
                    grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         with torch.set_grad_enabled(grad):
             return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                     batch.response_mask, temperature=self.cfg.temperature, with_entropy=with_entropy)
+                                     batch.response_mask, temperature=self.cfg.temperature, with_entropy=with_entropy,
+                                     share_prefix=self.cfg.share_prompt_prefix)
 
     @torch.no_grad()
     def _log_probs_batched(self, model: Any, batch: RolloutBatch,

@@ -1,0 +1,330 @@
+"""One RL step of echotrain's Trainer against TRL's GRPOTrainer, same settings, same process.
+
+What is timed: one full RL step = rollout (generate B x G completions) + reward + advantages +
+one optimizer step over the whole rollout batch (gradient accumulation over micro-batches of
+``--micro-batch-size`` completions). Both sides get
+
+- the same model: the embedded default SmolLM2-135M-Instruct (``echotrain.models.load_policy``),
+  loaded twice (TRL patches its model's ``forward`` with a fused log-prob head, so the two
+  trainers must not share a model object), float32, no dropout;
+- the same prompts distribution: the default task (``echotrain.tasks.get_task("default")``),
+  TRL through a ``datasets.Dataset`` of the same chat messages, and the same reward function
+  object type (``echotrain.rewards.RewardFunction(task)``);
+- the same batch (``--prompts`` B x ``--generations`` G), ``max_new_tokens`` /
+  ``max_completion_length``, temperature, top_p = 1, top_k = 0;
+- the same objective: DAPO token-level clip 0.2 / 0.28 with token-mean aggregation over the
+  whole step (echotrain preset ``dapo`` without dynamic sampling or overlong shaping; TRL
+  ``loss_type="dapo"``), group-std advantages, beta = 0 (no reference model), one optimizer step
+  per rollout batch (TRL: ``steps_per_generation == gradient_accumulation_steps``,
+  ``num_iterations=1``), AdamW lr 1e-6 betas (0.9, 0.99), grad-norm clip 1.0;
+- no vLLM, no bf16/fp16, no gradient checkpointing (TRL's default is on; it would make TRL
+  slower, so it is off for equal settings), ``report_to="none"``, offline.
+
+How: TRL's ``trainer.train()`` runs ``warmup + reps`` steps; a ``TrainerCallback`` times each of
+its steps (``on_step_begin`` -> ``on_step_end``) and runs one echotrain ``Trainer.train_step``
+between TRL steps, alternating the order (ours after TRL on even steps, before on odd ones) so
+that both sides see the same machine load. The first ``warmup`` steps of each are discarded.
+Reported: the median step time of each, the ratio TRL / echotrain (> 1: echotrain is faster),
+a breakdown (generation, scoring, update) and the machine load (``os.getloadavg``).
+
+Usage (defaults: a small setting that takes a few minutes on 2 shared cores)::
+
+    python benchmarks/bench_trl_step.py --threads 2 --prompts 2 --generations 4 \
+        --max-new-tokens 24 --micro-batch-size 8 --warmup 1 --reps 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import torch  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prompts", type=int, default=2, help="B: prompts per step")
+    p.add_argument("--generations", type=int, default=4, help="G: completions per prompt (group size)")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="max completion length in tokens")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="completions per forward/backward")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--loss-mode", default="vanilla", choices=["vanilla", "echo"],
+                   help="echotrain's policy loss (vanilla = the same DAPO clip TRL computes; echo costs the same "
+                        "on-policy)")
+    p.add_argument("--warmup", type=int, default=1, help="steps of each side discarded before timing")
+    p.add_argument("--reps", type=int, default=3, help="timed steps of each side")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both sides)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="policy (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    return p.parse_args(argv)
+
+
+PARTS = ("step", "cpu", "generation", "scoring", "update", "old_log_prob", "optimizer")
+
+
+def _wrap(obj, name: str, timers: "Timers", key: str) -> None:
+    """Time every call of ``obj.name`` into ``timers[key]`` (instance attribute; benchmark only)."""
+    fn = getattr(obj, name)
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            timers.add(key, time.perf_counter() - t0)
+
+    setattr(obj, name, timed)
+
+
+class Timers:
+    """Accumulating named wall-clock timers."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = defaultdict(float)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.t[name] += seconds
+
+    def reset(self) -> dict[str, float]:
+        out, self.t = dict(self.t), defaultdict(float)
+        return out
+
+
+def make_timed_grpo_trainer_class():
+    """GRPOTrainer with timers around generation, scoring and the loss forward (no behaviour change)."""
+    from trl import GRPOTrainer
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        timers = Timers()
+
+        def _generate(self, prompts):
+            t0 = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                self.timers.add("generation", time.perf_counter() - t0)
+
+        def _calculate_rewards(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return super()._calculate_rewards(*args, **kwargs)
+            finally:
+                self.timers.add("scoring", time.perf_counter() - t0)
+
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(inputs)
+            finally:
+                self.timers.add("rollout_total", time.perf_counter() - t0)
+
+    return TimedGRPOTrainer
+
+
+def build_echotrain(args, model, tokenizer, task, out_dir):
+    from echotrain.train.config import resolve_config
+    from echotrain.train.trainer import Trainer
+
+    micro = min(args.micro_batch_size, args.prompts * args.generations)
+    cfg = resolve_config(overrides=dict(
+        preset="dapo", dynamic_sampling=False, overlong_buffer_len=0, overlong_filtering=False,
+        loss_mode=args.loss_mode, loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
+        adv_estimator="grpo", kl_coef=0.0,
+        prompts_per_step=args.prompts, num_generations=args.generations, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=1.0, top_k=0, rollout_batch_size=0,
+        num_mini_batches=1, ppo_epochs=1, micro_batch_size=micro,
+        optimizer="adamw", lr=args.lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8,
+        max_grad_norm=1.0, lr_scheduler="constant", warmup_steps=0,
+        steps=args.warmup + args.reps, seed=args.seed, device="cpu", num_threads=args.threads,
+        dtype="float32", output_dir=out_dir, save_every=0, save_final_model=False, plots=False,
+        progress=False, log_samples=0,
+    ))
+    return Trainer(cfg, model=model, tokenizer=tokenizer, task=task)
+
+
+def build_trl(args, model, tokenizer, task, out_dir, callback):
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from echotrain.rewards import RewardFunction
+
+    n_prompts = args.prompts * (args.warmup + args.reps + 1)
+    examples = list(task.sample(n_prompts, args.seed + 12345))
+    dataset = Dataset.from_list([{"prompt": ex.messages, "ex_id": i} for i, ex in enumerate(examples)])
+    reward = RewardFunction(task)
+
+    def echotrain_reward(prompts, completions, ex_id, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        rewards, _info = reward(texts, [examples[i] for i in ex_id])
+        return [float(r) for r in rewards]
+
+    n = args.prompts * args.generations
+    micro = min(args.micro_batch_size, n)
+    if n % micro:
+        raise SystemExit(f"B*G = {n} must be a multiple of --micro-batch-size {micro} for TRL")
+    cfg = GRPOConfig(
+        output_dir=out_dir, use_cpu=True, seed=args.seed, report_to="none", disable_tqdm=True,
+        logging_strategy="no", save_strategy="no", dataloader_num_workers=0, dataloader_pin_memory=False,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
+        num_generations=args.generations, max_completion_length=args.max_new_tokens,
+        temperature=args.temperature, top_p=1.0, top_k=0, num_iterations=1,
+        beta=0.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group",
+        mask_truncated_completions=False, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8,
+        optim="adamw_torch", max_grad_norm=1.0, max_steps=args.warmup + args.reps,
+        bf16=False, fp16=False, gradient_checkpointing=False, disable_dropout=True, use_vllm=False,
+        log_completions=False, shuffle_dataset=True,
+    )
+    cls = make_timed_grpo_trainer_class()
+    return cls(model=model, reward_funcs=[echotrain_reward], args=cfg, train_dataset=dataset,
+               processing_class=tokenizer, callbacks=[callback])
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import TrainerCallback
+
+    from echotrain.models import load_policy
+    from echotrain.tasks import get_task
+
+    t_load = time.perf_counter()
+    model_ours, tok_ours = load_policy(args.model)
+    model_trl, tok_trl = load_policy(args.model)
+    task = get_task("default")
+    tmp = tempfile.mkdtemp(prefix="bench_trl_step_")
+    ours = build_echotrain(args, model_ours, tok_ours, task, os.path.join(tmp, "echotrain"))
+
+    records: dict[str, list[dict]] = {"trl": [], "echotrain": []}
+    loads: list[float] = []
+    ours_timers = Timers()
+    _wrap(ours, "_log_probs_batched", ours_timers, "old_log_prob")
+    _wrap(ours.optimizer, "step", ours_timers, "optimizer")
+
+    def run_ours(k: int) -> None:
+        torch.set_num_threads(args.threads)
+        loads.append(os.getloadavg()[0])
+        ours_timers.reset()
+        t0, c0 = time.perf_counter(), time.process_time()
+        rec = ours.train_step(k + 1)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        t = ours_timers.reset()
+        records["echotrain"].append({
+            "step": wall, "cpu": cpu, "generation": rec["time/generation"], "scoring": rec["time/scoring"],
+            "update": rec["time/update"], "old_log_prob": t.get("old_log_prob", 0.0),
+            "optimizer": t.get("optimizer", 0.0), "response_length": rec["response_length/mean"],
+            "threads": torch.get_num_threads(),
+        })
+        print(f"  echotrain step {k}: {wall:6.2f} s  (gen {rec['time/generation']:.2f}, "
+              f"update {rec['time/update']:.2f}, len {rec['response_length/mean']:.1f})", flush=True)
+
+    class Interleave(TrainerCallback):
+        """Times TRL's optimizer steps and runs one echotrain step between them (order alternates)."""
+
+        def on_step_begin(self, a, state, control, **kw):
+            k = state.global_step
+            if k % 2 == 1:
+                run_ours(k)
+            torch.set_num_threads(args.threads)
+            loads.append(os.getloadavg()[0])
+            trl.timers.reset()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_pre_optimizer_step(self, a, state, control, **kw):
+            self.t_opt = time.perf_counter()
+
+        def on_optimizer_step(self, a, state, control, **kw):
+            trl.timers.add("optimizer", time.perf_counter() - self.t_opt)
+
+        def on_step_end(self, a, state, control, **kw):
+            wall, cpu = time.perf_counter() - self.t0, time.process_time() - self.c0
+            k = state.global_step - 1
+            t = trl.timers.reset()
+            lengths = trl._metrics["train"].get("completions/mean_length") or [None]
+            records["trl"].append({
+                "step": wall, "cpu": cpu, "generation": t.get("generation", 0.0), "scoring": t.get("scoring", 0.0),
+                "update": wall - t.get("rollout_total", 0.0), "old_log_prob": 0.0,
+                "optimizer": t.get("optimizer", 0.0), "threads": torch.get_num_threads(),
+                "response_length": lengths[-1],
+            })
+            print(f"  TRL       step {k}: {wall:6.2f} s  (gen {t.get('generation', 0.0):.2f}, "
+                  f"update {wall - t.get('rollout_total', 0.0):.2f})", flush=True)
+            if k % 2 == 0:
+                run_ours(k)
+
+    trl = build_trl(args, model_trl, tok_trl, task, os.path.join(tmp, "trl"), Interleave())
+    # mean completion length of TRL's rollouts (from its own metrics)
+    load_s = time.perf_counter() - t_load
+    print(f"setup {load_s:.1f} s; B={args.prompts} G={args.generations} T={args.max_new_tokens} "
+          f"micro={args.micro_batch_size} threads={args.threads} loadavg={os.getloadavg()}", flush=True)
+    trl.train()
+
+    def summary(side: str) -> dict:
+        recs = records[side][args.warmup:]
+        out = {k: statistics.median(r[k] for r in recs) for k in PARTS}
+        lens = [r["response_length"] for r in recs if r.get("response_length") is not None]
+        out["response_length_mean"] = statistics.mean(lens) if lens else None
+        out["steps"] = [round(r["step"], 3) for r in records[side]]
+        return out
+
+    res = {
+        "settings": {k: getattr(args, k) for k in vars(args)},
+        "versions": _versions(),
+        "loadavg_during": {"min": min(loads), "max": max(loads), "mean": statistics.mean(loads)},
+        "cpu_count": os.cpu_count(),
+        "trl": summary("trl"),
+        "echotrain": summary("echotrain"),
+    }
+    res["ratio_trl_over_echotrain"] = res["trl"]["step"] / res["echotrain"]["step"]
+    for part in ("cpu", "generation", "update"):
+        o = res["echotrain"][part]
+        res[f"ratio_{part}"] = res["trl"][part] / o if o > 0 else None
+    _print(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+def _versions() -> dict:
+    import transformers
+    import trl
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+            "python": sys.version.split()[0]}
+
+
+def _print(res: dict) -> None:
+    print("\n== one RL step, median over timed steps (seconds) ==")
+    print("(update = everything after the rollout: advantages, old log-probs, forward/backward, optimizer)")
+    print(f"{'':10s} {'step':>7s} {'cpu-s':>7s} {'generate':>9s} {'score':>6s} {'update':>7s} {'old-lp':>7s} "
+          f"{'optim':>6s} {'resp len':>9s}")
+    for side in ("trl", "echotrain"):
+        r = res[side]
+        L = r["response_length_mean"]
+        print(f"{side:10s} {r['step']:7.2f} {r['cpu']:7.2f} {r['generation']:9.2f} {r['scoring']:6.3f} "
+              f"{r['update']:7.2f} {r['old_log_prob']:7.2f} {r['optimizer']:6.2f} "
+              f"{(L if L is not None else float('nan')):9.1f}")
+    print(f"ratio TRL/echotrain: step {res['ratio_trl_over_echotrain']:.2f}x (wall), cpu {res['ratio_cpu']:.2f}x, "
+          f"generation {res['ratio_generation']:.2f}x, update {res['ratio_update']:.2f}x")
+    la = res["loadavg_during"]
+    print(f"load average (1 min) during the run: {la['min']:.1f} .. {la['max']:.1f} on {res['cpu_count']} CPUs; "
+          f"versions {res['versions']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""echotrain's policy losses and Balanced Aggregation inside verl (0.9.x), through its registries.
+
+verl composes a PPO step from two registries in ``verl.trainer.ppo.core_algos``: policy losses
+(``register_policy_loss``, chosen by ``actor_rollout_ref.actor.policy_loss.loss_mode``) and
+advantage estimators (``register_adv_est``, chosen by ``algorithm.adv_estimator``).
+:func:`register_with_verl` adds echotrain's math to both::
+
+    from echotrain.integrations.verl import register_with_verl
+    register_with_verl()                       # in every process that builds losses (see below)
+
+    # then, in the verl config:
+    actor_rollout_ref.actor.policy_loss.loss_mode=echotrain_echo      # or echotrain_vanilla, ...
+    actor_rollout_ref.actor.loss_agg_mode=token-mean                   # any verl mode we share
+    # Balanced Aggregation (verl's loss cannot see prompt groups, so it goes in the advantages):
+    algorithm.adv_estimator=echotrain_grpo_balanced
+    actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum
+
+verl runs the actor in Ray worker processes: the registration must run in each of them (e.g. in
+a module named by ``actor_rollout_ref.model.external_lib``, which verl imports in its workers,
+containing ``from echotrain.integrations.verl import register_with_verl; register_with_verl()``)
+and in the driver for the advantage estimator.
+
+Registered policy losses (verl's signature ``fn(old_log_prob, log_prob, advantages,
+response_mask, loss_agg_mode, config, rollout_is_weights) -> (loss, metrics)``), each a call of
+:func:`echotrain.rl.compute_policy_loss`:
+
+====================== ============= ==============================================================
+verl name              echotrain     exact?
+====================== ============= ==============================================================
+``echotrain_vanilla``  ``vanilla``   yes (token PPO clip, DAPO clip-higher, dual-clip)
+``echotrain_gspo``     ``gspo``      yes (GSPO with the gradient through s_i, arXiv 2507.18071 Eq. 5-7)
+``echotrain_gspo_token`` ``gspo_token`` yes (verl's own ``gspo`` is this form)
+``echotrain_echo``     ``echo``      R is the micro-batch's (see below)
+====================== ============= ==============================================================
+
+Config mapping: the token clip comes from verl's actor config (``clip_ratio_low`` /
+``clip_ratio_high``, falling back to ``clip_ratio``; ``clip_ratio_c`` for dual-clip, verl's
+default 3.0, as verl's own losses apply it); ECHO's batch band and the other echotrain-only knobs
+(``batch_clip_low/high``, ``batch_ratio``, ``detach_kappa``, ``log_ratio_clamp``) come from the
+``config`` given to :func:`register_with_verl` (ECHO band default
+:data:`echotrain.rl.ECHO_DEFAULT_BATCH_BAND`). ``seq-mean-token-sum-norm`` uses verl's
+``loss_scale_factor`` and raises if it is unset (verl would silently use the padded width).
+
+Normalisers: verl calls the loss once per micro-batch and passes the step-global counts in
+``config.global_batch_info`` (``batch_num_tokens``, ``global_batch_size``, ``dp_size``). The
+adapter computes the micro-batch's loss with its local normaliser and rescales it by
+``local count / global count * dp_size``, which is exactly the micro-batch's share of the
+step loss (all our aggregations except ``balanced`` have one scalar normaliser), so gradient
+accumulation and data parallelism give verl's global-batch gradient. Without
+``global_batch_info`` the call is taken to be the whole step.
+
+ECHO is approximate here: its batch ratio R must be a statistic of the whole optimizer step
+(design/objectives.md §4), but a verl loss only sees one micro-batch on one rank, so R (and
+kappa, and the baseline in the gradient) is the micro-batch's. It is exact when verl passes the
+whole mini-batch in one call: one data-parallel rank and ``ppo_micro_batch_size_per_gpu`` equal
+to the mini-batch (no dynamic batch size). The metric ``actor/echo/R_token_share`` (this call's
+share of the step's tokens; 1.0 = exact) shows which case a run is in. echotrain's own trainer
+computes R exactly with a no-grad pre-pass (:mod:`echotrain.rl.stepwise`).
+
+Balanced Aggregation (Zeng et al., arXiv 2605.04077) needs the prompt groups, which verl's loss
+never sees; its advantage estimator does (``index`` = the prompt uids). Because every policy
+loss here is positively homogeneous in A, scaling each response's advantage by
+``s_i = N * w_i`` (w_i its BA weight, N the number of responses) and aggregating with
+``seq-mean-token-sum`` (weight 1/N per sequence) gives BA exactly (design §5). Exact when every
+mini-batch holds whole groups of the same size (verl's ``rollout.n``), e.g. one mini-batch per
+step; metrics such as ``pg_clipfrac`` are unaffected, but verl's entropy and KL terms are then
+aggregated with ``seq-mean-token-sum``, not BA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import torch
+
+from echotrain.rl import (
+    PolicyLossConfig,
+    agg_weights,
+    as_policy_loss_config,
+    compute_advantages,
+    compute_policy_loss,
+)
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "POLICY_LOSS_NAMES",
+    "balanced_advantage_scale",
+    "make_verl_adv_estimator",
+    "make_verl_policy_loss",
+    "register_with_verl",
+]
+
+#: verl policy-loss name -> echotrain loss_mode.
+POLICY_LOSS_NAMES: dict[str, str] = {
+    "echotrain_vanilla": "vanilla",
+    "echotrain_gspo": "gspo",
+    "echotrain_gspo_token": "gspo_token",
+    "echotrain_echo": "echo",
+}
+#: verl advantage-estimator name -> what it computes.
+ADV_ESTIMATORS: dict[str, str] = {
+    "echotrain_grpo_balanced": "GRPO advantages (std-normalised unless algorithm.norm_adv_by_std_in_grpo=False) "
+    "scaled for Balanced Aggregation; use with loss_agg_mode=seq-mean-token-sum",
+}
+
+# verl aggregation modes that echotrain implements identically
+_SHARED_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# echotrain-only PolicyLossConfig fields taken from register_with_verl(config=...)
+_ECHOTRAIN_KNOBS = ("batch_clip_low", "batch_clip_high", "batch_ratio", "detach_kappa", "log_ratio_clamp")
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    """``config.key`` for verl's ActorConfig / AlgoConfig (dataclasses with ``.get``), omegaconf
+    DictConfig or a plain dict; ``default`` when absent or None."""
+    if config is None:
+        return default
+    if isinstance(config, Mapping):
+        value = config.get(key, default)
+    elif hasattr(config, "get"):
+        value = config.get(key, default)
+    else:
+        value = getattr(config, key, default)
+    return default if value is None else value
+
+
+def _loss_config(verl_config: Any, base: PolicyLossConfig) -> PolicyLossConfig:
+    """echotrain's PolicyLossConfig for one call: token clip from verl, the rest from ``base``."""
+    clip = _get(verl_config, "clip_ratio", 0.2)
+    values = {k: getattr(base, k) for k in _ECHOTRAIN_KNOBS}
+    values.update(
+        clip_ratio_low=float(_get(verl_config, "clip_ratio_low", clip)),
+        clip_ratio_high=float(_get(verl_config, "clip_ratio_high", clip)),
+        clip_ratio_c=float(_get(verl_config, "clip_ratio_c", 3.0)) if verl_config is not None else base.clip_ratio_c,
+    )
+    return PolicyLossConfig(**values)
+
+
+def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str, Any] | None = None) -> Callable:
+    """A function with verl's policy-loss signature that computes echotrain's ``loss_mode``.
+
+    Args:
+        loss_mode: a name in :data:`echotrain.rl.POLICY_LOSSES`.
+        config: echotrain-only knobs (ECHO band etc.); the token clip comes from verl's config
+            at call time. Default: :class:`PolicyLossConfig` defaults.
+
+    Returns:
+        ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+        config=None, rollout_is_weights=None) -> (loss 0-d, metrics dict[str, float])`` where the
+        tensors are verl's ``(bs, response_length)``, ``config`` verl's ActorConfig (None: the
+        echotrain ``config`` is used as is, token clip included) and the metrics are
+        echotrain's, prefixed ``actor/``.
+
+    The returned function raises ``ValueError`` for ``rollout_is_weights`` (verl's rollout
+    correction is not supported: disable ``algorithm.rollout_correction``), for
+    ``loss_agg_mode="balanced"`` (use :data:`ADV_ESTIMATORS`), for verl modes echotrain does not
+    share (``token-sum``), for ``seq-mean-token-sum-norm`` without ``loss_scale_factor``, and
+    for ``dp_size > 1`` without the global count; plus every error of
+    :func:`echotrain.rl.compute_policy_loss`.
+    """
+    base = as_policy_loss_config(config)
+
+    def policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if rollout_is_weights is not None:
+            raise ValueError(
+                "echotrain losses do not apply verl's rollout_is_weights; disable algorithm.rollout_correction "
+                "or use a verl loss"
+            )
+        if loss_agg_mode == "balanced":
+            raise ValueError(
+                "loss_agg_mode='balanced' cannot be computed inside a verl loss (no prompt groups); use "
+                "algorithm.adv_estimator=echotrain_grpo_balanced with loss_agg_mode=seq-mean-token-sum"
+            )
+        if loss_agg_mode not in _SHARED_AGG_MODES:
+            raise ValueError(f"loss_agg_mode {loss_agg_mode!r} is not supported by echotrain losses; valid: "
+                             f"{list(_SHARED_AGG_MODES)} (and BA via echotrain_grpo_balanced advantages)")
+        cfg = _loss_config(config, base) if config is not None else base
+        info = dict(_get(config, "global_batch_info", {}) or {})
+        dp_size = int(info.get("dp_size") or 1)
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            factor = info.get("loss_scale_factor") or _get(config, "loss_scale_factor") or base.norm_constant
+            if factor is None:
+                raise ValueError(
+                    "loss_agg_mode='seq-mean-token-sum-norm' needs actor.loss_scale_factor (e.g. the maximum "
+                    "response length); echotrain never normalises by the padded width"
+                )
+            cfg = dataclasses.replace(cfg, norm_constant=float(factor))
+        mask = response_mask.bool()
+        loss, metrics = compute_policy_loss(loss_mode, old_log_prob, log_prob, advantages, mask, loss_agg_mode, cfg)
+        # rescale the local normaliser to the step's: loss_mb * local / global * dp_size
+        if loss_agg_mode == "token-mean":
+            local, total = float(mask.sum()), info.get("batch_num_tokens")
+            name = "batch_num_tokens"
+        else:
+            local, total = float(mask.any(-1).sum()), info.get("global_batch_size")
+            name = "global_batch_size"
+        if total is None:
+            if dp_size > 1:
+                raise ValueError(f"global_batch_info[{name!r}] is required when dp_size > 1")
+            total = local
+        total = float(total)
+        scale = local / total * dp_size if total > 0 else 0.0
+        out = {f"actor/{k}": float(v) for k, v in metrics.items()}
+        if loss_mode == "echo":
+            n_tok, n_all = float(mask.sum()), info.get("batch_num_tokens")
+            out["actor/echo/R_token_share"] = n_tok / float(n_all) if n_all else 1.0
+        return loss * scale, out
+
+    policy_loss.__name__ = f"echotrain_{loss_mode}"
+    policy_loss.__doc__ = f"echotrain's {loss_mode!r} policy loss with verl's signature (see make_verl_policy_loss)."
+    return policy_loss
+
+
+def balanced_advantage_scale(
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_index: torch.Tensor,
+    *,
+    ba_scope: str = "group",
+    ba_count_zero_adv: bool = True,
+) -> torch.Tensor:
+    """Per-response factor ``s_i = N * w_i`` that turns ``seq-mean-token-sum`` into BA.
+
+    ``w_i`` is the Balanced-Aggregation weight of response i (per token; design §5:
+    k/(G T+) or m/(G T-) per group, over the number of groups), N the number of responses.
+    Scaling the advantages by ``s_i`` and aggregating with ``seq-mean-token-sum`` (weight 1/N)
+    gives the BA loss exactly, because the policy losses are positively homogeneous in A.
+
+    Args:
+        advantages: ``(N, T)`` or ``(N,)`` float (only the sign per response is used).
+        response_mask: ``(N, T)`` bool / 0-1.
+        group_index: ``(N,)`` int prompt-group ids.
+        ba_scope, ba_count_zero_adv: the BA flags of :class:`echotrain.rl.PolicyLossConfig`.
+
+    Returns:
+        ``(N,)`` float32, 0 for zero-advantage or empty responses.
+    """
+    w = agg_weights(response_mask, "balanced", advantages=advantages, group_index=group_index,
+                    ba_scope=ba_scope, ba_count_zero_adv=ba_count_zero_adv)
+    return (w * response_mask.shape[0]).to(torch.float32)
+
+
+def make_verl_adv_estimator(*, ba_scope: str = "group", ba_count_zero_adv: bool = True, eps: float = 1e-6) -> Callable:
+    """A verl advantage estimator: echotrain GRPO advantages scaled for Balanced Aggregation.
+
+    Signature (verl's): ``fn(token_level_rewards (bs, T), response_mask (bs, T), index
+    (bs,) array of prompt uids, config=AlgoConfig | None, **kwargs) -> (advantages, returns)``,
+    both ``(bs, T)`` float32. ``config.norm_adv_by_std_in_grpo=False`` selects Dr. GRPO's
+    ``grpo_no_std``. Use with ``loss_agg_mode=seq-mean-token-sum`` (see the module docstring).
+    """
+
+    def echotrain_grpo_balanced(token_level_rewards, response_mask, index=None, config=None, **kwargs):
+        if index is None:
+            raise ValueError("echotrain_grpo_balanced needs the prompt uids (verl's non_tensor_batch['uid'])")
+        import numpy as np
+
+        _, group = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
+        group_index = torch.as_tensor(group.reshape(-1), dtype=torch.long, device=token_level_rewards.device)
+        rewards = token_level_rewards.sum(-1).float()
+        method = "grpo" if _get(config, "norm_adv_by_std_in_grpo", True) else "grpo_no_std"
+        adv = compute_advantages(rewards, group_index, method=method, eps=eps)
+        mask = response_mask.bool()
+        scale = balanced_advantage_scale(adv, mask, group_index, ba_scope=ba_scope,
+                                         ba_count_zero_adv=ba_count_zero_adv)
+        scores = (adv * scale).unsqueeze(-1) * mask
+        return scores, scores
+
+    return echotrain_grpo_balanced
+
+
+def register_with_verl(
+    config: PolicyLossConfig | Mapping[str, Any] | None = None,
+    *,
+    ba_scope: str = "group",
+    ba_count_zero_adv: bool = True,
+) -> list[str]:
+    """Register echotrain's policy losses and BA advantage estimator in verl's registries.
+
+    Idempotent (re-registering replaces echotrain's own entries; other entries are untouched).
+
+    Args:
+        config: echotrain-only loss knobs (:class:`PolicyLossConfig` or dict), e.g.
+            ``{"batch_clip_low": 0.02, "batch_clip_high": 0.02, "batch_ratio": "geo"}`` for
+            ECHO; default :class:`PolicyLossConfig` (ECHO band ``ECHO_DEFAULT_BATCH_BAND``).
+        ba_scope, ba_count_zero_adv: Balanced-Aggregation flags for ``echotrain_grpo_balanced``.
+
+    Returns:
+        the registered names (policy losses, then the advantage estimator).
+
+    Raises:
+        ImportError: verl (``verl.trainer.ppo.core_algos``) cannot be imported; the message
+            says how to install it.
+        ValueError: invalid ``config``.
+    """
+    try:
+        from verl.trainer.ppo import core_algos
+    except Exception as exc:  # ImportError or a dependency clash raised at import time
+        raise ImportError(
+            f"register_with_verl needs verl's core_algos ({type(exc).__name__}: {exc}); install verl==0.9.1 "
+            "(pip install --no-deps verl==0.9.1 plus the packages of requirements-extras.txt)"
+        ) from exc
+    base = as_policy_loss_config(config)
+    names = []
+    for verl_name, loss_mode in POLICY_LOSS_NAMES.items():
+        # register_policy_loss overwrites silently; write the registry directly for clarity
+        core_algos.POLICY_LOSS_REGISTRY[verl_name] = make_verl_policy_loss(loss_mode, base)
+        names.append(verl_name)
+    for adv_name in ADV_ESTIMATORS:
+        # register_adv_est refuses a different function under an existing name: replace ours
+        core_algos.ADV_ESTIMATOR_REGISTRY[adv_name] = make_verl_adv_estimator(
+            ba_scope=ba_scope, ba_count_zero_adv=ba_count_zero_adv)
+        names.append(adv_name)
+    return names
+

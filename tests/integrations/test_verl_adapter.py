@@ -1,0 +1,205 @@
+"""echotrain losses registered in verl's registries give echotrain's values and gradients.
+
+verl is an optional test dependency (``pip install --no-deps verl==0.9.1`` plus the packages of
+requirements-extras.txt); without it these tests skip with the import error as the reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    import verl.trainer.ppo.core_algos as verl_algos
+    from verl.workers.config import ActorConfig
+except Exception as exc:  # ImportError, or a version clash raised at import time
+    pytest.skip(
+        f"verl's core_algos cannot be imported ({type(exc).__name__}: {exc}); install verl==0.9.1 --no-deps "
+        "plus requirements-extras.txt to run the verl adapter tests",
+        allow_module_level=True,
+    )
+
+from echotrain.integrations.verl import (
+    ADV_ESTIMATORS,
+    POLICY_LOSS_NAMES,
+    balanced_advantage_scale,
+    register_with_verl,
+)
+from echotrain.rl import PolicyLossConfig, compute_advantages, compute_policy_loss
+
+BAND = {"batch_clip_low": 0.01, "batch_clip_high": 0.01}  # narrow: ECHO's batch clip fires below
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    return register_with_verl(BAND)
+
+
+def _actor(low=0.2, high=0.28, c=3.0, **info):
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=low,
+                       clip_ratio_high=high, clip_ratio_c=c, global_batch_info=dict(info))
+
+
+def _batch(seed, B=12, T=7, drift=-0.05, noise=0.3):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T) < lengths[:, None]).to(torch.float64)
+    old = -2 * torch.rand(B, T, generator=g, dtype=torch.float64)
+    log_prob = old + drift + noise * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T) * mask
+    return old, log_prob, adv, mask
+
+
+def _value_grad(fn, old, log_prob, adv, mask):
+    lp = log_prob.clone().requires_grad_(True)
+    loss, metrics = fn(old, lp, adv, mask)
+    loss.backward()
+    return loss.detach(), lp.grad, metrics
+
+
+def test_registration_names(registered):
+    assert registered == list(POLICY_LOSS_NAMES) + list(ADV_ESTIMATORS)
+    for name in POLICY_LOSS_NAMES:
+        assert verl_algos.get_policy_loss_fn(name) is verl_algos.POLICY_LOSS_REGISTRY[name]
+    assert verl_algos.get_adv_estimator_fn("echotrain_grpo_balanced") is not None
+    register_with_verl(BAND)  # idempotent: no "already registered" error
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("verl_name", list(POLICY_LOSS_NAMES))
+def test_registered_loss_equals_compute_policy_loss(verl_name, agg):
+    """Whole step in one call: same value and gradient as echotrain's compute_policy_loss."""
+    loss_mode = POLICY_LOSS_NAMES[verl_name]
+    fn = verl_algos.get_policy_loss_fn(verl_name)
+    old, log_prob, adv, mask = _batch(1)
+    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, **BAND)
+    v1, g1, m1 = _value_grad(lambda o, lp, a, m: fn(o, lp, a, m, loss_agg_mode=agg, config=_actor()), old, log_prob,
+                             adv, mask)
+    v2, g2, m2 = _value_grad(lambda o, lp, a, m: compute_policy_loss(loss_mode, o, lp, a, m, agg, cfg), old,
+                             log_prob, adv, mask)
+    torch.testing.assert_close(v1, v2, **TOL)
+    torch.testing.assert_close(g1, g2, **TOL)
+    assert m1["actor/pg_clipfrac"] == pytest.approx(m2["pg_clipfrac"])
+    if loss_mode == "echo":
+        assert m2["echo/batch_clipped"] == 1.0  # the narrow band fires: the kappa gradient is exercised
+        assert m1["actor/echo/R_token_share"] == 1.0
+
+
+def test_echo_value_matches_hand_formula():
+    """echotrain_echo on a 1x2 batch: R = exp(mean log rho) clipped to 1.01, token clip 0.2/0.28."""
+    fn = verl_algos.get_policy_loss_fn("echotrain_echo")
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    log_prob = torch.log(torch.tensor([[1.1, 1.3]], dtype=torch.float64))
+    adv = torch.ones(1, 2, dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    loss, m = fn(old, log_prob, adv, mask, loss_agg_mode="token-mean", config=_actor())
+    R = (1.1 * 1.3) ** 0.5
+    kappa = 1.01 / R
+    expected = -(min(kappa * 1.1, 1.28) + min(kappa * 1.3, 1.28)) / 2
+    assert float(loss) == pytest.approx(expected, rel=1e-12)
+    assert m["actor/echo/R_batch"] == pytest.approx(R)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_vanilla_matches_verl_vanilla_with_global_batch_info(agg):
+    """Micro-batched with verl's global counts: echotrain_vanilla == verl's vanilla, per micro-batch."""
+    old, log_prob, adv, mask = _batch(2)
+    info = dict(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=mask.shape[0], loss_scale_factor=9)
+    ours = verl_algos.get_policy_loss_fn("echotrain_vanilla")
+    for rows in (slice(0, 5), slice(5, 12)):
+        args = (old[rows], log_prob[rows], adv[rows], mask[rows])
+        v1, g1, _ = _value_grad(lambda *a: ours(*a, loss_agg_mode=agg, config=_actor(**info)), *args)
+        v2, g2, _ = _value_grad(lambda *a: verl_algos.compute_policy_loss_vanilla(
+            *a, loss_agg_mode=agg, config=_actor(**info)), *args)
+        torch.testing.assert_close(v1, v2, rtol=1e-7, atol=1e-12)  # verl divides by (len + 1e-8)
+        torch.testing.assert_close(g1, g2, rtol=1e-7, atol=1e-12)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("verl_name", ["echotrain_vanilla", "echotrain_gspo"])
+def test_micro_batches_and_ranks_sum_to_the_whole_step(verl_name, agg):
+    """Micro-batches (gradients summed) and 2 emulated DP ranks (gradients averaged) give the
+    single-call gradient: the rescaling by local / global count * dp_size is exact."""
+    fn = verl_algos.get_policy_loss_fn(verl_name)
+    old, log_prob, adv, mask = _batch(3)
+    _, g_full, _ = _value_grad(lambda *a: fn(*a, loss_agg_mode=agg, config=_actor()), old, log_prob, adv, mask)
+    info = dict(batch_num_tokens=int(mask.sum()), global_batch_size=mask.shape[0])
+    for dp_size, shards in ((1, [slice(0, 4), slice(4, 9), slice(9, 12)]), (2, [slice(0, 7), slice(7, 12)])):
+        lp = log_prob.clone().requires_grad_(True)
+        for rows in shards:
+            loss, _ = fn(old[rows], lp[rows], adv[rows], mask[rows], loss_agg_mode=agg,
+                         config=_actor(dp_size=dp_size, **info))
+            (loss / dp_size).backward()  # DDP averages the ranks' gradients
+        torch.testing.assert_close(lp.grad, g_full, **TOL)
+
+
+def test_echo_micro_batch_R_is_local_and_flagged():
+    """ECHO through verl sees one micro-batch: R is the micro-batch's, and the token-share metric says so."""
+    fn = verl_algos.get_policy_loss_fn("echotrain_echo")
+    old, log_prob, adv, mask = _batch(4)
+    info = dict(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=mask.shape[0])
+    _, m = fn(old[:5], log_prob[:5], adv[:5], mask[:5], loss_agg_mode="token-mean", config=_actor(**info))
+    log_ratio = (log_prob[:5] - old[:5])[mask[:5].bool()]
+    assert m["actor/echo/R_batch"] == pytest.approx(float(log_ratio.mean().exp()))
+    assert m["actor/echo/R_token_share"] == pytest.approx(float(mask[:5].sum() / mask.sum()))
+
+
+def test_balanced_via_advantage_scaling_equals_balanced_aggregation():
+    """verl route to BA: echotrain_grpo_balanced advantages + seq-mean-token-sum == echotrain's
+    compute_policy_loss(..., 'balanced') on the unscaled advantages (value and gradient)."""
+    G, n_groups, T = 4, 3, 6
+    g = torch.Generator().manual_seed(5)
+    B = G * n_groups
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T) < lengths[:, None]).to(torch.float64)
+    rewards = torch.tensor([1, 0, 0, 1, 1, 1, 1, 1, 0, 1, 0, 0], dtype=torch.float64)  # group 1: zero variance
+    uids = np.array([f"prompt-{i // G}" for i in range(B)], dtype=object)
+    group_index = torch.arange(B) // G
+    old = -2 * torch.rand(B, T, generator=g, dtype=torch.float64)
+    log_prob = old + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+
+    est = verl_algos.get_adv_estimator_fn("echotrain_grpo_balanced")
+    token_rewards = torch.zeros(B, T, dtype=torch.float64)
+    token_rewards[torch.arange(B), lengths - 1] = rewards
+    scaled, returns = est(token_level_rewards=token_rewards, response_mask=mask, index=uids, config=None)
+    assert scaled.shape == (B, T) and torch.equal(scaled, returns)
+
+    adv = compute_advantages(rewards.float(), group_index).double()
+    adv_tok = adv[:, None] * mask
+    loss_fn = verl_algos.get_policy_loss_fn("echotrain_vanilla")
+    v1, g1, _ = _value_grad(lambda o, lp, a, m: loss_fn(o, lp, a, m, loss_agg_mode="seq-mean-token-sum",
+                                                         config=_actor()), old, log_prob, scaled.double(), mask)
+    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    v2, g2, _ = _value_grad(lambda o, lp, a, m: compute_policy_loss("vanilla", o, lp, a, m, "balanced", cfg,
+                                                                     group_index=group_index),
+                            old, log_prob, adv_tok, mask)
+    torch.testing.assert_close(v1, v2, rtol=1e-6, atol=1e-9)  # advantages pass through float32
+    torch.testing.assert_close(g1, g2, rtol=1e-6, atol=1e-9)
+
+
+def test_balanced_scale_hand_values():
+    """One group of 4: lengths 1, 3, 2, 2; advantage signs +, +, -, 0. k=2, m=1, G=4, T+=4, T-=2:
+    weights k/(G T+) = 1/8 and m/(G T-) = 1/8 per token, s = N w = 4/8 for +/- and 0 for A=0."""
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, 0.5, -1.0, 0.0])
+    s = balanced_advantage_scale(adv, mask, torch.zeros(4, dtype=torch.long))
+    torch.testing.assert_close(s, torch.tensor([0.5, 0.5, 0.5, 0.0]))
+
+
+def test_errors_are_clear():
+    fn = verl_algos.get_policy_loss_fn("echotrain_vanilla")
+    old, log_prob, adv, mask = _batch(6)
+    with pytest.raises(ValueError, match="balanced"):
+        fn(old, log_prob, adv, mask, loss_agg_mode="balanced", config=_actor())
+    with pytest.raises(ValueError, match="token-sum"):
+        fn(old, log_prob, adv, mask, loss_agg_mode="token-sum", config=_actor())
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        fn(old, log_prob, adv, mask, loss_agg_mode="seq-mean-token-sum-norm", config=_actor())
+    with pytest.raises(ValueError, match="rollout_correction"):
+        fn(old, log_prob, adv, mask, config=_actor(), rollout_is_weights=torch.ones_like(old))
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        fn(old, log_prob, adv, mask, loss_agg_mode="token-mean", config=_actor(dp_size=2))
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        fn(old, log_prob, adv, mask, config=_actor(c=0.5))

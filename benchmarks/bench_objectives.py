@@ -71,7 +71,7 @@ def verl_case(x: dict) -> Callable[[], None] | None:
 def echo_band_look(N: int = 20000, V: int = 256, seed: int = 0) -> None:
     """Print how ECHO's batch ratios move with policy drift (synthetic, see module docstring)."""
     g = torch.Generator().manual_seed(seed)
-    print("| sigma | entropy (nats) | tau | KL(old||new) | 1 - R_geo | R_arith - 1 | tokens with abs(rho - 1) > 0.2 |")
+    print("| sigma | entropy (nats) | tau | KL(old, new) | 1 - R_geo | R_arith - 1 | tokens with abs(rho - 1) > 0.2 |")
     print("|---|---|---|---|---|---|---|")
     for sigma in (2.0, 4.0):
         z = sigma * torch.randn(N, V, generator=g)
@@ -115,11 +115,12 @@ def main() -> None:
         "gspo_token seq-mean-token-mean": case("gspo_token", "seq-mean-token-mean", base, x),
         "echo token-mean (geo, R in band)": case("echo", "token-mean", {**echo_cfg, "batch_clip_low": 0.2}, x),
         "echo token-mean (geo, R clipped)": case("echo", "token-mean", echo_cfg, x),
-        "echo token-mean (arith, in band)": case("echo", "token-mean", {**echo_cfg, "batch_ratio": "arith"}, x),
+        "echo token-mean (arith, R in band)": case("echo", "token-mean", {**echo_cfg, "batch_ratio": "arith", "batch_clip_low": 0.2}, x),
+        "echo token-mean (arith, R clipped)": case("echo", "token-mean", {**echo_cfg, "batch_ratio": "arith"}, x),
         "echo + step stats (micro-batch path, R clipped)": case(
             "echo", "token-mean", echo_cfg, x, compute_step_stats(mbs, loss_mode="echo", loss_agg_mode="token-mean", config=echo_cfg)
         ),
-        "echo balanced": case("echo", "balanced", echo_cfg, x),
+        "echo balanced (geo, R clipped)": case("echo", "balanced", echo_cfg, x),
     }
     if not args.no_verl:
         v = verl_case(x)

@@ -36,6 +36,8 @@ Usage (defaults: a small setting that takes a few minutes on 2 shared cores)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import statistics
@@ -73,64 +75,79 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-PARTS = ("step", "cpu", "generation", "scoring", "update", "old_log_prob", "optimizer")
-
-
-def _wrap(obj, name: str, timers: "Timers", key: str) -> None:
-    """Time every call of ``obj.name`` into ``timers[key]`` (instance attribute; benchmark only)."""
-    fn = getattr(obj, name)
-
-    def timed(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            timers.add(key, time.perf_counter() - t0)
-
-    setattr(obj, name, timed)
+#: Columns of the report. ``update`` = everything after the rollout and its scoring;
+#: ``backward`` = update - old_log_prob - forward - optimizer (backward, loss math, stats).
+PARTS = ("step", "generation", "scoring", "update", "old_log_prob", "forward", "backward", "optimizer")
 
 
 class Timers:
-    """Accumulating named wall-clock timers."""
+    """Accumulating named timers, wall clock (``name``) and process CPU time (``name/cpu``)."""
 
     def __init__(self) -> None:
         self.t: dict[str, float] = defaultdict(float)
 
-    def add(self, name: str, seconds: float) -> None:
-        self.t[name] += seconds
+    @contextlib.contextmanager
+    def time(self, name: str):
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.t[name] += time.perf_counter() - t0
+            self.t[name + "/cpu"] += time.process_time() - c0
 
     def reset(self) -> dict[str, float]:
         out, self.t = dict(self.t), defaultdict(float)
         return out
 
 
-def make_timed_grpo_trainer_class():
+def _wrap(obj, name: str, timers: Timers, key: str) -> None:
+    """Time every call of ``obj.name`` into ``timers[key]`` (an instance/module attribute; benchmark only)."""
+    fn = getattr(obj, name)
+
+    @functools.wraps(fn)  # keeps markers such as the LR scheduler's _wrapped_by_lr_sched
+    def timed(*a, **kw):
+        with timers.time(key):
+            return fn(*a, **kw)
+
+    setattr(obj, name, timed)
+
+
+def _row(t: dict[str, float], step: float, step_cpu: float, update: float, update_cpu: float, length) -> dict:
+    """One step's record: wall and CPU seconds of each part."""
+    row = {"response_length": length, "threads": torch.get_num_threads()}
+    for suffix, total, upd in (("", step, update), ("/cpu", step_cpu, update_cpu)):
+        g = lambda k: t.get(k + suffix, 0.0)  # noqa: E731
+        row["step" + suffix] = total
+        row["generation" + suffix] = g("generation")
+        row["scoring" + suffix] = g("scoring")
+        row["update" + suffix] = upd
+        row["old_log_prob" + suffix] = g("old_log_prob")
+        row["forward" + suffix] = g("forward") - g("old_log_prob")  # nested: with-grad forwards only
+        row["optimizer" + suffix] = g("optimizer")
+        row["backward" + suffix] = upd - row["old_log_prob" + suffix] - row["forward" + suffix] - g("optimizer")
+    return row
+
+
+def make_timed_grpo_trainer_class(timers: Timers):
     """GRPOTrainer with timers around generation, scoring and the loss forward (no behaviour change)."""
     from trl import GRPOTrainer
 
     class TimedGRPOTrainer(GRPOTrainer):
-        timers = Timers()
-
         def _generate(self, prompts):
-            t0 = time.perf_counter()
-            try:
+            with timers.time("generation"):
                 return super()._generate(prompts)
-            finally:
-                self.timers.add("generation", time.perf_counter() - t0)
 
         def _calculate_rewards(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
+            with timers.time("scoring"):
                 return super()._calculate_rewards(*args, **kwargs)
-            finally:
-                self.timers.add("scoring", time.perf_counter() - t0)
 
         def _generate_and_score_completions(self, inputs):
-            t0 = time.perf_counter()
-            try:
+            with timers.time("rollout_total"):
                 return super()._generate_and_score_completions(inputs)
-            finally:
-                self.timers.add("rollout_total", time.perf_counter() - t0)
+
+        def compute_loss(self, *args, **kwargs):  # the with-grad forward (TRL has no old-log-prob pass on-policy)
+            with timers.time("forward"):
+                return super().compute_loss(*args, **kwargs)
 
     return TimedGRPOTrainer
 
@@ -156,7 +173,7 @@ def build_echotrain(args, model, tokenizer, task, out_dir):
     return Trainer(cfg, model=model, tokenizer=tokenizer, task=task)
 
 
-def build_trl(args, model, tokenizer, task, out_dir, callback):
+def build_trl(args, model, tokenizer, task, out_dir, callback, timers):
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -189,7 +206,7 @@ def build_trl(args, model, tokenizer, task, out_dir, callback):
         bf16=False, fp16=False, gradient_checkpointing=False, disable_dropout=True, use_vllm=False,
         log_completions=False, shuffle_dataset=True,
     )
-    cls = make_timed_grpo_trainer_class()
+    cls = make_timed_grpo_trainer_class(timers)
     return cls(model=model, reward_funcs=[echotrain_reward], args=cfg, train_dataset=dataset,
                processing_class=tokenizer, callbacks=[callback])
 
@@ -211,26 +228,32 @@ def main(argv=None) -> dict:
 
     records: dict[str, list[dict]] = {"trl": [], "echotrain": []}
     loads: list[float] = []
-    ours_timers = Timers()
-    _wrap(ours, "_log_probs_batched", ours_timers, "old_log_prob")
-    _wrap(ours.optimizer, "step", ours_timers, "optimizer")
+    ours_t, trl_t = Timers(), Timers()
+    import echotrain.train.trainer as trainer_module
+
+    _wrap(trainer_module, "generate_rollouts", ours_t, "generation")
+    _wrap(ours, "reward_fn", ours_t, "scoring")
+    _wrap(ours, "_log_probs", ours_t, "forward")
+    _wrap(ours, "_log_probs_batched", ours_t, "old_log_prob")
+    _wrap(ours.optimizer, "step", ours_t, "optimizer")
+
+    def report(side: str, k: int, row: dict) -> None:
+        records[side].append(row)
+        print(f"  {side:9s} step {k}: {row['step']:6.2f} s wall, {row['step/cpu']:6.2f} s cpu (generation "
+              f"{row['generation/cpu']:.2f}, update {row['update/cpu']:.2f} cpu-s; length "
+              f"{row['response_length']})", flush=True)
 
     def run_ours(k: int) -> None:
         torch.set_num_threads(args.threads)
         loads.append(os.getloadavg()[0])
-        ours_timers.reset()
+        ours_t.reset()
         t0, c0 = time.perf_counter(), time.process_time()
         rec = ours.train_step(k + 1)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        t = ours_timers.reset()
-        records["echotrain"].append({
-            "step": wall, "cpu": cpu, "generation": rec["time/generation"], "scoring": rec["time/scoring"],
-            "update": rec["time/update"], "old_log_prob": t.get("old_log_prob", 0.0),
-            "optimizer": t.get("optimizer", 0.0), "response_length": rec["response_length/mean"],
-            "threads": torch.get_num_threads(),
-        })
-        print(f"  echotrain step {k}: {wall:6.2f} s  (gen {rec['time/generation']:.2f}, "
-              f"update {rec['time/update']:.2f}, len {rec['response_length/mean']:.1f})", flush=True)
+        t = ours_t.reset()
+        upd, upd_cpu = (wall - t.get("generation", 0.0) - t.get("scoring", 0.0),
+                        cpu - t.get("generation/cpu", 0.0) - t.get("scoring/cpu", 0.0))
+        report("echotrain", k, _row(t, wall, cpu, upd, upd_cpu, rec["response_length/mean"]))
 
     class Interleave(TrainerCallback):
         """Times TRL's optimizer steps and runs one echotrain step between them (order alternates)."""
@@ -241,47 +264,45 @@ def main(argv=None) -> dict:
                 run_ours(k)
             torch.set_num_threads(args.threads)
             loads.append(os.getloadavg()[0])
-            trl.timers.reset()
+            trl_t.reset()
             self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_pre_optimizer_step(self, a, state, control, **kw):
-            self.t_opt = time.perf_counter()
+            self.opt = trl_t.time("optimizer")
+            self.opt.__enter__()
 
         def on_optimizer_step(self, a, state, control, **kw):
-            trl.timers.add("optimizer", time.perf_counter() - self.t_opt)
+            self.opt.__exit__(None, None, None)
 
         def on_step_end(self, a, state, control, **kw):
             wall, cpu = time.perf_counter() - self.t0, time.process_time() - self.c0
             k = state.global_step - 1
-            t = trl.timers.reset()
+            t = trl_t.reset()
+            upd, upd_cpu = (wall - t.get("generation", 0.0) - t.get("scoring", 0.0),
+                        cpu - t.get("generation/cpu", 0.0) - t.get("scoring/cpu", 0.0))
             lengths = trl._metrics["train"].get("completions/mean_length") or [None]
-            records["trl"].append({
-                "step": wall, "cpu": cpu, "generation": t.get("generation", 0.0), "scoring": t.get("scoring", 0.0),
-                "update": wall - t.get("rollout_total", 0.0), "old_log_prob": 0.0,
-                "optimizer": t.get("optimizer", 0.0), "threads": torch.get_num_threads(),
-                "response_length": lengths[-1],
-            })
-            print(f"  TRL       step {k}: {wall:6.2f} s  (gen {t.get('generation', 0.0):.2f}, "
-                  f"update {wall - t.get('rollout_total', 0.0):.2f})", flush=True)
+            report("trl", k, _row(t, wall, cpu, upd, upd_cpu, lengths[-1]))
             if k % 2 == 0:
                 run_ours(k)
 
-    trl = build_trl(args, model_trl, tok_trl, task, os.path.join(tmp, "trl"), Interleave())
-    # mean completion length of TRL's rollouts (from its own metrics)
-    load_s = time.perf_counter() - t_load
-    print(f"setup {load_s:.1f} s; B={args.prompts} G={args.generations} T={args.max_new_tokens} "
-          f"micro={args.micro_batch_size} threads={args.threads} loadavg={os.getloadavg()}", flush=True)
+    trl = build_trl(args, model_trl, tok_trl, task, os.path.join(tmp, "trl"), Interleave(), trl_t)
+    print(f"setup {time.perf_counter() - t_load:.1f} s; B={args.prompts} G={args.generations} "
+          f"T={args.max_new_tokens} micro={args.micro_batch_size} threads={args.threads} "
+          f"loadavg={os.getloadavg()}", flush=True)
     trl.train()
 
     def summary(side: str) -> dict:
         recs = records[side][args.warmup:]
-        out = {k: statistics.median(r[k] for r in recs) for k in PARTS}
+        keys = [k + sfx for k in PARTS for sfx in ("", "/cpu")]
+        out = {k: statistics.median(r[k] for r in recs) for k in keys}
         lens = [r["response_length"] for r in recs if r.get("response_length") is not None]
         out["response_length_mean"] = statistics.mean(lens) if lens else None
-        out["steps"] = [round(r["step"], 3) for r in records[side]]
+        out["steps_wall"] = [round(r["step"], 2) for r in records[side]]
+        out["steps_cpu"] = [round(r["step/cpu"], 2) for r in records[side]]
         return out
 
     res = {
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "settings": {k: getattr(args, k) for k in vars(args)},
         "versions": _versions(),
         "loadavg_during": {"min": min(loads), "max": max(loads), "mean": statistics.mean(loads)},
@@ -289,10 +310,11 @@ def main(argv=None) -> dict:
         "trl": summary("trl"),
         "echotrain": summary("echotrain"),
     }
-    res["ratio_trl_over_echotrain"] = res["trl"]["step"] / res["echotrain"]["step"]
-    for part in ("cpu", "generation", "update"):
-        o = res["echotrain"][part]
-        res[f"ratio_{part}"] = res["trl"][part] / o if o > 0 else None
+    res["ratio"] = {}
+    for k in ("step", "generation", "update"):
+        for sfx in ("", "/cpu"):
+            o = res["echotrain"][k + sfx]
+            res["ratio"][k + sfx] = res["trl"][k + sfx] / o if o > 0 else None
     _print(res)
     if args.json:
         with open(args.json, "w") as f:
@@ -309,18 +331,18 @@ def _versions() -> dict:
 
 
 def _print(res: dict) -> None:
-    print("\n== one RL step, median over timed steps (seconds) ==")
-    print("(update = everything after the rollout: advantages, old log-probs, forward/backward, optimizer)")
-    print(f"{'':10s} {'step':>7s} {'cpu-s':>7s} {'generate':>9s} {'score':>6s} {'update':>7s} {'old-lp':>7s} "
-          f"{'optim':>6s} {'resp len':>9s}")
+    print("\n== one RL step: median seconds over the timed steps, wall clock | process CPU time ==")
+    print("update = step - generation - scoring (advantages, old log-probs, forward, backward, optimizer)")
+    head = ["step", "generation", "scoring", "update", "old_log_prob", "forward", "backward", "optimizer"]
+    print(f"{'':10s} " + " ".join(f"{h:>12s}" for h in head) + f" {'resp len':>9s}")
     for side in ("trl", "echotrain"):
         r = res[side]
+        cells = " ".join(f"{r[h]:5.1f}|{r[h + '/cpu']:5.1f} " for h in head)
         L = r["response_length_mean"]
-        print(f"{side:10s} {r['step']:7.2f} {r['cpu']:7.2f} {r['generation']:9.2f} {r['scoring']:6.3f} "
-              f"{r['update']:7.2f} {r['old_log_prob']:7.2f} {r['optimizer']:6.2f} "
-              f"{(L if L is not None else float('nan')):9.1f}")
-    print(f"ratio TRL/echotrain: step {res['ratio_trl_over_echotrain']:.2f}x (wall), cpu {res['ratio_cpu']:.2f}x, "
-          f"generation {res['ratio_generation']:.2f}x, update {res['ratio_update']:.2f}x")
+        print(f"{side:10s} {cells} {(L if L is not None else float('nan')):9.1f}")
+    q = res["ratio"]
+    print(f"TRL / echotrain (> 1: echotrain faster): step {q['step']:.2f}x wall, {q['step/cpu']:.2f}x CPU; "
+          f"generation {q['generation/cpu']:.2f}x CPU; update {q['update/cpu']:.2f}x CPU")
     la = res["loadavg_during"]
     print(f"load average (1 min) during the run: {la['min']:.1f} .. {la['max']:.1f} on {res['cpu_count']} CPUs; "
           f"versions {res['versions']}")

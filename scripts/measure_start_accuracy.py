@@ -57,7 +57,9 @@ def main() -> None:
     t0 = time.time()
     for start in range(0, len(examples), args.batch_size):
         batch = examples[start : start + args.batch_size]
-        prompts = [tokenizer.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False) for ex in batch]
+        prompts = [
+            tokenizer.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False) for ex in batch
+        ]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(

@@ -63,6 +63,9 @@ def test_cli_writes_json_table_and_plot(tmp_path):
     assert (tmp_path / "late_sam.png").stat().st_size > 10_000
     table = (tmp_path / "late_sam_table.md").read_text()
     assert "full SAM" in table and "SGD only" in table
+    (tmp_path / "late_sam_table.md").unlink()
+    assert main(["experiment", "late-sam", "--rerender", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "late_sam_table.md").read_text() == table
 
 
 def test_bad_switch_epoch_is_rejected():

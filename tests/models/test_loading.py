@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 
 import pytest
 import torch
@@ -79,7 +78,8 @@ def test_chat_template_and_greedy_generation(policy):
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
     # Two prompts of different lengths: left padding keeps the generated tokens aligned.
-    prompts = [text, tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)]
+    short = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    prompts = [text, short]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     assert enc["attention_mask"][1, 0] == 0  # the shorter prompt is padded on the left
     with torch.no_grad():
@@ -135,10 +135,16 @@ def test_load_policy_from_a_local_folder(policy, tmp_path):
 
     _, tokenizer = policy
     folder = tmp_path / "tiny"
-    tiny = LlamaForCausalLM(
-        LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
     )
+    tiny = LlamaForCausalLM(config)
     tiny.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     tokenizer_json = json.loads((folder / "tokenizer_config.json").read_text())
@@ -148,7 +154,8 @@ def test_load_policy_from_a_local_folder(policy, tmp_path):
     model, tok = load_policy(folder, dtype=torch.bfloat16)
     assert model.config.hidden_size == 16 and next(model.parameters()).dtype == torch.bfloat16
     assert tok.padding_side == "left" and tok.pad_token is not None
-    assert torch.equal(model.model.embed_tokens.weight.float(), tiny.model.embed_tokens.weight.to(torch.bfloat16).float())
+    expected = tiny.model.embed_tokens.weight.to(torch.bfloat16)
+    assert torch.equal(model.model.embed_tokens.weight, expected)
 
 
 def test_load_policy_errors():
@@ -175,7 +182,11 @@ def test_any_gguf_file_is_converted_into_the_cache(tmp_path, monkeypatch):
     from echotrain.models import load_gguf_file
 
     seen = []
-    monkeypatch.setattr(gguf_mod, "convert_gguf", lambda src, out: seen.append(src) or (out / "config.json").write_text("{}"))
+    def fake_convert(src, out):
+        seen.append(src)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(gguf_mod, "convert_gguf", fake_convert)
     src = tmp_path / "tiny-model.gguf"
     src.write_bytes(b"GGUF")
     folder = load_gguf_file(src, cache_dir=tmp_path / "cache")

@@ -63,7 +63,11 @@ _content = st.lists(_balanced, min_size=1, max_size=4).map("".join)
 
 
 @settings(max_examples=60, deadline=None)
-@given(content=_content, prefix=st.text(alphabet="abc 12{}", max_size=10), suffix=st.text(alphabet="abc 12.", max_size=10))
+@given(
+    content=_content,
+    prefix=st.text(alphabet="abc 12{}", max_size=10),
+    suffix=st.text(alphabet="abc 12.", max_size=10),
+)
 def test_boxed_roundtrip_for_balanced_content(content, prefix, suffix):
     """Whatever balanced content we box, after any prefix with an earlier box, comes back."""
     text = prefix + r"\boxed{decoy} " + r"\boxed{" + content + "}" + suffix

@@ -274,3 +274,19 @@ def test_balanced_needs_group_ids_and_integer_ids():
         compute_policy_loss("vanilla", *_valid(), "balanced")
     with pytest.raises(TypeError, match="group_index must be an integer tensor"):
         compute_policy_loss("vanilla", *_valid(), "balanced", group_index=torch.zeros(5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "balanced"])
+@pytest.mark.parametrize("loss_mode", sorted(POLICY_LOSSES))
+def test_low_precision_inputs_work_and_keep_their_dtype(loss_mode, agg, dtype):
+    old, lp, adv, mask, _ = _ragged(noise=0.3)
+    old, lp, adv = old.to(dtype), (lp - 0.1).to(dtype).requires_grad_(True), adv.to(dtype)
+    cfg = dict(clip_ratio_c=3.0, norm_constant=6.0)
+    loss, m = compute_policy_loss(loss_mode, old, lp, adv, mask, agg, cfg, group_index=torch.tensor([0, 0, 1, 1, 1]))
+    loss.backward()
+    assert loss.dtype == dtype and lp.grad.dtype == dtype
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    ref, _ = compute_policy_loss(loss_mode, old.double(), lp.detach().double(), adv.double(), mask, agg, cfg,
+                                 group_index=torch.tensor([0, 0, 1, 1, 1]))
+    assert loss.item() == pytest.approx(ref.item(), abs=0.05 if dtype == torch.bfloat16 else 1e-5)

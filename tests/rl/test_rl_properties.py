@@ -129,3 +129,40 @@ def test_kl_estimators_finite_and_k2_k3_nonnegative_fp32(x, est):
     assert torch.isfinite(kl).all() and torch.isfinite(lp.grad).all()
     if est != "k1":
         assert kl.item() >= 0
+
+
+@SETTINGS
+@given(
+    log_ratio=st.lists(st.floats(-3, 3), min_size=1, max_size=20),
+    data=st.data(),
+    c=st.floats(1.01, 10),
+)
+def test_dual_clip_only_caps_negative_advantages(log_ratio, data, c):
+    from echotrain.rl.objectives import ppo_clip_loss
+
+    n = len(log_ratio)
+    adv = torch.tensor(data.draw(st.lists(st.floats(-2, 2), min_size=n, max_size=n)), dtype=torch.float64)
+    rho = torch.tensor(log_ratio, dtype=torch.float64).exp()
+    plain, f_plain = ppo_clip_loss(rho, adv, 0.2, 0.28)
+    dual, f_dual = ppo_clip_loss(rho, adv, 0.2, 0.28, c)
+    assert torch.equal(plain[adv >= 0], dual[adv >= 0])
+    neg = adv < 0
+    assert torch.all(dual[neg] <= -adv[neg] * c + 1e-12)
+    assert torch.equal(dual[neg], torch.minimum(plain[neg], -adv[neg] * c))
+    assert not bool((f_plain["high"] & (adv <= 0)).any()) and not bool((f_plain["low"] & (adv >= 0)).any())
+    assert torch.equal(f_dual["dual"], neg & (plain > -adv * c))
+
+
+@SETTINGS
+@given(batch=batches(), loss_mode=st.sampled_from(["vanilla", "gspo", "gspo_token", "echo"]), garbage=st.floats(-30, 30))
+def test_padding_values_never_matter(batch, loss_mode, garbage):
+    mask = batch["response_mask"]
+    res = []
+    for g in (0.0, garbage):
+        x = torch.where(mask, batch["log_prob"], batch["log_prob"] + g).requires_grad_(True)
+        adv = torch.where(mask, batch["advantages"][:, None].expand_as(mask), g)
+        loss, m = compute_policy_loss(loss_mode, batch["old_log_prob"], x, adv, mask, "seq-mean-token-mean")
+        loss.backward()
+        res.append((loss.item(), x.grad[mask], m["pg_clipfrac"], m["ppo_kl"]))
+    assert res[0][0] == res[1][0] and res[0][2:] == res[1][2:]
+    assert torch.equal(res[0][1], res[1][1])

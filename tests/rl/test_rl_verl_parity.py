@@ -119,3 +119,16 @@ def test_kl_estimators_match_verl(est):
     lp = torch.randn(4, 6, generator=g, dtype=torch.float64) - 2
     ref_lp = lp + 0.5 * torch.randn(4, 6, generator=g, dtype=torch.float64)
     torch.testing.assert_close(kl_penalty(lp, ref_lp, est), verl_algos.kl_penalty(lp, ref_lp, est))
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+def test_gspo_token_matches_verl_with_per_token_advantages(agg):
+    """verl's "gspo" is the GSPO-token form: it must agree with ours for any A_{i,t}."""
+    old, log_prob, _, mask = _random(3, noise=0.05)
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * mask
+    cfg = dict(clip_ratio_low=3e-3, clip_ratio_high=4e-3)
+    (ours, g_ours, _), (ref, g_ref, _) = _ours_and_verl(
+        "gspo_token", verl_algos.compute_policy_loss_gspo, agg, cfg, _actor_config(3e-3, 4e-3), old, log_prob, adv, mask
+    )
+    torch.testing.assert_close(ours, ref, **TOL)
+    torch.testing.assert_close(g_ours, g_ref, **TOL)

@@ -21,11 +21,11 @@ def test_default_task_prompt_structure():
         {"role": "assistant", "content": DEFAULT_TASK["one_shot"][1]},
     ]
     assert ex.messages[-1]["content"] == ex.question
-    # Two one-digit terms with + or -, as configured: the gold answer is the expression's value.
-    expr = ex.metadata["entry"]["metadata"]["expression"]
-    a, op, b = expr.split()
-    assert len(a) == len(b) == 1 and op in "+-"
-    assert int(ex.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    # Two terms of 1-2 digits (0-100) with + or -, as configured: the gold answer is the expression's value.
+    for ex in task.sample(20, seed=0):
+        a, op, b = ex.metadata["entry"]["metadata"]["expression"].split()
+        assert 0 <= int(a) <= 100 and 0 <= int(b) <= 100 and op in "+-"  # reasoning-gym: up to 10**digits
+        assert int(ex.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
 
 
 def test_sampling_is_reproducible():

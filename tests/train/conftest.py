@@ -1,9 +1,96 @@
-"""Fixtures for the trainer tests (helpers in _train_fixtures.py)."""
+"""Fixtures: a tiny randomly initialised Llama, a char-level tokenizer and a trivial task, built in-process
+(no downloads), for trainer tests."""
 
 from __future__ import annotations
 
+import random
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
 import pytest
-from _train_fixtures import DigitTask, make_model, make_tokenizer
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def make_tokenizer():
+    """Char-level PreTrainedTokenizerFast: digits, lowercase letters, ':', ' ', '<', '>', '/'
+    plus the special tokens <pad> (0), <s> (1), </s> (2, EOS)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = list(string.digits + string.ascii_lowercase + ": <>/")
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    return fast
+
+
+def make_model(tokenizer, seed: int = 0):
+    """2-layer Llama, hidden 32, random init with ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+@dataclass
+class Ex:
+    messages: list
+    question: str
+    answer: str
+    index: int
+    metadata: dict = field(default_factory=dict)
+
+
+class DigitTask:
+    """Question: a digit d. Reward 1 if the completion contains d (a random tiny model does that
+    with probability ~0.3 per 8 tokens, so groups have reward variance)."""
+
+    name = "digit"
+    answer_format = "tag"
+
+    def __init__(self, size: int = 50):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> Ex:
+        d = str(i % 10)
+        return Ex(messages=[{"role": "user", "content": f"say {d}"}], question=d, answer=d, index=i)
+
+    def __iter__(self):
+        return (self[i] for i in range(self.size))
+
+    def sample(self, n: int, seed: int) -> list[Ex]:
+        rng = random.Random(seed)
+        return [self[rng.randrange(self.size)] for _ in range(n)]
+
+    def extract(self, completion: str) -> str | None:
+        return completion
+
+    def is_formatted(self, completion: str) -> bool:
+        return len(completion) > 0
+
+    def score(self, completion: str, example: Any) -> float:
+        return 1.0 if example.answer in completion else 0.0
 
 
 @pytest.fixture
@@ -19,3 +106,9 @@ def tiny_model(tiny_tokenizer):
 @pytest.fixture
 def digit_task():
     return DigitTask()
+
+
+@pytest.fixture
+def make_tiny_model():
+    """The factory ``make_model(tokenizer, seed=0)`` (a fresh model per call)."""
+    return make_model

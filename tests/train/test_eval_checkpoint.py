@@ -8,7 +8,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from _train_fixtures import DigitTask
 
 from echotrain.train.checkpoint import (
     list_checkpoints,
@@ -34,14 +33,14 @@ def test_pass_at_k_closed_forms():
         pass_at_k(4, 1, 5)
 
 
-def test_evaluate_tiny_model(tiny_model, tiny_tokenizer):
-    res = evaluate(tiny_model, tiny_tokenizer, DigitTask(), num_prompts=6, n=4, ks=(1, 4), max_new_tokens=8,
+def test_evaluate_tiny_model(tiny_model, tiny_tokenizer, digit_task):
+    res = evaluate(tiny_model, tiny_tokenizer, digit_task, num_prompts=6, n=4, ks=(1, 4), max_new_tokens=8,
                    temperature=1.0, batch_prompts=4)
     assert res["num_prompts"] == 6 and res["n"] == 4
     assert res["pass@1"] == pytest.approx(res["accuracy"])  # unbiased pass@1 = mean correctness
     assert res["accuracy"] <= res["pass@4"] <= 1
     with pytest.raises(ValueError, match="k=5"):
-        evaluate(tiny_model, tiny_tokenizer, DigitTask(), num_prompts=2, n=4, ks=(5,))
+        evaluate(tiny_model, tiny_tokenizer, digit_task, num_prompts=2, n=4, ks=(5,))
 
 
 def test_checkpoint_atomic_keep_last_and_rng(tmp_path, tiny_model):

@@ -124,3 +124,14 @@ def test_shared_prefix_and_trimming_are_exact(tiny_model, tiny_tokenizer):
     torch.testing.assert_close(ent1[m], ent0[m], atol=1e-5, rtol=0)
     for k in g0:
         torch.testing.assert_close(g1[k], g0[k], atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prefill_generation_matches_plain(tiny_model, tiny_tokenizer):
+    prompts = [[{"role": "user", "content": "say 7"}], [{"role": "user", "content": "say 1234"}]]
+    outs = []
+    for share in (False, True):
+        torch.manual_seed(11)
+        outs.append(generate_rollouts(tiny_model, tiny_tokenizer, prompts, 4, max_new_tokens=10, temperature=1.0,
+                                      share_prefix=share))
+    assert torch.equal(outs[0].response_ids, outs[1].response_ids)
+    assert torch.equal(outs[0].response_mask, outs[1].response_mask)

@@ -13,8 +13,6 @@ from echotrain.train.config import resolve_config
 from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES, read_jsonl
 from echotrain.train.trainer import Trainer
 
-from _train_fixtures import DigitTask, make_model
-
 BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=4,
             num_mini_batches=2, lr=1e-2, temperature=1.0, device="cpu", progress=False, plots=False,
             save_final_model=False, log_samples=2, seed=0)
@@ -25,15 +23,21 @@ REQUIRED = ["step", "reward/mean", "reward/std", "accuracy", "format_rate", "res
             "time/step", "throughput/tokens_per_s", "memory/peak_mb"]
 
 
-def run(tmp_path, tokenizer, name="run", callbacks=(), resume=False, **over):
-    cfg = resolve_config(overrides={**BASE, "output_dir": str(tmp_path / name), **over})
-    trainer = Trainer(cfg, model=make_model(tokenizer), tokenizer=tokenizer, task=DigitTask(), resume=resume,
-                      callbacks=callbacks)
-    return trainer, trainer.train()
+@pytest.fixture
+def run(tmp_path, tiny_tokenizer, make_tiny_model, digit_task):
+    """run(name, callbacks=(), resume=False, **config overrides) -> (trainer, records)."""
+
+    def _run(name="run", callbacks=(), resume=False, **over):
+        cfg = resolve_config(overrides={**BASE, "output_dir": str(tmp_path / name), **over})
+        trainer = Trainer(cfg, model=make_tiny_model(tiny_tokenizer), tokenizer=tiny_tokenizer, task=digit_task,
+                          resume=resume, callbacks=callbacks)
+        return trainer, trainer.train()
+
+    return _run
 
 
-def test_train_loop_writes_metrics_and_outputs(tmp_path, tiny_tokenizer):
-    trainer, records = run(tmp_path, tiny_tokenizer, plots=True, save_every=2, keep_last=1)
+def test_train_loop_writes_metrics_and_outputs(run, tmp_path, tiny_tokenizer, make_tiny_model):
+    trainer, records = run(plots=True, save_every=2, keep_last=1)
     d = trainer.run_dir
     lines = read_jsonl(d / "metrics.jsonl")
     assert lines == records and [r["step"] for r in lines] == [1, 2, 3]
@@ -60,9 +64,9 @@ def test_train_loop_writes_metrics_and_outputs(tmp_path, tiny_tokenizer):
     assert {p.name for p in (d / "plots").glob("*.png")} >= {"reward.png", "echo_batch_ratio.png", "grad_norm.png"}
 
 
-def test_kill_and_resume_gives_identical_metrics(tmp_path, tiny_tokenizer):
+def test_kill_and_resume_gives_identical_metrics(run, tmp_path, tiny_tokenizer, make_tiny_model):
     over = dict(steps=4, save_every=2, keep_last=2, preset="echo")
-    _, full = run(tmp_path, tiny_tokenizer, "full", **over)
+    _, full = run("full", **over)
 
     class Killed(Exception):
         pass
@@ -72,9 +76,9 @@ def test_kill_and_resume_gives_identical_metrics(tmp_path, tiny_tokenizer):
             raise Killed
 
     with pytest.raises(Killed):
-        run(tmp_path, tiny_tokenizer, "killed", callbacks=[kill_at_3], **over)
+        run("killed", callbacks=[kill_at_3], **over)
     assert [r["step"] for r in read_jsonl(tmp_path / "killed" / "metrics.jsonl")] == [1, 2, 3]
-    trainer, resumed = run(tmp_path, tiny_tokenizer, "killed", resume=True, **over)
+    trainer, resumed = run("killed", resume=True, **over)
     assert trainer.start_step == 2
 
     def strip(r):
@@ -86,31 +90,31 @@ def test_kill_and_resume_gives_identical_metrics(tmp_path, tiny_tokenizer):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_resume_without_checkpoint_fails(tmp_path, tiny_tokenizer):
+def test_resume_without_checkpoint_fails(run, tmp_path, tiny_tokenizer, make_tiny_model):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        run(tmp_path, tiny_tokenizer, "none", resume=True)
+        run("none", resume=True)
 
 
 @pytest.mark.parametrize("preset", ["echo+balanced", "gspo", "dr_grpo"])
-def test_micro_batching_is_exact(tmp_path, tiny_tokenizer, preset):
+def test_micro_batching_is_exact(run, tmp_path, tiny_tokenizer, make_tiny_model, preset):
     """One step with micro-batches of 3 gives the same parameters as one micro-batch of 8
     (the step's normalisers are global: echotrain.rl.stepwise)."""
     params = []
     for mbs in (8, 3):
-        trainer, _ = run(tmp_path, tiny_tokenizer, f"mb{mbs}-{preset}", steps=1, preset=preset,
+        trainer, _ = run(f"mb{mbs}-{preset}", steps=1, preset=preset,
                          micro_batch_size=mbs, max_grad_norm=0.0, lr=1e-3)
         params.append({k: v.detach().clone() for k, v in trainer.model.named_parameters()})
-    init = dict(make_model(tiny_tokenizer).named_parameters())
+    init = dict(make_tiny_model(tiny_tokenizer).named_parameters())
     assert any(not torch.allclose(params[0][k], init[k]) for k in init)  # it did move
     for k in params[0]:
         torch.testing.assert_close(params[0][k], params[1][k], atol=2e-6, rtol=1e-5)
 
 
-def test_dapo_dynamic_sampling_and_grpo_kl(tmp_path, tiny_tokenizer):
-    _, recs = run(tmp_path, tiny_tokenizer, "dapo", preset="dapo", steps=2, max_sampling_rounds=3)
+def test_dapo_dynamic_sampling_and_grpo_kl(run, tmp_path, tiny_tokenizer, make_tiny_model):
+    _, recs = run("dapo", preset="dapo", steps=2, max_sampling_rounds=3)
     for r in recs:
         assert 1 <= r["sampling_rounds"] <= 3 and 1 <= r["groups/kept"] <= 4
         # dynamic sampling keeps only groups with mixed correctness
         assert r["reward/std"] > 0 or r["groups/kept"] == 4
-    _, recs = run(tmp_path, tiny_tokenizer, "grpo", preset="grpo", steps=2)
+    _, recs = run("grpo", preset="grpo", steps=2)
     assert all(r["kl/ref"] >= 0 for r in recs) and recs[-1]["kl/ref"] > 0

@@ -247,17 +247,30 @@ def run_late_sam(
             )
             results.append(r)
     if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        summary = summarize(results, cfg.epochs)
-        (out_dir / "late_sam.json").write_text(
-            json.dumps({"config": asdict(cfg), "seeds": seeds, "runs": [asdict(r) for r in results],
-                        "summary": summary}, indent=1)
-        )
-        (out_dir / "late_sam_table.md").write_text(markdown_table(summary))
-        plot(summary, cfg.epochs, out_dir / "late_sam.png",
-             note=f"rho={cfg.rho}, lr={cfg.lr} ({cfg.lr_schedule} schedule)")
+        write_report(cfg, seeds, results, Path(out_dir))
     return results
+
+
+def write_report(cfg: LateSamConfig, seeds: list[int], results: list[RunResult], out_dir: Path) -> None:
+    """Write ``late_sam.json`` (config, every run, summary), ``late_sam_table.md`` and ``late_sam.png``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(results, cfg.epochs)
+    (out_dir / "late_sam.json").write_text(
+        json.dumps({"config": asdict(cfg), "seeds": seeds, "runs": [asdict(r) for r in results],
+                    "summary": summary}, indent=1)
+    )
+    (out_dir / "late_sam_table.md").write_text(markdown_table(summary))
+    decays = [0.3 * cfg.epochs, 0.6 * cfg.epochs] if cfg.lr_schedule == "wrn" else []
+    plot(summary, cfg.epochs, out_dir / "late_sam.png", lr_decay_epochs=decays,
+         note=f"rho={cfg.rho}, lr={cfg.lr} ({cfg.lr_schedule} schedule)")
+
+
+def rerender(out_dir: Path) -> None:
+    """Rewrite the table and the plot in ``out_dir`` from its ``late_sam.json`` (no training)."""
+    data = json.loads((out_dir / "late_sam.json").read_text())
+    cfg = LateSamConfig(**data["config"])
+    results = [RunResult(**r) for r in data["runs"]]
+    write_report(cfg, data["seeds"], results, out_dir)
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
@@ -309,7 +322,7 @@ def _label(row: dict, epochs: int) -> str:
 def _pm(ms: tuple[float, float] | None, fmt: str = ".3f", mult: float = 1.0) -> str:
     if ms is None:
         return "-"
-    return f"{mult * ms[0]:{fmt}} +- {mult * ms[1]:{fmt}}"
+    return f"{mult * ms[0]:{fmt}} +- {mult * ms[1]:{fmt.lstrip('+')}}"
 
 
 def _ratio(x: float | None) -> str:
@@ -343,7 +356,7 @@ def markdown_table(summary: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: list[dict], epochs: int, path: Path, note: str = "") -> None:
+def plot(summary: list[dict], epochs: int, path: Path, lr_decay_epochs: list[float] = (), note: str = "") -> None:
     """Test accuracy and lambda_max (mean +- std) against the switch epoch; writes a PNG."""
     import matplotlib
 
@@ -363,6 +376,10 @@ def plot(summary: list[dict], epochs: int, path: Path, note: str = "") -> None:
         ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3)
         ax.set_xlabel(f"switch epoch (SGD before, SAM after; {epochs} epochs)")
         ax.set_title(title)
+        for i, e in enumerate(lr_decay_epochs):
+            ax.axvline(e, color="grey", ls=":", lw=1, label="LR decay" if i == 0 else None)
+        if lr_decay_epochs and key == "lambda_max":
+            ax.legend(loc="lower right", fontsize=8)
         ax.grid(alpha=0.3)
     seeds = summary[0]["seeds"] if summary else 0
     fig.suptitle(f"Late-phase SAM on sklearn digits (MLP), mean +- std over {seeds} seeds; "
@@ -396,14 +413,23 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-samples", type=int, default=d.trace_samples, help="Hutchinson samples for tr(H) (0: skip)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--out", type=Path, default=None, help="folder for late_sam.json / late_sam_table.md / late_sam.png")
+    parser.add_argument("--rerender", action="store_true",
+                        help="only rewrite the table and plot in --out from its late_sam.json (no training)")
     parser.set_defaults(func=run_from_args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run :func:`run_late_sam` from parsed CLI options and print the table."""
     torch.set_num_threads(args.threads)
+    if args.rerender:
+        if args.out is None:
+            raise SystemExit("--rerender needs --out FOLDER holding late_sam.json")
+        rerender(args.out)
+        print((args.out / "late_sam_table.md").read_text())
+        return 0
     cfg = LateSamConfig(
-        epochs=args.epochs, rho=args.rho, lr=args.lr, lr_schedule=args.lr_schedule, batch_size=args.batch_size, hidden=args.hidden,
+        epochs=args.epochs, rho=args.rho, lr=args.lr, lr_schedule=args.lr_schedule,
+        batch_size=args.batch_size, hidden=args.hidden,
         restart_momentum=not args.no_restart_momentum, lanczos_iters=args.lanczos_iters,
         trace_samples=args.trace_samples,
     )

@@ -302,7 +302,8 @@ def verdict(best: dict) -> dict:
 
 
 def plot(records: list[dict], path: str | Path) -> None:
-    """Final validation loss against learning rate: one panel per (L, rule), one curve per N.
+    """Final validation loss against learning rate: one panel per (L, rule), one curve per N;
+    a last panel draws the fitted best learning rate against N for every (L, rule).
 
     Diverged runs are drawn as crosses on the top edge of their panel.
     """
@@ -312,12 +313,14 @@ def plot(records: list[dict], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["n_layers"], r["rule"]) for r in records}, key=lambda p: (p[0], RESIDUAL_SCALINGS.index(p[1])))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 3.8), squeeze=False)
+    axes = axes[0]
     finite = [r["val_loss"] for r in records if r["val_loss"] is not None]
-    top = min(max(finite), min(finite) + 1.5) if finite else 6.0
+    bottom, top = (min(finite) - 0.05, min(max(finite), min(finite) + 1.5) + 0.05) if finite else (0.0, 6.0)
     all_n = sorted({r["n_loops"] for r in records})
+    all_lr = sorted({round(r["lr"], 12) for r in records})
     colors = {n: plt.cm.viridis(i / max(1, len(all_n) - 1)) for i, n in enumerate(all_n)}
-    for ax, (L, rule) in zip(axes[0], panels):
+    for ax, (L, rule) in zip(axes, panels):
         for n in all_n:
             runs = sorted((r for r in records if (r["n_layers"], r["rule"], r["n_loops"]) == (L, rule, n)), key=lambda r: r["lr"])
             ok = [r for r in runs if r["val_loss"] is not None]
@@ -328,13 +331,33 @@ def plot(records: list[dict], path: str | Path) -> None:
             bad = [r["lr"] for r in runs if r["val_loss"] is None]
             if bad:
                 ax.plot(bad, [top] * len(bad), "x", color=colors[n], ms=7)
-        ax.set_xscale("log", base=2)
+        ax.set_xscale("log")
+        ax.set_xticks(all_lr, [f"{lr:.2g}" for lr in all_lr], rotation=45, fontsize=7)
+        ax.minorticks_off()
+        ax.set_ylim(bottom, top)
         ax.set_title(f"eps rule {rule}, L={L}")
         ax.set_xlabel("peak learning rate (AdamW)")
+        ax.set_ylabel("final validation loss (nats/byte)")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("final validation loss (nats/byte)")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle("Looped transformer: loss vs learning rate per loop count N (star = best)", fontsize=10)
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    for L, by_rule in best_lrs(records).items():
+        for rule, by_n in by_rule.items():
+            ns = sorted(by_n)
+            ax.plot(ns, [by_n[n]["fit_lr"] for n in ns], "o-", label=f"{rule}, L={L}")
+        first = next(iter(by_rule.values()))
+        n0 = min(first)
+        ax.plot(all_n, [first[n0]["fit_lr"] * (n / n0) ** -0.5 for n in all_n], "k:", lw=1,
+                label="slope -1/2 (drift expected under 1/sqrt(N))")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(all_n, [str(n) for n in all_n])
+    ax.set_xlabel("loops N")
+    ax.set_ylabel("best learning rate (parabola fit)")
+    ax.set_title("best learning rate vs N")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle("Looped transformer: loss vs learning rate per loop count N (star = best on the grid)", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

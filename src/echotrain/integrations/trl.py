@@ -223,7 +223,7 @@ class EchoGRPOTrainer(GRPOTrainer):
             self.args.loss_mode, old, log_prob, inputs["advantages"], mask, self.args.loss_agg_mode,
             self.policy_loss_config, group_index=inputs["group_index"], step=step)
         m = mask.bool()
-        self._metrics[mode]["entropy"].append(float(entropies[m].mean()) if m.any() else 0.0)
+        self._metrics[mode]["entropy"].append(float(entropies.detach()[m].mean()) if m.any() else 0.0)
         for k, v in metrics.items():
             self._metrics[mode][f"echotrain/{k}"].append(float(v))
         return loss

@@ -136,24 +136,18 @@ def balanced_stats(
             raise ValueError("group_index must be non-negative dense group ids")
         if int(group_index.max()) >= n:
             raise ValueError(f"group_index max {int(group_index.max())} >= num_group_ids {n}")
-    sign = response_sign(advantages, mask)
-    lengths = mask.sum(-1).to(torch.float64)
-    ones = torch.ones_like(lengths)
+    return _balanced_stats(response_sign(advantages, mask), mask.sum(-1), group_index.long(), n, count_zero_adv)
+
+
+def _balanced_stats(sign: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor, n: int, count_zero_adv: bool) -> BalancedStats:
+    """Per-group sums from per-response sign ``(B,)``, length ``(B,)`` and dense ids ``(B,)``."""
     pos, neg = (sign > 0).to(torch.float64), (sign < 0).to(torch.float64)
+    ones = torch.ones_like(pos)
     counted = ones if count_zero_adv else (sign != 0).to(torch.float64)
-    idx = group_index.long()
-
-    def per_group(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.float64, device=mask.device).index_add_(0, idx, values)
-
-    return BalancedStats(
-        num_responses=per_group(ones),
-        group_size=per_group(counted),
-        num_pos=per_group(pos),
-        num_neg=per_group(neg),
-        tokens_pos=per_group(pos * lengths),
-        tokens_neg=per_group(neg * lengths),
-    )
+    lengths = lengths.to(torch.float64)
+    per_response = torch.stack([ones, counted, pos, neg, pos * lengths, neg * lengths], dim=1)  # (B, 6)
+    sums = torch.zeros(n, 6, dtype=torch.float64, device=sign.device).index_add_(0, ids, per_response)
+    return BalancedStats(*sums.t().contiguous().unbind(0))
 
 
 def _positive_count(name: str, value: Number | None, default: torch.Tensor) -> torch.Tensor:
@@ -220,14 +214,17 @@ def agg_weights(
         ids = torch.unique(group_index, return_inverse=True)[1]
     else:
         ids = group_index.long()
-    if balanced is None:
-        balanced = balanced_stats(advantages, mask, ids, count_zero_adv=ba_count_zero_adv)
-    elif mask.shape[0] and int(ids.max()) >= balanced.num_responses.shape[0]:
-        raise ValueError("group_index has ids beyond the step's BalancedStats")
     if mask.shape[0] == 0:
         return lengths
-    c_pos, c_neg = balanced.coefficients()
     sign = response_sign(advantages, mask)
+    if balanced is None:
+        balanced = _balanced_stats(sign, lengths, ids, int(ids.max()) + 1, ba_count_zero_adv)
+    elif int(ids.min()) < 0 or int(ids.max()) >= balanced.num_responses.shape[0]:
+        raise ValueError(
+            f"group_index ids must lie in [0, {balanced.num_responses.shape[0]}) of the step's BalancedStats, "
+            f"got [{int(ids.min())}, {int(ids.max())}]"
+        )
+    c_pos, c_neg = balanced.coefficients()
     w = torch.where(sign > 0, c_pos[ids], torch.where(sign < 0, c_neg[ids], 0.0))
     return w * (lengths > 0)
 

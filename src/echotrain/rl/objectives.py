@@ -20,6 +20,7 @@ branch is active: rho > 1 + eps_high with A > 0, or rho < 1 - eps_low with A < 0
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
@@ -57,11 +58,6 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, clamp: float) -> torch.Tensor:
     """log rho = clamp(log_prob - old_log_prob, -clamp, clamp), ``(B, T)`` (design §2)."""
     return torch.clamp(log_prob - old_log_prob, -clamp, clamp)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` over ``mask`` (0 when the mask is empty), 0-d."""
-    return torch.where(mask, x, 0).sum() / mask.sum().clamp(min=1)
 
 
 def ppo_clip_loss(
@@ -162,18 +158,39 @@ def batch_kappa(R: torch.Tensor, batch_clip_low: float, batch_clip_high: float) 
 def echo_token_ratios(
     log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor, config: PolicyLossConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """ECHO's rescaled token ratios rho~ = kappa rho over one whole step (single-tensor oracle).
+    """ECHO's rescaled token ratios rho~ = kappa rho over one whole step (the loss's own path).
 
     Returns:
         ``(rho_tilde (B, T), R 0-d, kappa 0-d, clipped)``; kappa carries gradient through R
         unless ``config.detach_kappa``.
     """
     log_ratio = clamped_log_ratio(log_prob, old_log_prob, config.log_ratio_clamp)
-    R = batch_ratio(log_ratio, response_mask, config.batch_ratio)
-    kappa, clipped = batch_kappa(R, config.batch_clip_low, config.batch_clip_high)
-    if config.detach_kappa:
+    mask = response_mask.bool()
+    return _echo_rescale(log_ratio, mask, config, torch.where(mask, log_ratio, 0).sum())
+
+
+def _echo_rescale(
+    log_ratio: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig, log_ratio_sum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """rho~ = kappa rho from the whole step's tensors (design §4, steps 1-3).
+
+    For ``geo``, rho~ is formed as exp(log rho + log kappa): one pass fewer than a product.
+    Inside the band kappa is the constant 1 and rho~ = rho (same value and gradient).
+    """
+    if cfg.batch_ratio == "geo":
+        ratio = None
+        R = torch.exp(log_ratio_sum / mask.sum().clamp(min=1))
+    else:
+        ratio = torch.exp(log_ratio)
+        R = batch_ratio(log_ratio, mask, "arith", ratio)
+    kappa, clipped = batch_kappa(R, cfg.batch_clip_low, cfg.batch_clip_high)
+    if cfg.detach_kappa:
         kappa = kappa.detach()
-    return kappa * torch.exp(log_ratio), R, kappa, clipped
+    if ratio is None:
+        rho_t = torch.exp(log_ratio + torch.log(kappa)) if clipped else torch.exp(log_ratio)
+    else:
+        rho_t = kappa * ratio if clipped else ratio
+    return rho_t, R, kappa, clipped
 
 
 # --------------------------------------------------------------------------- aggregation glue
@@ -345,8 +362,14 @@ def compute_policy_loss_echo(
     R = exp(mean log rho) (``geo``) or mean rho (``arith``) over the step's N valid tokens;
     kappa = clip(R, 1 - eps_b_low, 1 + eps_b_high) / R; rho~ = kappa rho;
     l_{i,t} = -min(rho~ A, clip(rho~, 1 - eps_low, 1 + eps_high) A), aggregated.
-    When R clips, the gradient gains the baseline b = L / R:
-    grad J = (kappa / N) sum rho (A - b) grad log pi (``arith``, token-mean, no token clip).
+    When R clips, the gradient gains a baseline built from L = (1/N) sum rho A and R (token-mean,
+    token clip inactive; both tested against autograd):
+
+    - ``arith``: grad J = (kappa / N) sum rho (A - b) grad log pi, with b = L / R (design page);
+    - ``geo``:   grad J = (kappa / N) sum (rho A - L) grad log pi (d log R / d log rho = 1/N),
+      i.e. the same form with a per-token b_t = L / rho_t.
+
+    Inside the band kappa = 1 with no gradient: value and gradient equal ``vanilla``.
 
     With ``step`` (micro-batches / ranks), R, kappa and S = sum_{i,t} w_{i,t} rho_{i,t}
     dl/drho~ come from the step's no-grad pre-pass, and the surrogate S * kappa_mb(theta) adds
@@ -356,53 +379,44 @@ def compute_policy_loss_echo(
     """
     cfg, adv, mask, w = _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step)
     log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
-    log_ratio_sum = torch.where(mask, log_ratio, 0).sum()  # shared by R_geo and ppo_kl
+    log_ratio_sum = torch.where(mask, log_ratio, 0).sum()  # shared by R_geo, its gradient share and ppo_kl
+    geo = cfg.batch_ratio == "geo"
     if step is None:
-        if cfg.batch_ratio == "geo":
-            R = torch.exp(log_ratio_sum / mask.sum().clamp(min=1))
-        else:
-            R = batch_ratio(log_ratio, mask, "arith", ratio)
-        kappa, clipped = batch_kappa(R, cfg.batch_clip_low, cfg.batch_clip_high)
-        if cfg.detach_kappa:
-            kappa = kappa.detach()
-        # inside the band kappa is the constant 1: skip the rescaling (same value and gradient)
-        loss_mat, flags = ppo_clip_loss(kappa * ratio if clipped else ratio, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
+        rho_t, R, kappa, clipped = _echo_rescale(log_ratio, mask, cfg, log_ratio_sum)
+        loss_mat, flags = ppo_clip_loss(rho_t, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
         loss = weighted_sum(loss_mat, mask, w)
         r_val, k_val = float(R.detach()), float(kappa.detach())
     else:
         echo = step.echo
         if echo is None:
             raise ValueError("step has no ECHO statistics: compute_step_stats(..., loss_mode='echo') is required")
-        rho_t = echo.kappa * ratio if echo.clipped else ratio
+        clipped = echo.clipped
+        if geo:
+            rho_t = torch.exp(log_ratio + math.log(echo.kappa)) if clipped else torch.exp(log_ratio)
+        else:
+            ratio = torch.exp(log_ratio)
+            rho_t = echo.kappa * ratio if clipped else ratio
         loss_mat, flags = ppo_clip_loss(rho_t, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
         loss = weighted_sum(loss_mat, mask, w)
-        if echo.clipped and not cfg.detach_kappa:
-            share = kappa_gradient_share(log_ratio, ratio, mask, echo.R, echo.num_tokens, echo.R_bar, cfg.batch_ratio)
+        if clipped and not cfg.detach_kappa:
+            local_sum = log_ratio_sum if geo else torch.where(mask, ratio, 0).sum()
+            share = kappa_gradient_share(local_sum, echo.R, echo.num_tokens, echo.R_bar, cfg.batch_ratio)
             loss = loss + echo.grad_sum * share
-        r_val, k_val, clipped = echo.R, echo.kappa, echo.clipped
+        r_val, k_val = echo.R, echo.kappa
     metrics = clip_metrics(flags, log_ratio, mask, log_ratio_sum)
     metrics.update({"echo/R_batch": r_val, "echo/kappa": k_val, "echo/batch_clipped": float(clipped)})
     return loss * _dp(step), metrics
 
 
-def kappa_gradient_share(
-    log_ratio: torch.Tensor,
-    ratio: torch.Tensor,
-    mask: torch.Tensor,
-    R: float,
-    num_tokens: float,
-    R_bar: float,
-    kind: str,
-) -> torch.Tensor:
+def kappa_gradient_share(local_sum: torch.Tensor, R: float, num_tokens: float, R_bar: float, kind: str) -> torch.Tensor:
     """A 0-d tensor of value 0 whose gradient is this micro-batch's share of d kappa.
 
     kappa = R_bar / R with R clipped (R_bar constant); R's derivative decomposes over tokens:
-    ``geo`` dR = (R / N) sum d log rho, ``arith`` dR = (1 / N) sum d rho. Summing the shares of
-    every micro-batch and rank gives d kappa of the whole step. ``ratio`` = exp(log_ratio).
+    ``geo`` dR = (R / N) sum d log rho, ``arith`` dR = (1 / N) sum d rho. ``local_sum`` is this
+    micro-batch's masked sum of log rho (geo) or rho (arith), with grad. Summing the shares of
+    every micro-batch and rank gives d kappa of the whole step.
     """
-    local = torch.where(mask, log_ratio if kind == "geo" else ratio, 0).sum()
-    delta = (local - local.detach()) / num_tokens
+    delta = (local_sum - local_sum.detach()) / num_tokens
     r_local = R * torch.exp(delta) if kind == "geo" else R + delta
     kappa_local = R_bar / r_local
     return kappa_local - kappa_local.detach()

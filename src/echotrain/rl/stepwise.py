@@ -15,9 +15,11 @@ Usage in a trainer, for one optimizer step whose mini-batch is split into micro-
 (each a dict of tensors with verl's keys ``old_log_prob``, ``advantages``, ``response_mask``,
 plus ``group_index`` for ``loss_agg_mode="balanced"``)::
 
-    from echotrain.rl import compute_policy_loss, compute_step_stats, needs_log_prob_prepass
+    from echotrain.rl import (compute_policy_loss, compute_step_stats, needs_log_prob_prepass,
+                              shard_batch, split_micro_batches)
 
-    mbs = split_micro_batches(batch, micro_batch_size)      # or shard_batch(...) per rank first
+    # batch: this rank's share of the step (shard_batch(step_batch, rank, world_size) if you shard here)
+    mbs = split_micro_batches(batch, micro_batch_size)
     # 1. ECHO only: the batch ratio R depends on the *current* policy over all tokens of the
     #    step, so run the policy once without grad to get every micro-batch's log_prob.
     if needs_log_prob_prepass(loss_mode, config):
@@ -54,6 +56,8 @@ Rules:
   with-grad pass then uses R, kappa and the sum S = sum_{i,t} w_{i,t} rho_{i,t} dl/drho~ fixed
   by this pre-pass, plus a surrogate term S * kappa_mb(theta) whose gradient is this micro-batch's
   share of dkappa/dtheta; the sum over micro-batches is the full-batch autograd gradient.
+- Other loss modes need no pre-pass: their step statistics depend only on ``response_mask``,
+  ``advantages`` and ``group_index``, so ``compute_step_stats`` can run before any forward pass.
 - Metrics returned by ``compute_policy_loss`` are local to the micro-batch (clip fractions,
   ``ppo_kl``), except the ECHO batch metrics, which are the step's.
 
@@ -84,6 +88,8 @@ ReduceFn = Callable[[torch.Tensor, str], torch.Tensor]
 
 #: Loss modes whose step statistics depend on the current policy (need the no-grad pre-pass).
 PREPASS_LOSS_MODES = ("echo",)
+#: Largest number of dense group ids a step may use (per-group sums are dense float64 vectors).
+MAX_GROUP_IDS = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,11 @@ def compute_step_stats(
     if balanced:
         local = max([int(p[4].max()) + 1 for p in prepared if p[4].numel()] + [0])
         n_ids = int(reduce_fn(torch.tensor([float(local)], **f64), "max").item())
+        if n_ids > MAX_GROUP_IDS:
+            raise ValueError(
+                f"group_index max is {n_ids - 1}: ids must be small dense integers (e.g. the prompt's index in "
+                f"the step), at most {MAX_GROUP_IDS - 1}, because per-group sums are dense vectors"
+            )
 
     # Round 1: plain sums.
     sums = torch.zeros(4, **f64)  # tokens, non-empty seqs, sum log rho, sum rho

@@ -31,13 +31,13 @@ DEFAULT_TASK: dict[str, Any] = {
         "min_terms": 2,
         "max_terms": 2,
         "min_digits": 1,
-        "max_digits": 1,
+        "max_digits": 2,  # operands 0-100 (reasoning-gym draws up to 10**digits inclusive)
         "operators": ("+", "-"),
         "allow_parentheses": False,
         "allow_negation": False,
     },
-    # A worked example: the model copies the "a - b = c" line, then the tag. With the bare
-    # answer as example ("auto") it reached 9% (64 prompts); with this one ~40% (see docs).
+    # A worked example: the model writes the "a - b = c" line, then the tag. With the bare
+    # answer as example ("auto") one-digit +/- reached 9% (64 prompts); with this one 50%.
     "one_shot": ("Calculate 8 - 2.", "8 - 2 = 6\n<answer>6</answer>"),
 }
 

@@ -24,8 +24,13 @@ How: TRL's ``trainer.train()`` runs ``warmup + reps`` steps; a ``TrainerCallback
 its steps (``on_step_begin`` -> ``on_step_end``) and runs one echotrain ``Trainer.train_step``
 between TRL steps, alternating the order (ours after TRL on even steps, before on odd ones) so
 that both sides see the same machine load. The first ``warmup`` steps of each are discarded.
-Reported: the median step time of each, the ratio TRL / echotrain (> 1: echotrain is faster),
-a breakdown (generation, scoring, update) and the machine load (``os.getloadavg``).
+Each step is timed in wall-clock seconds and in process CPU seconds (``time.process_time``, all
+threads): on a shared machine the wall clock mostly measures the other users' load, the CPU time
+the work done. Reported: medians of each, the ratio TRL / echotrain (> 1: echotrain is faster),
+a breakdown (generation, scoring, and the update: old log-probs, with-grad forward, backward,
+optimizer; measured by wrapping the methods, no behaviour change) and the machine load
+(``os.getloadavg``). ``--no-share-prefix`` is the ablation of echotrain's shared-prompt
+prefill/forward (the G completions of a prompt share its KV cache).
 
 Usage (defaults: a small setting that takes a few minutes on 2 shared cores)::
 
@@ -66,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loss-mode", default="vanilla", choices=["vanilla", "echo"],
                    help="echotrain's policy loss (vanilla = the same DAPO clip TRL computes; echo costs the same "
                         "on-policy)")
+    p.add_argument("--no-share-prefix", dest="share_prefix", action="store_false",
+                   help="ablation: echotrain without its shared-prompt prefill/forward (share_prompt_prefix=False)")
     p.add_argument("--warmup", type=int, default=1, help="steps of each side discarded before timing")
     p.add_argument("--reps", type=int, default=3, help="timed steps of each side")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both sides)")
@@ -168,7 +175,7 @@ def build_echotrain(args, model, tokenizer, task, out_dir):
         max_grad_norm=1.0, lr_scheduler="constant", warmup_steps=0,
         steps=args.warmup + args.reps, seed=args.seed, device="cpu", num_threads=args.threads,
         dtype="float32", output_dir=out_dir, save_every=0, save_final_model=False, plots=False,
-        progress=False, log_samples=0,
+        progress=False, log_samples=0, share_prompt_prefix=args.share_prefix,
     ))
     return Trainer(cfg, model=model, tokenizer=tokenizer, task=task)
 

@@ -203,3 +203,18 @@ def test_errors_are_clear():
         fn(old, log_prob, adv, mask, loss_agg_mode="token-mean", config=_actor(dp_size=2))
     with pytest.raises(ValueError, match="clip_ratio_c"):
         fn(old, log_prob, adv, mask, config=_actor(c=0.5))
+
+
+def test_plugin_module_registers_in_a_fresh_verl_process():
+    """The documented route for Ray workers: VERL_USE_EXTERNAL_MODULES imports our plugin on `import verl`."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import verl.trainer.ppo.core_algos as c; "
+            "print(sorted(k for k in c.POLICY_LOSS_REGISTRY if k.startswith('echotrain')), "
+            "'echotrain_grpo_balanced' in c.ADV_ESTIMATOR_REGISTRY)")
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="echotrain.integrations.verl_plugin", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(sorted(POLICY_LOSS_NAMES)) + " True"

@@ -153,3 +153,50 @@ def test_registry_name_and_existing_optimizer_instance():
     assert opt.base_optimizer is base and opt.sam_active()
     opt2 = LateSAM([torch.zeros(1, requires_grad=True)], "sgd", sam_start=3, lr=0.1)
     assert isinstance(opt2.base_optimizer, torch.optim.SGD) and not opt2.sam_active()
+
+
+def test_grad_scaler_in_both_phases_matches_unscaled_run():
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    scaled_model, scaled, _, _ = _setup(2)
+    plain_model, plain, plain_closure, _ = _setup(2)
+    x, y = plain_closure.data
+
+    def scaled_closure():
+        loss = F.mse_loss(scaled_model(x), y)
+        scaler.scale(loss).backward()
+        return loss
+
+    for _ in range(4):  # 2 SGD steps, 2 SAM steps
+        scaled.step(scaled_closure, grad_scaler=scaler)
+        scaler.update()
+        plain.step(plain_closure)
+    for p, q in zip(scaled_model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(p, q)
+    assert scaler.get_scale() == pytest.approx(64.0)
+
+
+def test_adamw_base_by_keyword_restarts_all_its_state():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    opt = LateSAM(model.parameters(), base_optimizer="adamw", sam_start=0.5, sam_start_unit="fraction",
+                  total_steps=4, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
+    assert isinstance(opt.base_optimizer, torch.optim.AdamW) and opt.sam_start_step == 2
+    closure = lambda: F.mse_loss(model(x), y).backward()  # noqa: E731
+    for _ in range(3):
+        opt.step(closure)
+    # restarted at step 2: AdamW's own step count is 1, not 3
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in model.parameters())
+
+
+def test_batchnorm_statistics_frozen_in_the_sam_phase():
+    bn = nn.BatchNorm1d(1, momentum=0.1)
+    model = nn.Sequential(bn, nn.Linear(1, 1))
+    x = torch.tensor([[0.0], [2.0], [1.0], [1.0]])  # batch mean 1
+    y = torch.zeros(4, 1)
+    opt = LateSAM(model.parameters(), torch.optim.SGD, sam_start=1, lr=0.1, model=model)
+    closure = lambda: F.mse_loss(model(x), y).backward()  # noqa: E731
+    opt.step(closure)  # SGD step: one forward, running_mean 0.1
+    opt.step(closure)  # SAM step: only its first forward counts, 0.9 * 0.1 + 0.1 = 0.19
+    assert bn.running_mean.item() == pytest.approx(0.19, abs=1e-6)
+    assert bn.num_batches_tracked.item() == 2

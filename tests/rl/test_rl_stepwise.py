@@ -246,3 +246,22 @@ def test_group_ids_must_be_small_dense_integers(batch_factory):
     with pytest.raises(ValueError, match="ids must lie in"):
         compute_policy_loss("vanilla", ok["old_log_prob"], ok["log_prob"], ok["advantages"], ok["response_mask"],
                             "balanced", group_index=ok["group_index"] - 1, step=step)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("ba_scope", ["group", "batch"])
+def test_step_agg_loss_of_an_extra_term_sums_to_the_full_batch_value(batch_factory, agg, ba_scope):
+    from echotrain.rl import agg_loss, kl_penalty, step_agg_loss
+
+    cfg = {**BASE_CFG, "ba_scope": ba_scope}
+    batch = _drifted_batch(batch_factory, seed=17)
+    ref_lp = batch["old_log_prob"] + 0.1
+    kl = kl_penalty(batch["log_prob"].detach(), ref_lp, "k3")
+    full = agg_loss(kl, batch["response_mask"], agg, advantages=batch["advantages"], group_index=batch["group_index"],
+                    norm_constant=BASE_CFG["norm_constant"], ba_scope=ba_scope)
+    mbs = split_micro_batches({**batch, "kl": kl}, [5, 0, 7])
+    step = compute_step_stats(mbs, loss_mode="vanilla", loss_agg_mode=agg, config=cfg)
+    total = sum(step_agg_loss(mb["kl"], mb["response_mask"], step, cfg, advantages=mb["advantages"],
+                              group_index=mb["group_index"]).item() for mb in mbs)
+    assert total == pytest.approx(full.item(), abs=1e-12)
+    assert full.item() > 0

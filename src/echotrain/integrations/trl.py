@@ -19,8 +19,10 @@ group advantages ``(B,)`` and ``completion_mask`` (times ``tool_mask``). The tok
 ``epsilon`` / ``epsilon_high``; TRL's ``loss_type`` is ignored.
 
 Exact gradient accumulation. TRL sums the losses of ``gradient_accumulation_steps`` micro-batches
-per optimizer step, and its own normalisers are approximate there (``dapo`` rescales the
-generation batch's token count by a ratio of step counts; ``grpo`` averages micro-batch means).
+per optimizer step; its own normalisers are the step's only in special cases (``dapo`` divides
+by the generation batch's token count times ``gradient_accumulation_steps / steps_per_generation``,
+exact only when one optimizer step consumes the whole generation batch; ``grpo`` and ``bnpo``
+average per-micro-batch means, exact only for equal micro-batch token counts).
 Here, at the first micro-batch of each optimizer step, the trainer computes the step's statistics
 over all of the step's micro-batches (they are already in TRL's rollout buffer) with
 :func:`echotrain.rl.compute_step_stats` (all-reduced across processes), and every micro-batch's

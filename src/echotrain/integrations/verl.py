@@ -6,7 +6,7 @@ advantage estimators (``register_adv_est``, chosen by ``algorithm.adv_estimator`
 :func:`register_with_verl` adds echotrain's math to both::
 
     from echotrain.integrations.verl import register_with_verl
-    register_with_verl()                       # in every process that builds losses (see below)
+    register_with_verl()      # in every process that builds losses, or use verl_plugin (below)
 
     # then, in the verl config:
     actor_rollout_ref.actor.policy_loss.loss_mode=echotrain_echo      # or echotrain_vanilla, ...
@@ -15,10 +15,11 @@ advantage estimators (``register_adv_est``, chosen by ``algorithm.adv_estimator`
     algorithm.adv_estimator=echotrain_grpo_balanced
     actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum
 
-verl runs the actor in Ray worker processes: the registration must run in each of them (e.g. in
-a module named by ``actor_rollout_ref.model.external_lib``, which verl imports in its workers,
-containing ``from echotrain.integrations.verl import register_with_verl; register_with_verl()``)
-and in the driver for the advantage estimator.
+verl runs the actor in Ray worker processes: the registration must run in each of them. verl
+imports the modules named in ``VERL_USE_EXTERNAL_MODULES`` (and ``verl.plugins`` entry points) in
+every process that imports ``verl``, so the simplest route is
+``VERL_USE_EXTERNAL_MODULES=echotrain.integrations.verl_plugin`` in the run's environment
+(:mod:`echotrain.integrations.verl_plugin` calls :func:`register_with_verl` on import).
 
 Registered policy losses (verl's signature ``fn(old_log_prob, log_prob, advantages,
 response_mask, loss_agg_mode, config, rollout_is_weights) -> (loss, metrics)``), each a call of

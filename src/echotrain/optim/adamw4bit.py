@@ -332,7 +332,10 @@ class AdamW4bit(torch.optim.Optimizer):
             f32 = lambda x: torch.as_tensor(x, dtype=torch.float32, device=p.device)  # noqa: E731
             hp = (f32(state["step"]), f32(lr), *(f32(x) for x in hp_float[2:]))
             try:
-                self._compiled(*args, *hp, v_kind=kind, block_size=group["block_size"])
+                # One kernel per (shape, dtype, v_kind): a model has more distinct shapes than
+                # dynamo's default recompile limit (8), past which it silently runs eager.
+                with torch._dynamo.config.patch(recompile_limit=max(256, torch._dynamo.config.recompile_limit)):
+                    self._compiled(*args, *hp, v_kind=kind, block_size=group["block_size"])
                 return
             except Exception as err:
                 if not _is_compile_error(err):

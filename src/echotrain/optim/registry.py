@@ -15,6 +15,8 @@ OPTIMIZERS: dict[str, str] = {
     "adamw": "torch.optim:AdamW",
     "sgd": "torch.optim:SGD",
     "adamw4bit": "echotrain.optim.adamw4bit:AdamW4bit",
+    "sam": "echotrain.optim.sam:SAM",
+    "late_sam": "echotrain.optim.schedules:LateSAM",
 }
 
 

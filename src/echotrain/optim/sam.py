@@ -29,6 +29,9 @@ it twice, once at ``w`` and once at ``w + e``, and zeroes the gradients before e
             return loss
         loss = opt.step(closure)
 
+Gradient clipping belongs at the end of the closure: in the first pass it rescales g as a whole,
+which leaves e unchanged (only the direction of g enters e); in the second it clips g_sam.
+
 Note: davda54/sam's ``step(closure)`` expects the first backward to be done *before* ``step``
 and calls the closure once; ours calls it for both passes, like ``torch.optim.LBFGS`` calls its
 closure as often as it needs. ``first_step`` / ``second_step`` are there for manual loops.

@@ -24,14 +24,13 @@ a loop may build the closure only when ``opt.sam_active()`` is true.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from echotrain.optim.sam import SAM, Closure
 
-SamStartUnit = Literal["step", "epoch", "fraction"]
 SAM_START_UNITS: tuple[str, ...] = ("step", "epoch", "fraction")
 
 

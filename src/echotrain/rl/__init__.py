@@ -28,6 +28,7 @@ from echotrain.rl.stepwise import (
     needs_log_prob_prepass,
     shard_batch,
     split_micro_batches,
+    step_agg_loss,
 )
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "register_policy_loss",
     "shard_batch",
     "split_micro_batches",
+    "step_agg_loss",
     "truncated_response_mask",
     "zero_variance_groups",
 ]

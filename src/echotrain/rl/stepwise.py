@@ -56,6 +56,9 @@ Rules:
   with-grad pass then uses R, kappa and the sum S = sum_{i,t} w_{i,t} rho_{i,t} dl/drho~ fixed
   by this pre-pass, plus a surrogate term S * kappa_mb(theta) whose gradient is this micro-batch's
   share of dkappa/dtheta; the sum over micro-batches is the full-batch autograd gradient.
+- Extra per-token terms (e.g. beta * KL to the reference) are aggregated with
+  ``step_agg_loss(kl_mat, mask, step, config, advantages=..., group_index=...)``: same
+  normalisers, same ``dp_size``, so they are exact too.
 - Other loss modes need no pre-pass: their step statistics depend only on ``response_mask``,
   ``advantages`` and ``group_index``, so ``compute_step_stats`` can run before any forward pass.
 - Metrics returned by ``compute_policy_loss`` are local to the micro-batch (clip fractions,
@@ -73,7 +76,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from echotrain.rl.aggregation import AGG_MODES, BalancedStats, balanced_stats, weighted_sum
+from echotrain.rl.aggregation import AGG_MODES, BalancedStats, agg_loss, balanced_stats, weighted_sum
 from echotrain.rl.config import PolicyLossConfig, as_policy_loss_config
 from echotrain.rl.objectives import (
     POLICY_LOSSES,
@@ -268,6 +271,52 @@ def compute_step_stats(
         grad_sum = float(reduce_fn(s, "sum"))
     echo = EchoStats(R=R, R_bar=R * kappa, kappa=kappa, clipped=clipped, num_tokens=n, grad_sum=grad_sum)
     return StepStats(**{**step.__dict__, "echo": echo})
+
+
+def step_agg_loss(
+    loss_mat: torch.Tensor,
+    response_mask: torch.Tensor,
+    step: StepStats,
+    config: PolicyLossConfig | Mapping[str, Any] | None = None,
+    *,
+    advantages: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Aggregate an extra per-token loss (e.g. the KL term) of one micro-batch with the step's
+    normalisers, exactly as the policy loss is aggregated (``step.loss_agg_mode``, ``dp_size``).
+
+    Args:
+        loss_mat: ``(b, T)`` per-token loss of this micro-batch.
+        response_mask: ``(b, T)`` bool / 0-1.
+        step: from :func:`compute_step_stats`.
+        config: the policy-loss config (``norm_constant``, BA flags).
+        advantages, group_index: this micro-batch's, for ``balanced``.
+
+    Returns:
+        0-d tensor; summed over micro-batches (and ranks) it equals :func:`agg_loss` of the step.
+
+    Raises:
+        ValueError: as :func:`echotrain.rl.agg_loss`.
+    """
+    cfg = as_policy_loss_config(config)
+    mask = response_mask.bool()
+    adv = advantages
+    if adv is None:
+        adv = torch.zeros(mask.shape[0], dtype=loss_mat.dtype, device=mask.device)
+    return agg_loss(
+        loss_mat,
+        mask,
+        step.loss_agg_mode,
+        advantages=adv,
+        group_index=group_index,
+        num_tokens=step.num_tokens,
+        num_seqs=step.num_seqs,
+        norm_constant=cfg.norm_constant,
+        balanced=step.balanced,
+        ba_scope=cfg.ba_scope,
+        ba_count_zero_adv=cfg.ba_count_zero_adv,
+        dp_size=step.dp_size,
+    )
 
 
 def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int | Sequence[int]) -> list[dict[str, Any]]:

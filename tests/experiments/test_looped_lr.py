@@ -79,6 +79,12 @@ def test_best_lr_parabola_fit_recovers_the_vertex():
     assert edge["fit_lr"] == edge["argmin_lr"] == pytest.approx(8e-3)
 
 
+def test_best_lr_leaves_out_incomplete_grids():
+    recs = [r for r in records_from(lambda rule, n, lr: lr) if not (r["n_loops"] == 8 and r["lr"] > 5e-3)]
+    best = best_lrs(recs)[1]
+    assert sorted(best["1/N"]) == [1, 2, 4] and sorted(best["1/sqrt(N)"]) == [1, 2, 4]
+
+
 def test_best_lr_skips_diverged_runs():
     recs = records_from(lambda rule, n, lr: None if lr > 3e-3 else 2.0 - lr)
     best = best_lrs(recs)[1]["1/N"][1]
@@ -94,6 +100,8 @@ def test_verdict_holds_only_when_the_optimum_stays_put_under_1_over_N():
     assert good[1]["claim_holds"] is True
     assert good[1]["rules"]["1/N"]["shift_grid"] == 0
     assert good[1]["rules"]["1/sqrt(N)"]["spread_fit"] == pytest.approx(1.5, abs=1e-6)
+    assert good[1]["rules"]["1/sqrt(N)"]["slope_fit"] == pytest.approx(-0.5, abs=1e-6)
+    assert good[1]["rules"]["1/N"]["slope_fit"] == pytest.approx(0.0, abs=1e-9)
     # the reverse: the optimum drifts under 1/N
     bad = verdict(best_lrs(records_from(bowl(lambda rule, n: 2e-3 / n if rule == "1/N" else 2e-3 / math.sqrt(n)))))
     assert bad[1]["claim_holds"] is False

@@ -24,6 +24,7 @@ from echotrain.integrations.verl import (
     ADV_ESTIMATORS,
     POLICY_LOSS_NAMES,
     balanced_advantage_scale,
+    make_verl_policy_loss,
     register_with_verl,
 )
 from echotrain.rl import PolicyLossConfig, compute_advantages, compute_policy_loss
@@ -203,6 +204,8 @@ def test_errors_are_clear():
         fn(old, log_prob, adv, mask, loss_agg_mode="token-mean", config=_actor(dp_size=2))
     with pytest.raises(ValueError, match="clip_ratio_c"):
         fn(old, log_prob, adv, mask, config=_actor(c=0.5))
+    with pytest.raises(ValueError, match="valid"):
+        make_verl_policy_loss("ppo")
 
 
 def test_plugin_module_registers_in_a_fresh_verl_process():

@@ -32,7 +32,7 @@ def test_locate_gguf_finds_the_packaged_file():
 @needs_smollm2
 def test_default_is_a_plain_trainable_model(policy):
     model, tokenizer = policy
-    assert type(model).__name__ == "LlamaForCausalLM"
+    assert type(model).__name__ == "LlamaForCausalLM" and not model.training  # eval(), as documented
     assert getattr(model.config, "quantization_config", None) is None
     assert getattr(model, "hf_quantizer", None) is None
     assert sum(p.numel() for p in model.parameters()) == 134_515_008  # SmolLM2-135M, tied embeddings

@@ -173,16 +173,20 @@ def test_zero_gradient_coordinates_only_decay_like_fp32_adamw():
 # ------------------------------------------------------------------------------ state, save and load
 
 
-def test_state_bytes_per_parameter():
+@pytest.mark.parametrize("chunk", [None, 2**18])
+def test_state_bytes_per_parameter(chunk):
     w = torch.nn.Parameter(torch.zeros(1024, 1024))
-    for factor, expected in ((False, 0.5 + 4 / 128 + 0.5 + 4 * 2048 / 2**20), (True, 0.5 + 4 / 128 + 4 * 2048 / 2**20)):
-        opt = _opt([w], factor_second_moment=factor)
+    pieces = 1 if chunk is None else 4  # 4 pieces of 256 x 1024
+    rank1 = 4 * pieces * (1024 // pieces + 1024) / 2**20  # float32 row and column maxima
+    factor = 4 * pieces * (1024 // pieces + 1024) / 2**20  # float32 row and column statistics
+    for is_factor, expected in ((False, 0.5 + 4 / 128 + 0.5 + rank1), (True, 0.5 + 4 / 128 + factor)):
+        opt = _opt([w], factor_second_moment=is_factor, chunk_numel=chunk)
         w.grad = torch.randn(1024, 1024)
         opt.step()
         st = opt.state[w]
         assert st["exp_avg_codes"].dtype == torch.uint8
         assert (_state_bytes(opt) - 4) / w.numel() == pytest.approx(expected, rel=1e-12)  # - step
-        assert _state_bytes(opt) / w.numel() <= (1.07 if not factor else 0.56)
+        assert _state_bytes(opt) / w.numel() <= (0.56 if is_factor else 1.07)
 
 
 def _tiny_model(seed=0, dtype=torch.float32):
@@ -276,3 +280,47 @@ def test_bad_arguments_and_non_finite_gradients():
     q.grad = torch.zeros(10, 10).to_sparse()
     with pytest.raises(ValueError, match="sparse"):
         _opt([q]).step()
+
+
+# ------------------------------------------------------------------------------ pieces (chunk_numel)
+
+
+@pytest.mark.parametrize("factor", [False, True])
+def test_pieces_equal_separate_parameters(factor):
+    """chunk_numel splits a tensor into row pieces that are independent quantization units:
+    the same as optimizing each piece as its own parameter, bit for bit."""
+    torch.manual_seed(5)
+    w0 = torch.randn(64, 128)
+    grads = [torch.randn(64, 128) for _ in range(4)]
+    whole = torch.nn.Parameter(w0.clone())
+    parts = [torch.nn.Parameter(w0[i : i + 16].clone()) for i in range(0, 64, 16)]
+    opt_whole = _opt([whole], chunk_numel=2048, factor_second_moment=factor, min_quantize_numel=1024)
+    opt_parts = _opt(parts, chunk_numel=None, factor_second_moment=factor, min_quantize_numel=1024)
+    for g in grads:
+        whole.grad = g.clone()
+        for k, part in enumerate(parts):
+            part.grad = g[16 * k : 16 * k + 16].clone()
+        opt_whole.step()
+        opt_parts.step()
+    assert torch.equal(whole.detach(), torch.cat([p.detach() for p in parts]))
+    codes = torch.cat([opt_parts.state[p]["exp_avg_codes"] for p in parts])
+    assert torch.equal(opt_whole.state[whole]["exp_avg_codes"], codes)
+
+
+def test_single_row_pieces_and_non_contiguous_params():
+    torch.manual_seed(6)
+    w = torch.nn.Parameter(torch.randn(3, 5000))
+    opt = _opt([w], chunk_numel=5000)  # three pieces of shape (1, 5000)
+    w.grad = torch.randn(3, 5000)
+    before = w.detach().clone()
+    opt.step()
+    assert opt.state[w]["exp_avg_sq_scale"].numel() == 3 * (1 + 5000)
+    assert (w.detach() != before).float().mean() > 0.99
+    base = torch.randn(96, 128)
+    a = torch.nn.Parameter(base.t())  # non-contiguous (128, 96)
+    b = torch.nn.Parameter(base.t().contiguous())
+    g = torch.randn(128, 96)
+    for q in (a, b):
+        q.grad = g.clone()
+        _opt([q], chunk_numel=4096).step()
+    assert torch.equal(a.detach(), b.detach())

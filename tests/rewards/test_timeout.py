@@ -61,10 +61,22 @@ def test_main_thread_interrupt_survives_a_swallowing_except():
     assert time.monotonic() - t0 < 1.5
 
 
+def _reward_threads():
+    return {t for t in threading.enumerate() if t.name == "echotrain-reward"}
+
+
+def _wait_until_gone(threads, limit_s=2.0):
+    """Those of ``threads`` still alive after up to ``limit_s`` seconds."""
+    deadline = time.monotonic() + limit_s
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [t for t in threads if t.is_alive()]
+
+
 def test_worker_thread_times_out_without_signals():
     def run():
         t0 = time.monotonic()
-        with pytest.raises(RewardTimeout, match="abandoned"):
+        with pytest.raises(RewardTimeout, match="worker thread told to stop"):
             call_with_timeout(_wait, 5.0, timeout_s=0.1)
         fast = call_with_timeout(_wait, 0.0, timeout_s=1.0)
         return time.monotonic() - t0, fast
@@ -73,6 +85,38 @@ def test_worker_thread_times_out_without_signals():
         elapsed, fast = pool.submit(run).result()
     assert elapsed < 1.5
     assert fast == "done"
+
+
+def test_worker_thread_busy_loop_is_stopped_not_left_spinning():
+    """The timed-out worker gets an async exception and ends (no core left burning)."""
+    before = _reward_threads()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        with pytest.raises(RewardTimeout):
+            pool.submit(call_with_timeout, _spin_forever, timeout_s=0.1).result()
+    started = _reward_threads() - before
+    assert len(started) == 1 and _wait_until_gone(started) == []
+
+
+@pytest.mark.parametrize("in_worker", [False, True])
+def test_real_math_verify_blowup_is_cut_off(in_worker):
+    """9^(9^(9^9)) makes sympy/math-verify run for ever; both paths stop it."""
+    from echotrain.rewards import math_equal
+
+    def run():
+        t0 = time.monotonic()
+        with pytest.raises(RewardTimeout):
+            call_with_timeout(math_equal, "9^{9^{9^{9}}}", "7", timeout_s=0.5)
+        return time.monotonic() - t0
+
+    if in_worker:
+        before = _reward_threads()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            elapsed = pool.submit(run).result()
+        started = _reward_threads() - before
+        assert len(started) == 1 and _wait_until_gone(started, limit_s=5.0) == []
+    else:
+        elapsed = run()
+    assert elapsed < 2.0
 
 
 @pytest.mark.parametrize("in_worker", [False, True])

@@ -244,7 +244,8 @@ def best_lrs(records: list[dict]) -> dict:
     """Per (L, rule, N): the grid argmin learning rate and a sub-grid estimate.
 
     The estimate fits a parabola to the loss at the argmin and its two grid neighbours in log2(lr)
-    (the grid argmin when it lies on the grid's edge or a neighbour diverged). Returns
+    (the grid argmin when it lies on the grid's edge or a neighbour diverged). An (L, rule, N)
+    whose learning-rate grid is incomplete (an interrupted sweep) is left out. Returns
     ``{L: {rule: {N: {"argmin_lr", "fit_lr", "best_loss"}}}}`` (JSON keys are strings).
     """
     table: dict = {}
@@ -252,8 +253,11 @@ def best_lrs(records: list[dict]) -> dict:
         table.setdefault(r["n_layers"], {}).setdefault(r["rule"], {}).setdefault(r["n_loops"], []).append(r)
     out: dict = {}
     for L, by_rule in table.items():
+        grid = {f"{r['lr']:.3e}" for by_n in by_rule.values() for runs in by_n.values() for r in runs}
         for rule, by_n in by_rule.items():
             for N, runs in by_n.items():
+                if {f"{r['lr']:.3e}" for r in runs} != grid:
+                    continue
                 runs = sorted(runs, key=lambda r: r["lr"])
                 losses = [math.inf if r["val_loss"] is None else r["val_loss"] for r in runs]
                 if all(math.isinf(x) for x in losses):
@@ -278,7 +282,9 @@ def verdict(best: dict) -> dict:
     """How far the best learning rate moves from the smallest to the largest N, per (L, rule).
 
     ``shift_grid``: log2(argmin_lr(N_max) / argmin_lr(N_min)) (grid steps of a log2 grid);
-    ``spread_fit``: max - min of log2(fit_lr) over N. The claim "holds" at one L when, under
+    ``spread_fit``: max - min of log2(fit_lr) over N; ``slope_fit``: least-squares slope of
+    log2(fit_lr) on log2(N) (descriptive: 0 if the optimum transfers, -1/2 if it drifts like
+    1/sqrt(N); not part of the verdict, which was fixed before the first sweep). The claim "holds" at one L when, under
     "1/N", the grid argmin moves by at most one grid step and the fitted optimum spreads less
     than under "1/sqrt(N)", while under "1/sqrt(N)" the argmin moves by at least one step.
     """
@@ -287,11 +293,14 @@ def verdict(best: dict) -> dict:
         stats = {}
         for rule, by_n in by_rule.items():
             ns = sorted(by_n)
+            x = [math.log2(n) for n in ns]
+            y = [math.log2(by_n[n]["fit_lr"]) for n in ns]
             stats[rule] = {
                 "n_loops": ns,
                 "argmin_lr": [by_n[n]["argmin_lr"] for n in ns],
                 "shift_grid": math.log2(by_n[ns[-1]]["argmin_lr"] / by_n[ns[0]]["argmin_lr"]),
-                "spread_fit": max(math.log2(by_n[n]["fit_lr"]) for n in ns) - min(math.log2(by_n[n]["fit_lr"]) for n in ns),
+                "spread_fit": max(y) - min(y),
+                "slope_fit": _slope(x, y),
             }
         holds = None
         if "1/N" in stats and "1/sqrt(N)" in stats and len(stats["1/N"]["n_loops"]) > 1:
@@ -299,6 +308,13 @@ def verdict(best: dict) -> dict:
             holds = abs(a["shift_grid"]) <= 1 and a["spread_fit"] < b["spread_fit"] and abs(b["shift_grid"]) >= 1
         result[L] = {"rules": stats, "claim_holds": holds}
     return result
+
+
+def _slope(x: list[float], y: list[float]) -> float:
+    """Least-squares slope of y on x (0 for a single point)."""
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxx = sum((a - mx) ** 2 for a in x)
+    return sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx if sxx else 0.0
 
 
 def plot(records: list[dict], path: str | Path) -> None:
@@ -383,7 +399,8 @@ def format_table(summary: dict) -> str:
     for L, v in summary["verdict"].items():
         for rule, s in v["rules"].items():
             lines.append(f"\nL={L} {rule}: argmin moves {s['shift_grid']:+.0f} grid steps (log2) from N={s['n_loops'][0]} "
-                         f"to N={s['n_loops'][-1]}; fitted optimum spreads {s['spread_fit']:.2f} (log2)")
+                         f"to N={s['n_loops'][-1]}; fitted optimum spreads {s['spread_fit']:.2f} (log2), slope vs log2 N "
+                         f"{s.get('slope_fit', float('nan')):+.2f}")
         lines.append(f"L={L}: claim holds: {v['claim_holds']}")
     return "\n".join(lines)
 

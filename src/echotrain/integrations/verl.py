@@ -76,6 +76,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from echotrain.rl import (
+    POLICY_LOSSES,
     PolicyLossConfig,
     agg_weights,
     as_policy_loss_config,
@@ -132,7 +133,7 @@ def _loss_config(verl_config: Any, base: PolicyLossConfig) -> PolicyLossConfig:
     values.update(
         clip_ratio_low=float(_get(verl_config, "clip_ratio_low", clip)),
         clip_ratio_high=float(_get(verl_config, "clip_ratio_high", clip)),
-        clip_ratio_c=float(_get(verl_config, "clip_ratio_c", 3.0)) if verl_config is not None else base.clip_ratio_c,
+        clip_ratio_c=float(_get(verl_config, "clip_ratio_c", 3.0)),
     )
     return PolicyLossConfig(**values)
 
@@ -144,6 +145,9 @@ def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str
         loss_mode: a name in :data:`echotrain.rl.POLICY_LOSSES`.
         config: echotrain-only knobs (ECHO band etc.); the token clip comes from verl's config
             at call time. Default: :class:`PolicyLossConfig` defaults.
+
+    Raises:
+        ValueError: unknown ``loss_mode`` (lists the valid ones) or invalid ``config``.
 
     Returns:
         ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
@@ -159,6 +163,8 @@ def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str
     for ``dp_size > 1`` without the global count; plus every error of
     :func:`echotrain.rl.compute_policy_loss`.
     """
+    if loss_mode not in POLICY_LOSSES:
+        raise ValueError(f"unknown loss_mode {loss_mode!r}; valid: {sorted(POLICY_LOSSES)}")
     base = as_policy_loss_config(config)
 
     def policy_loss(

@@ -23,6 +23,7 @@ the functions can be used inside ``torch.compile``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -177,9 +178,15 @@ def _de_code_f(x: Tensor) -> Tensor:
     """
     pos = DE_MAP_4BIT[7:]
     a = x.abs()
-    j = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for lo, hi in zip(pos, pos[1:]):
-        j = j + (a > (lo + hi) / 2).float()
+    if torch.compiler.is_compiling():
+        j = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for lo, hi in zip(pos, pos[1:]):
+            j = j + (a > (lo + hi) / 2).float()
+    else:  # eager: in place, no temporaries per midpoint
+        j = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        for lo, hi in zip(pos, pos[1:]):
+            j += torch.gt(a, (lo + hi) / 2, out=mask)
     return torch.where(x < 0, 7 - j.clamp(max=7), 7 + j)
 
 
@@ -258,6 +265,25 @@ def _nibble_f(packed: Tensor, half: int) -> Tensor:
     q = packed.float()
     hi = torch.floor(q * 0.0625)
     return hi if half == 0 else q - 16 * hi
+
+
+@functools.lru_cache(maxsize=16)
+def _nibble_table(qmap: tuple[float, ...], half: int, device: torch.device) -> Tensor:
+    byte = torch.arange(256)
+    idx = byte >> 4 if half == 0 else byte & 15
+    return torch.tensor(qmap, dtype=torch.float32)[idx].to(device)
+
+
+def _nibble_value(packed: Tensor, half: int, qmap: tuple[float, ...]) -> Tensor:
+    """Map values (float32) of one half of the packed codes.
+
+    Eager: one 256-entry table lookup per byte. Under torch.compile: float arithmetic and
+    selects (:func:`_de_value`, :func:`_linear_value`), which vectorise where a gather does not.
+    """
+    if torch.compiler.is_compiling():
+        code = _nibble_f(packed, half)
+        return _de_value(code) if qmap == DE_MAP_4BIT else _linear_value(code)
+    return _nibble_table(qmap, half, packed.device).index_select(0, packed.int())
 
 
 def _unpack_f(packed: Tensor) -> Tensor:

@@ -18,8 +18,8 @@ Equivalence (``rewards/math.py``):
 Timeouts (``rewards/timeout.py``):
     ``call_with_timeout(fn, *args, timeout_s, **kwargs)`` runs ``fn`` and raises
     ``RewardTimeout`` after ``timeout_s`` seconds; works on the main thread (SIGALRM interval
-    timer, interrupts the work) and in worker threads (daemon thread, the stuck work is
-    abandoned).
+    timer, interrupts the work) and in worker threads (the call runs in a daemon thread that is
+    told to stop on timeout with an asynchronous exception; best effort).
 
 Batched rewards (``rewards/batch.py``):
     ``RewardFunction(task, *, timeout_s=5.0, format_weight=0.0)``; calling it with

@@ -18,8 +18,17 @@ __all__ = ["math_equal", "normalize_answer"]
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _WRAPPERS = re.compile(r"^\$+|\$+$")
 
-# math-verify warns on every call without its signal timeout; we handle the timeout ourselves.
-logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+class _DropTimeoutDisabledWarning(logging.Filter):
+    """math-verify warns that its timeout is disabled; we bound the time ourselves (see above).
+    Only that message is dropped; its other warnings still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
 
 
 def normalize_answer(text: str) -> str:

@@ -8,13 +8,17 @@ only works in main thread``. ``call_with_timeout`` picks the mechanism that work
   handler raises inside the call, so the stuck work is really interrupted (between Python
   bytecodes; sympy is pure Python). If the call swallows the interrupt (a broad ``except``), the
   timer fires again every 50 ms until the call returns.
-* anywhere else: the call runs in a daemon thread that we wait for at most ``timeout_s``. Python
-  cannot kill a thread, so a call that overruns is abandoned: it keeps running in the background
-  until it finishes, but the caller gets ``RewardTimeout`` on time and the process can still exit.
+* anywhere else: the call runs in a daemon thread that we wait for at most ``timeout_s``. On
+  timeout the caller gets ``RewardTimeout`` at once, and the worker is asked to stop with
+  CPython's ``PyThreadState_SetAsyncExc`` (an exception raised in that thread at its next
+  bytecode). That is best effort: a call stuck inside one long C function, or one that swallows
+  the exception, keeps running in the background until it returns (a daemon thread, so the
+  process can still exit).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import signal
@@ -76,6 +80,15 @@ def _call_with_signal(fn: Callable[..., T], timeout_s: float, args, kwargs) -> T
         signal.signal(signal.SIGALRM, old_handler)
 
 
+def _stop_thread(thread: threading.Thread) -> None:
+    """Ask ``thread`` to stop by raising ``_Interrupt`` in it (CPython; best effort)."""
+    if thread.ident is None:
+        return
+    set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    if set_async_exc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Interrupt)) > 1:
+        set_async_exc(ctypes.c_ulong(thread.ident), None)  # more than one thread hit: undo (never expected)
+
+
 def _call_in_thread(fn: Callable[..., T], timeout_s: float, args, kwargs) -> T:
     outcome: dict[str, Any] = {}
 
@@ -89,8 +102,9 @@ def _call_in_thread(fn: Callable[..., T], timeout_s: float, args, kwargs) -> T:
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
+        _stop_thread(worker)
         raise RewardTimeout(
-            f"{getattr(fn, '__name__', fn)!s} did not finish within {timeout_s} s (abandoned in a daemon thread)"
+            f"{getattr(fn, '__name__', fn)!s} did not finish within {timeout_s} s (worker thread told to stop)"
         )
     if "error" in outcome:
         raise outcome["error"]

@@ -23,8 +23,17 @@ DEFAULT_SYSTEM_PROMPT = (
 # one-shot example, so the example is never one of the task's own questions' generator states.
 _ONE_SHOT_SEED_OFFSET = 1_000_003
 
-# The task of `echotrain train` with no arguments; see docs/benchmarks.md (tasks section) and
-# scripts/measure_start_accuracy.py for the measured starting accuracy of SmolLM2-135M-Instruct.
+# The task of `echotrain train` with no arguments: two-term +/- basic_arithmetic with operands
+# 0-100 and a worked one-shot exchange. Starting point of SmolLM2-135M-Instruct (embedded GGUF
+# default), measured with scripts/measure_start_accuracy.py (64 prompts per seed, 48 new tokens,
+# 1 thread):
+#   temperature 0.7, seeds 1/2/3: accuracy 37.5/35.9/32.8% (pooled 35.4%, n=192),
+#                                 answer-tag format 79.7/79.7/70.3% (pooled 76.6%)
+#   temperature 1.0, seed 1:      accuracy 18.8%, format 64.1%
+# Failures a short RL run can fix: a missing tag (~23%), and a right "a + b = c" line followed
+# by a wrong number in the tag (e.g. "83 + 95 = 178\n<answer>77</answer>"); the rest are
+# arithmetic errors (mostly negative results). One-digit operands started too high for headroom
+# (pooled 50% at T=0.7, n=176); the bare-answer one-shot ("auto") too low (9%).
 DEFAULT_TASK: dict[str, Any] = {
     "dataset": "basic_arithmetic",
     "config": {
@@ -36,8 +45,7 @@ DEFAULT_TASK: dict[str, Any] = {
         "allow_parentheses": False,
         "allow_negation": False,
     },
-    # A worked example: the model writes the "a - b = c" line, then the tag. With the bare
-    # answer as example ("auto") one-digit +/- reached 9% (64 prompts); with this one 50%.
+    # A worked example: the model writes the "a - b = c" line, then the tag.
     "one_shot": ("Calculate 8 - 2.", "8 - 2 = 6\n<answer>6</answer>"),
 }
 

@@ -290,3 +290,83 @@ def test_low_precision_inputs_work_and_keep_their_dtype(loss_mode, agg, dtype):
     ref, _ = compute_policy_loss(loss_mode, old.double(), lp.detach().double(), adv.double(), mask, agg, cfg,
                                  group_index=torch.tensor([0, 0, 1, 1, 1]))
     assert loss.item() == pytest.approx(ref.item(), abs=0.05 if dtype == torch.bfloat16 else 1e-5)
+
+
+# ---------------------------------------------------------------- review regressions
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "balanced"])
+@pytest.mark.parametrize(
+    "loss_mode,extra",
+    [("vanilla", {}), ("gspo", {}), ("gspo_token", {}), ("echo", {"batch_ratio": "geo"}), ("echo", {"batch_ratio": "arith"})],
+)
+def test_non_finite_padding_reaches_neither_loss_nor_any_gradient(loss_mode, extra, agg, garbage):
+    """NaN/Inf at padding of log_prob, old_log_prob and advantages: same loss and gradient as
+    clean padding, and exactly 0 gradient at padding (a NaN there would reach the logits).
+    Before the fix: ECHO with the batch clip active gave NaN gradients on *valid* tokens
+    (0 * NaN through kappa), GSPO too for Inf advantages, vanilla NaN at padding."""
+    old, lp, adv, mask = _echo_batch(-0.1)  # R ~ 0.9: the default batch band clips
+    cfg = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, **extra}
+    gid = torch.tensor([0, 0, 1, 1, 1])
+    out = []
+    for g in (0.0, garbage):
+        dirty = (lambda t: torch.where(mask, t, g)) if g != 0.0 else (lambda t: t.clone())
+        x = dirty(lp).detach().requires_grad_(True)
+        loss, m = compute_policy_loss(loss_mode, dirty(old), x, dirty(adv), mask, agg, cfg, group_index=gid)
+        loss.backward()
+        out.append((loss.detach(), x.grad, m))
+    if loss_mode == "echo":
+        assert out[0][2]["echo/batch_clipped"] == 1.0
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=0, atol=0)
+    assert torch.all(out[1][1][~mask] == 0)
+    assert out[1][2]["ppo_kl"] == out[0][2]["ppo_kl"] and out[1][2]["pg_clipfrac"] == out[0][2]["pg_clipfrac"]
+
+
+def test_non_finite_padding_in_micro_batched_echo_step():
+    """The pre-pass sum S of ECHO's kappa gradient must ignore padding too (was NaN)."""
+    from echotrain.rl import compute_step_stats, split_micro_batches
+
+    old, lp, adv, mask = _echo_batch(-0.1)
+    cfg = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}
+    x = lp.clone().requires_grad_(True)
+    ref, _ = compute_policy_loss("echo", old, x, adv, mask, "token-mean", cfg)
+    ref.backward()
+    nan = float("nan")
+    batch = {"old_log_prob": torch.where(mask, old, nan), "log_prob": torch.where(mask, lp, nan),
+             "advantages": torch.where(mask, adv, float("inf")), "response_mask": mask}
+    mbs = split_micro_batches(batch, [2, 3])
+    step = compute_step_stats(mbs, loss_mode="echo", loss_agg_mode="token-mean", config=cfg)
+    assert step.echo.clipped and math.isfinite(step.echo.grad_sum) and step.echo.grad_sum != 0
+    grads = []
+    for mb in mbs:
+        y = mb["log_prob"].clone().requires_grad_(True)
+        loss, _ = compute_policy_loss("echo", mb["old_log_prob"], y, mb["advantages"], mb["response_mask"],
+                                      "token-mean", cfg, step=step)
+        loss.backward()
+        grads.append(y.grad)
+    torch.testing.assert_close(torch.cat(grads), x.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch_ratio", ["geo", "arith"])
+def test_echo_batch_ratio_is_not_rounded_to_bfloat16(batch_ratio):
+    """bf16 spacing near 1 is 2^-8..2^-7, coarser than the default band 0.01: R must be summed
+    in float64, or the clip decision and kappa are wrong. Before the fix, on this batch geo R
+    came out 0.98828 with kappa 1.0078 (exact, from the same bf16 values: 0.98913, kappa
+    1.00088), and arith R clipped at 0.98828 although the exact 0.99041 is inside the band."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 64, 32
+    old = -torch.rand(B, T, generator=g) * 3
+    mask = torch.rand(B, T, generator=g) > 0.2
+    adv = torch.randn(B, generator=g)
+    lp = old - 0.01 + 0.05 * torch.randn(B, T, generator=g)
+    old, lp, adv = old.bfloat16(), lp.bfloat16(), adv.bfloat16()
+    cfg = {"batch_ratio": batch_ratio}
+    loss, m = compute_policy_loss("echo", old, lp.clone().requires_grad_(True), adv, mask, "token-mean", cfg)
+    _, m64 = compute_policy_loss("echo", old.double(), lp.double(), adv.double(), mask, "token-mean", cfg)
+    assert loss.dtype == torch.bfloat16
+    # what is left is the per-token bf16 rounding of log rho (and of rho for arith): ~1e-5 / 3e-4
+    assert m["echo/R_batch"] == pytest.approx(m64["echo/R_batch"], rel=1e-3)
+    assert m["echo/batch_clipped"] == m64["echo/batch_clipped"] == (1.0 if batch_ratio == "geo" else 0.0)
+    assert m["echo/kappa"] == pytest.approx(m64["echo/kappa"], rel=1e-4)

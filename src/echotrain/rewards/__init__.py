@@ -21,6 +21,12 @@ Timeouts (``rewards/timeout.py``):
     timer, interrupts the work) and in worker threads (the call runs in a daemon thread that is
     told to stop on timeout with an asynchronous exception; best effort).
 
+Process isolation (``rewards/isolated.py``):
+    ``call_isolated(fn, *args, timeout_s, **kwargs)`` runs a picklable module-level ``fn`` in a
+    long-lived worker process that is killed (and restarted on the next call) when it overruns:
+    the only limit that also stops work stuck inside C code holding the GIL (sympy on
+    ``9^{9^{9^{9}}}``). ``JsonlMathTask.score`` runs math-verify this way (3 s per comparison).
+
 Batched rewards (``rewards/batch.py``):
     ``RewardFunction(task, *, timeout_s=5.0, format_weight=0.0)``; calling it with
     ``(completions: list[str], examples: list[Example])`` returns
@@ -38,12 +44,15 @@ from __future__ import annotations
 
 from echotrain.rewards.batch import RewardFunction, score_batch
 from echotrain.rewards.extract import extract_answer_tag, extract_boxed
+from echotrain.rewards.isolated import IsolatedWorker, call_isolated
 from echotrain.rewards.math import math_equal
 from echotrain.rewards.timeout import RewardTimeout, call_with_timeout
 
 __all__ = [
+    "IsolatedWorker",
     "RewardFunction",
     "RewardTimeout",
+    "call_isolated",
     "call_with_timeout",
     "extract_answer_tag",
     "extract_boxed",

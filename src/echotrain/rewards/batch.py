@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from echotrain.rewards.timeout import RewardTimeout, _check_timeout, call_with_timeout
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["RewardFunction", "score_batch"]
 
@@ -68,6 +69,8 @@ def score_batch(
     for i, c in enumerate(completions):
         if not isinstance(c, str):
             raise TypeError(f"completions[{i}] must be a str, got {type(c).__name__}")
+
+    import torch  # here, not at import: the reward worker process imports this package
 
     n = len(completions)
     correct = torch.zeros(n, dtype=torch.float32)

@@ -55,9 +55,17 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 # --------------------------------------------------------------------------- pure pieces
 
 
-def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, clamp: float) -> torch.Tensor:
-    """log rho = clamp(log_prob - old_log_prob, -clamp, clamp), ``(B, T)`` (design §2)."""
-    return torch.clamp(log_prob - old_log_prob, -clamp, clamp)
+def clamped_log_ratio(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, clamp: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log rho = clamp(log_prob - old_log_prob, -clamp, clamp), ``(B, T)`` (design §2).
+
+    With ``mask`` (bool ``(B, T)``), padding positions are set to 0 (rho = 1) through
+    ``torch.where``, so NaN/Inf log-probs there reach neither a value nor a gradient: a product
+    ``0 * NaN`` in any later backward (e.g. through ECHO's kappa) would poison every token.
+    """
+    log_ratio = torch.clamp(log_prob - old_log_prob, -clamp, clamp)
+    return log_ratio if mask is None else torch.where(mask, log_ratio, 0)
 
 
 def ppo_clip_loss(
@@ -110,7 +118,7 @@ def clip_metrics(
     """
     with torch.no_grad():
         if log_ratio_sum is None:
-            log_ratio_sum = torch.where(mask, log_ratio, 0).sum()
+            log_ratio_sum = torch.where(mask, log_ratio, 0).sum(dtype=torch.float64)
         counts = torch.stack([(flags[k] & mask).sum() for k in ("high", "low", "dual")]).to(torch.float64)
         values = torch.cat([counts, -log_ratio_sum.detach().to(torch.float64).reshape(1)])
         high, low, dual, kl = (values / mask.sum().clamp(min=1)).tolist()
@@ -128,16 +136,17 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 
 
 def batch_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, kind: str, ratio: torch.Tensor | None = None) -> torch.Tensor:
-    """ECHO's batch ratio R over all valid tokens (0-d; 1 when there are none).
+    """ECHO's batch ratio R over all valid tokens (0-d float64; 1 when there are none).
 
     ``geo``: R = exp(mean log rho); ``arith``: R = mean rho (design §4, step 1). ``ratio``
-    (= exp(log_ratio)) may be passed to save an ``exp``.
+    (= exp(log_ratio)) may be passed to save an ``exp``. Summed in float64 whatever the input
+    dtype: in bfloat16 R would be rounded to steps of 2^-8..2^-7, coarser than the batch band.
     """
-    n = mask.sum().clamp(min=1).to(log_ratio.dtype)
+    n = mask.sum().clamp(min=1).to(torch.float64)
     if kind == "geo":
-        return torch.exp(torch.where(mask, log_ratio, 0).sum() / n)
+        return torch.exp(torch.where(mask, log_ratio, 0).sum(dtype=torch.float64) / n)
     ratio = torch.exp(log_ratio) if ratio is None else ratio
-    return torch.where(mask, ratio, 0).sum() / n + (~mask.any()).to(log_ratio.dtype)
+    return torch.where(mask, ratio, 0).sum(dtype=torch.float64) / n + (~mask.any()).to(torch.float64)
 
 
 def batch_kappa(R: torch.Tensor, batch_clip_low: float, batch_clip_high: float) -> tuple[torch.Tensor, bool]:
@@ -161,12 +170,13 @@ def echo_token_ratios(
     """ECHO's rescaled token ratios rho~ = kappa rho over one whole step (the loss's own path).
 
     Returns:
-        ``(rho_tilde (B, T), R 0-d, kappa 0-d, clipped)``; kappa carries gradient through R
-        unless ``config.detach_kappa``.
+        ``(rho_tilde (B, T), R 0-d, kappa 0-d, clipped)``; R and kappa are float64, rho~ has
+        the inputs' dtype and holds kappa at padding (rho := 1 there); kappa carries gradient
+        through R unless ``config.detach_kappa``.
     """
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, config.log_ratio_clamp)
     mask = response_mask.bool()
-    return _echo_rescale(log_ratio, mask, config, torch.where(mask, log_ratio, 0).sum())
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob, config.log_ratio_clamp, mask)
+    return _echo_rescale(log_ratio, mask, config, log_ratio.sum(dtype=torch.float64))
 
 
 def _echo_rescale(
@@ -174,18 +184,19 @@ def _echo_rescale(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """rho~ = kappa rho from the whole step's tensors (design §4, steps 1-3).
 
-    For ``geo``, rho~ is formed as exp(log rho + log kappa): one pass fewer than a product.
-    Inside the band kappa is the constant 1 and rho~ = rho (same value and gradient).
+    ``log_ratio`` is 0 at padding; ``log_ratio_sum`` is its float64 sum. R and kappa are float64
+    0-d tensors; rho~ keeps ``log_ratio``'s dtype. For ``geo``, rho~ is formed as
+    exp(log rho + log kappa): one pass fewer than a product. Inside the band kappa is the
+    constant 1 and rho~ = rho (same value and gradient).
     """
     if cfg.batch_ratio == "geo":
         ratio = None
-        R = torch.exp(log_ratio_sum / mask.sum().clamp(min=1))
+        R = torch.exp(log_ratio_sum / mask.sum().clamp(min=1).to(torch.float64))
     else:
         ratio = torch.exp(log_ratio)
         R = batch_ratio(log_ratio, mask, "arith", ratio)
     kappa, clipped = batch_kappa(R, cfg.batch_clip_low, cfg.batch_clip_high)
-    if cfg.detach_kappa:
-        kappa = kappa.detach()
+    kappa = kappa.detach()
     if ratio is None:
         rho_t = torch.exp(log_ratio + torch.log(kappa)) if clipped else torch.exp(log_ratio)
     else:
@@ -281,7 +292,7 @@ def compute_policy_loss_vanilla(
         ValueError / TypeError: see :func:`compute_policy_loss`.
     """
     cfg, adv, mask, w = _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step)
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
     loss_mat, flags = ppo_clip_loss(torch.exp(log_ratio), adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
     loss = weighted_sum(loss_mat, mask, w) * _dp(step)
     return loss, clip_metrics(flags, log_ratio, mask)
@@ -308,7 +319,7 @@ def compute_policy_loss_gspo(
     eps: 3e-4 / 4e-4. Arguments, returns and errors as :func:`compute_policy_loss_vanilla`.
     """
     cfg, adv, mask, w = _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step)
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
     seq_log_ratio = sequence_log_ratio(log_ratio, mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     s = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(log_ratio)
     loss_mat, flags = ppo_clip_loss(s, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
@@ -335,10 +346,11 @@ def compute_policy_loss_gspo_token(
     Arguments, returns and errors as :func:`compute_policy_loss_vanilla`.
     """
     cfg, adv, mask, w = _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step)
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
     seq_log_ratio = sequence_log_ratio(log_ratio, mask).detach().unsqueeze(-1)
     c = cfg.log_ratio_clamp
-    s_token = torch.exp(torch.clamp(seq_log_ratio + (log_prob - log_prob.detach()), -c, c))
+    # where, not a product: log_prob may be -inf/NaN at padding (-inf - -inf = NaN)
+    s_token = torch.exp(torch.clamp(seq_log_ratio + torch.where(mask, log_prob - log_prob.detach(), 0), -c, c))
     loss_mat, flags = ppo_clip_loss(s_token, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
     loss = weighted_sum(loss_mat, mask, w) * _dp(step)
     return loss, clip_metrics(flags, log_ratio, mask)
@@ -378,8 +390,8 @@ def compute_policy_loss_echo(
     :func:`compute_policy_loss_vanilla`.
     """
     cfg, adv, mask, w = _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step)
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp)
-    log_ratio_sum = torch.where(mask, log_ratio, 0).sum()  # shared by R_geo, its gradient share and ppo_kl
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
+    log_ratio_sum = log_ratio.sum(dtype=torch.float64)  # shared by R_geo, its gradient share and ppo_kl
     geo = cfg.batch_ratio == "geo"
     if step is None:
         rho_t, R, kappa, clipped = _echo_rescale(log_ratio, mask, cfg, log_ratio_sum)
@@ -399,9 +411,9 @@ def compute_policy_loss_echo(
         loss_mat, flags = ppo_clip_loss(rho_t, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
         loss = weighted_sum(loss_mat, mask, w)
         if clipped and not cfg.detach_kappa:
-            local_sum = log_ratio_sum if geo else torch.where(mask, ratio, 0).sum()
+            local_sum = log_ratio_sum if geo else torch.where(mask, ratio, 0).sum(dtype=torch.float64)
             share = kappa_gradient_share(local_sum, echo.R, echo.num_tokens, echo.R_bar, cfg.batch_ratio)
-            loss = loss + echo.grad_sum * share
+            loss = loss + (echo.grad_sum * share).to(loss.dtype)  # value 0; keeps the loss dtype
         r_val, k_val = echo.R, echo.kappa
     metrics = clip_metrics(flags, log_ratio, mask, log_ratio_sum)
     metrics.update({"echo/R_batch": r_val, "echo/kappa": k_val, "echo/batch_clipped": float(clipped)})

@@ -230,7 +230,7 @@ def compute_step_stats(
         sums[0] += lengths.sum()
         sums[1] += (lengths > 0).sum()
         if is_echo:
-            lr = clamped_log_ratio(lp, old, cfg.log_ratio_clamp).to(torch.float64)
+            lr = clamped_log_ratio(lp, old, cfg.log_ratio_clamp, mask).to(torch.float64)
             sums[2] += torch.where(mask, lr, 0).sum()
             sums[3] += torch.where(mask, lr.exp(), 0).sum()
         if balanced:
@@ -261,7 +261,7 @@ def compute_step_stats(
     if clipped and not cfg.detach_kappa:
         s = torch.zeros(1, **f64)
         for old, lp, adv, mask, gi in prepared:
-            ratio = torch.exp(clamped_log_ratio(lp, old, cfg.log_ratio_clamp))
+            ratio = torch.exp(clamped_log_ratio(lp, old, cfg.log_ratio_clamp, mask))
             x = (kappa * ratio).detach().requires_grad_(True)
             with torch.enable_grad():
                 loss_mat, _ = ppo_clip_loss(x, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)

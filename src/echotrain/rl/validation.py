@@ -111,7 +111,8 @@ def check_token_inputs(
     ``advantages`` may be ``(B, T)`` or ``(B,)`` (broadcast over tokens).
 
     Returns:
-        ``(advantages (B, T), response_mask (B, T) bool)``.
+        ``(advantages (B, T), response_mask (B, T) bool)``; the returned advantages are 0 at
+        padding (``torch.where``), so that a NaN/Inf there cannot reach a gradient.
 
     Raises:
         TypeError / ValueError: non-tensors, wrong dims, shape mismatches, NaN/Inf in
@@ -132,4 +133,4 @@ def check_token_inputs(
     check_finite("log_prob", log_prob, mask)
     check_finite("old_log_prob", old_log_prob, mask)
     check_finite("advantages", advantages, mask)
-    return advantages, mask
+    return torch.where(mask, advantages, 0), mask

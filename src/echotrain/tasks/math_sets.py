@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from echotrain.rewards.math import math_equal
+from echotrain.rewards.isolated import call_isolated
+from echotrain.rewards.math import math_equal, normalize_answer
 from echotrain.tasks.base import (
     ANSWER_FORMATS,
     Example,
@@ -129,10 +130,14 @@ class JsonlMathTask:
         system: system instruction (default: ``MATH_SYSTEM_PROMPTS[answer_format]``).
         one_shot: optional ``(user, assistant)`` example exchange.
         limit: keep only the first ``limit`` rows.
+        verify_timeout_s: time limit of one math-verify comparison, run in a separate worker
+            process that is killed on overrun (``echotrain.rewards.call_isolated``): sympy can
+            block inside C code, which no in-process timeout stops. ``None`` compares in-process
+            without a limit (then rely on ``RewardFunction``'s timeout).
 
     Raises:
-        ValueError: empty ``rows``, a row without ``question``/``answer``, bad ``answer_format``
-            or ``limit``.
+        ValueError: empty ``rows``, a row without ``question``/``answer``, bad ``answer_format``,
+            ``limit`` or ``verify_timeout_s``.
     """
 
     def __init__(
@@ -144,7 +149,10 @@ class JsonlMathTask:
         system: str | None = None,
         one_shot: tuple[str, str] | None = None,
         limit: int | None = None,
+        verify_timeout_s: float | None = 3.0,
     ):
+        if verify_timeout_s is not None and not (isinstance(verify_timeout_s, (int, float)) and verify_timeout_s > 0):
+            raise ValueError(f"verify_timeout_s must be a positive number of seconds or None, got {verify_timeout_s!r}")
         if answer_format not in ANSWER_FORMATS:
             raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
         if limit is not None:
@@ -159,6 +167,7 @@ class JsonlMathTask:
         self.answer_format = answer_format
         self.system = MATH_SYSTEM_PROMPTS[answer_format] if system is None else system
         self.one_shot = one_shot
+        self.verify_timeout_s = verify_timeout_s
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -193,9 +202,21 @@ class JsonlMathTask:
     def score(self, completion: str, example: Example) -> float:
         """1.0 when the extracted answer is math-verify-equal to the gold answer, else 0.0.
 
-        No time limit here; score through ``echotrain.rewards.RewardFunction`` for timeouts.
+        No answer in the task's format gives 0.0. Identical answers (after
+        ``normalize_answer``) are decided here; the rest goes to math-verify in the killable
+        worker process (see ``verify_timeout_s``).
+
+        Raises:
+            RewardTimeout: math-verify took longer than ``verify_timeout_s``.
         """
-        return 1.0 if math_equal(self.extract(completion), example.answer) else 0.0
+        pred = self.extract(completion)
+        if pred is None:
+            return 0.0
+        if normalize_answer(pred) == normalize_answer(example.answer):
+            return 1.0
+        if self.verify_timeout_s is None:
+            return 1.0 if math_equal(pred, example.answer) else 0.0
+        return 1.0 if call_isolated(math_equal, pred, example.answer, timeout_s=self.verify_timeout_s) else 0.0
 
     def __repr__(self) -> str:
         return f"JsonlMathTask({self.name!r}, n={len(self)}, answer_format={self.answer_format!r})"

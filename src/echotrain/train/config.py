@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from echotrain.rl.config import ECHO_DEFAULT_BATCH_BAND
+
 BALANCED_SUFFIX = "+balanced"
 
 
@@ -54,7 +56,7 @@ class TrainConfig:
                                 "Default: runs/<preset>-<UTC timestamp>.")
     seed: int = _f(0, "Seed for torch, numpy and python RNGs and the prompt order; a run is deterministic given the seed "
                    "on one device and thread count.")
-    steps: int = _f(30, "Number of training steps; each step = one rollout batch (prompts_per_step x num_generations) "
+    steps: int = _f(20, "Number of training steps; each step = one rollout batch (prompts_per_step x num_generations) "
                     "followed by num_mini_batches x ppo_epochs optimizer steps.")
     device: str = _f("auto", "Device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
     num_threads: int = _f(0, "torch intra-op threads for the run; 0 = all cores visible to this process (os.sched_getaffinity).")
@@ -71,7 +73,7 @@ class TrainConfig:
     # ---- rollout -----------------------------------------------------------------------------
     prompts_per_step: int = _f(8, "Prompts sampled per step (B). DAPO uses 512 at scale; 8 fits 2 CPU cores.", group="rollout")
     num_generations: int = _f(8, "Rollouts per prompt (G, the group size). GRPO/DAPO use 8-16.", group="rollout")
-    max_new_tokens: int = _f(48, "Maximum response length in tokens (L_max). Responses hitting it without EOS are truncated.",
+    max_new_tokens: int = _f(32, "Maximum response length in tokens (L_max). Responses hitting it without EOS are truncated.",
                              group="rollout")
     temperature: float = _f(0.7, "Sampling temperature for rollouts; log-probs are computed from logits / temperature so "
                             "the ratio is exactly 1 on-policy (verl convention). DAPO uses 1.0.", group="rollout")
@@ -96,10 +98,12 @@ class TrainConfig:
     clip_ratio_c: float | None = _f(None, "Dual-clip constant c (> 1) capping the loss of negative-advantage tokens at "
                                     "-A*c (Dual-clip PPO, 1912.09729; verl uses 3.0). Empty/none disables dual-clip.",
                                     group="objective")
-    batch_clip_low: float = _f(0.02, "ECHO batch band eps_b_low: R_batch floor 1 - eps_b_low. No published value; ours, "
-                               "sized from the logged R_batch distribution (a whole-batch mean log-ratio is far smaller "
-                               "than a per-token one).", group="objective")
-    batch_clip_high: float = _f(0.02, "ECHO batch band eps_b_high: R_batch ceiling 1 + eps_b_high (ours, see batch_clip_low).",
+    batch_clip_low: float = _f(ECHO_DEFAULT_BATCH_BAND[0], "ECHO batch band eps_b_low: R_batch floor 1 - eps_b_low. No "
+                               "published value; ours (echotrain.rl.ECHO_DEFAULT_BATCH_BAND): with geo R, 1 - R estimates "
+                               "the step's KL, so the band bounds it; a PPO-sized 0.2 would never fire. The logged "
+                               "echo/R_batch_min/max show how often it does (docs/benchmarks.md, trainer section).",
+                               group="objective")
+    batch_clip_high: float = _f(ECHO_DEFAULT_BATCH_BAND[1], "ECHO batch band eps_b_high: R_batch ceiling 1 + eps_b_high (ours, see batch_clip_low).",
                                 group="objective")
     batch_ratio: str = _f("geo", "ECHO batch ratio: geo = exp(mean log rho) (estimates -KL drift; default) or arith = mean rho.",
                           ("geo", "arith"), group="objective")
@@ -139,7 +143,8 @@ class TrainConfig:
                                    group="update")
     optimizer: str = _f("adamw", "Optimizer by name from echotrain.optim.registry.OPTIMIZERS (adamw, adamw4bit, sgd, ...).",
                         group="update")
-    lr: float = _f(3e-6, "Peak learning rate. DAPO: 1e-6 at 32B; small models tolerate ~1e-6..1e-5.", group="update")
+    lr: float = _f(1e-5, "Peak learning rate. DAPO: 1e-6 at 32B; 135M-parameter models learn the answer format within a "
+                   "few steps at 1e-5 (our default-run measurement, README).", group="update")
     weight_decay: float = _f(0.0, "Decoupled weight decay (AdamW). DAPO/verl: 0.01; 0 keeps short runs simple.", group="update")
     adam_beta1: float = _f(0.9, "AdamW beta1.", group="update")
     adam_beta2: float = _f(0.99, "AdamW beta2 (0.99 is common in RLVR recipes, e.g. TRL's GRPO examples).", group="update")

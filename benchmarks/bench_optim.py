@@ -12,7 +12,7 @@ Model: a byte-level GPT (pre-norm transformer, default d=512, 2 layers, 6.6M par
 GSM8K question+answer text (``../shared/data/gsm8k/train.jsonl`` when present, else a synthetic
 bigram-chain byte stream).
 
-    python benchmarks/bench_optim.py                      # all optimizers, ~10 minutes on a busy 2-core machine
+    python benchmarks/bench_optim.py                      # all optimizers, ~15 minutes on a busy 2-core machine
     python benchmarks/bench_optim.py --steps 40 --only torch_adamw echotrain_4bit
 """
 

@@ -7,7 +7,7 @@ subprocess (1 thread); a sampler thread reads the process RSS every millisecond 
 steps, so the model-loading peak does not count. Reported: RSS after loading, peak RSS during
 the steps (minus RSS after loading), and the exact bytes of the optimizer state.
 
-    python benchmarks/bench_optim_rl_memory.py            # ~3 minutes (two subprocesses)
+    python benchmarks/bench_optim_rl_memory.py            # ~4 minutes (two subprocesses)
     python benchmarks/bench_optim_rl_memory.py --steps 2 --optimizers adamw
 """
 

@@ -12,6 +12,8 @@ import torch
 torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# AdamW4bit compiles its update by default; tests that want the compiled path opt in explicitly.
+os.environ.setdefault("ECHOTRAIN_OPTIM_COMPILE", "0")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -324,3 +324,17 @@ def test_single_row_pieces_and_non_contiguous_params():
         q.grad = g.clone()
         _opt([q], chunk_numel=4096).step()
     assert torch.equal(a.detach(), b.detach())
+
+
+def test_compile_default_follows_the_environment(monkeypatch):
+    from echotrain.optim import adamw4bit
+
+    monkeypatch.setenv("ECHOTRAIN_OPTIM_COMPILE", "0")
+    assert adamw4bit._compile_available(torch.device("cpu")) is False
+    p = torch.nn.Parameter(torch.zeros(8192))
+    opt = AdamW4bit([p])  # compile=None
+    p.grad = torch.ones(8192)
+    opt.step()
+    assert opt.compile is False and opt._compiled is None
+    monkeypatch.setenv("ECHOTRAIN_OPTIM_COMPILE", "1")
+    assert adamw4bit._compile_available(torch.device("cpu")) is True

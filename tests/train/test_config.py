@@ -99,6 +99,8 @@ def test_cli_rejects_before_work(capsys):
     assert "learning_rate" in err and "did you mean" in err
     assert cli.main(["train", "preset=nope"]) == 2
     assert "valid:" in capsys.readouterr().err
+    assert cli.main(["train", "task=no_such_task"]) == 2
+    assert "no_such_task" in capsys.readouterr().err
     assert cli.main(["train", "--print-config", "preset=dapo", "steps=3"]) == 0
     out = yaml.safe_load(capsys.readouterr().out)
     assert out["preset"] == "dapo" and out["steps"] == 3 and out["dynamic_sampling"] is True

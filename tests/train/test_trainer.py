@@ -118,3 +118,16 @@ def test_dapo_dynamic_sampling_and_grpo_kl(run, tmp_path, tiny_tokenizer, make_t
         assert r["reward/std"] > 0 or r["groups/kept"] == 4
     _, recs = run("grpo", preset="grpo", steps=2)
     assert all(r["kl/ref"] >= 0 for r in recs) and recs[-1]["kl/ref"] > 0
+
+
+def test_eval_loads_a_run_directory(run, tiny_tokenizer, digit_task):
+    from echotrain.train.evaluate import evaluate, load_for_eval
+
+    trainer, _ = run("final", steps=1, save_final_model=True)
+    model, tok, desc = load_for_eval(str(trainer.run_dir))
+    assert desc.endswith("final_model")
+    ours = dict(trainer.model.named_parameters())
+    for k, p in model.named_parameters():
+        assert torch.equal(p, ours[k])
+    res = evaluate(model, tok, digit_task, num_prompts=2, n=2, ks=(1, 2), max_new_tokens=4)
+    assert 0 <= res["pass@1"] <= res["pass@2"] <= 1

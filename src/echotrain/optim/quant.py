@@ -11,14 +11,16 @@ the nearest of 16 code values. Two 4-bit codes are packed into one byte.
   linear map :data:`LINEAR_MAP_4BIT` (k/16, k = 1..16), so that a positive v never dequantizes
   to 0 (the paper's "zero-point problem", section 4.1). 1-D tensors use B128 blocks instead.
 
-Conventions (ours): codes are ``torch.uint8`` in ``[0, 15]``; in a packed byte the element with
-the even index is the high nibble. Scales are float32 and stored *unclamped*: a block whose
-values are all 0 has scale 0, is normalised by ``max(scale, tiny)`` (so 0/0 never happens) and
-dequantizes to exactly 0 whatever its codes. "Nearest" rounding breaks exact ties toward the
-lower code value.
+Conventions (ours): codes are ``torch.uint8`` in ``[0, 15]``; n codes (padded to even) pack
+into n/2 bytes, byte i holding code i in the high nibble and code i + n/2 in the low nibble
+(both halves contiguous, which vectorises; lpmm and torchao interleave neighbours). Scales are
+float32 and stored *unclamped*: a block whose values are all 0 has scale 0, is normalised by
+``max(scale, tiny)`` (so 0/0 never happens) and dequantizes to exactly 0 whatever its codes.
+"Nearest" rounding breaks exact ties toward the lower code value in :func:`quantize_nearest`.
 
-Everything here is plain PyTorch (CPU or GPU) with no data-dependent Python control flow, so
-the functions can be used inside ``torch.compile``.
+Everything here is plain PyTorch (CPU or GPU). The public functions validate their inputs
+(NaN/Inf, code range, sizes); the private ``_*`` helpers the optimizer uses have no
+data-dependent Python control flow, so they run inside ``torch.compile``.
 """
 
 from __future__ import annotations

@@ -196,7 +196,8 @@ def _echo_rescale(
         ratio = torch.exp(log_ratio)
         R = batch_ratio(log_ratio, mask, "arith", ratio)
     kappa, clipped = batch_kappa(R, cfg.batch_clip_low, cfg.batch_clip_high)
-    kappa = kappa.detach()
+    if cfg.detach_kappa:
+        kappa = kappa.detach()
     if ratio is None:
         rho_t = torch.exp(log_ratio + torch.log(kappa)) if clipped else torch.exp(log_ratio)
     else:

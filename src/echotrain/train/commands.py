@@ -82,13 +82,21 @@ def run_train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    from echotrain.tasks import get_task
+
+    try:  # the task is cheap to build: check its name and options before loading the model
+        task = get_task(cfg.task, **cfg.task_options)
+    except (KeyError, ValueError, TypeError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"echotrain train: error: task={cfg.task!r} task_options={cfg.task_options}: {msg}", file=sys.stderr)
+        return 2
     import torch
 
     from echotrain.train.trainer import Trainer
 
     torch.set_num_threads(cfg.num_threads or _cores())
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, resume=args.resume is not None)
+    trainer = Trainer(cfg, task=task, resume=args.resume is not None)
     print(f"echotrain: run directory {trainer.run_dir} (config.yaml, metrics.jsonl, samples.jsonl, plots/, "
           f"checkpoints/); {torch.get_num_threads()} threads, device {trainer.device}", file=sys.stderr)
     trainer.train()
@@ -108,7 +116,7 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
     parser.add_argument("--k", default="1", help="comma-separated k values for unbiased pass@k, each <= n (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="response length cap (default 48)")
-    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 = greedy (default 0.7)")
     parser.add_argument("--seed", type=int, default=1234, help="seed for prompt choice and sampling (default 1234)")
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores (default)")

@@ -155,6 +155,13 @@ class TrainConfig:
                            ("constant", "linear", "cosine"), group="update")
     warmup_steps: int = _f(0, "Linear warmup length in optimizer steps.", group="update")
 
+    # ---- evaluation --------------------------------------------------------------------------
+    eval_prompts: int = _f(32, "Greedy accuracy on this many fixed prompts before the first step and after the last "
+                           "(eval.jsonl, summary table): a paired, low-noise start/end comparison, unlike the per-step "
+                           "accuracy of freshly sampled prompts. Prompts come from the task built with seed+1 when the "
+                           "task takes a seed (reasoning-gym), else from the training task. 0 disables.", group="eval")
+    eval_every: int = _f(0, "Also evaluate every N steps (0 = only at the start and the end).", group="eval")
+
     # ---- outputs -----------------------------------------------------------------------------
     save_every: int = _f(10, "Write a checkpoint every N steps (and at the end); 0 = only at the end.", group="outputs")
     keep_last: int = _f(1, "Keep the last k checkpoints (older ones are deleted after the new one is in place).",
@@ -416,7 +423,7 @@ def validate(cfg: TrainConfig) -> None:
     for key in ("steps", "prompts_per_step", "num_generations", "max_new_tokens", "num_mini_batches", "ppo_epochs",
                 "micro_batch_size", "max_sampling_rounds"):
         need(getattr(cfg, key) >= 1, key, "must be >= 1")
-    for key in ("num_threads", "rollout_batch_size", "warmup_steps", "save_every", "log_samples",
+    for key in ("num_threads", "rollout_batch_size", "warmup_steps", "eval_prompts", "eval_every", "save_every", "log_samples",
                 "top_k"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     need(cfg.keep_last >= 1, "keep_last", "must be >= 1")

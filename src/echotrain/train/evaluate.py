@@ -35,6 +35,8 @@ def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n:
              batch_prompts: int = 16, reward_fn: Any = None) -> dict[str, float]:
     """Sample ``n`` completions for each of ``num_prompts`` task prompts and score them.
 
+    ``temperature=0`` decodes greedily (then every sample of a prompt is the same; use n=1).
+
     Returns:
         ``{"accuracy": mean correctness over all samples, "format_rate": ..., "pass@k": ... for k
         in ks, "num_prompts", "n"}``.
@@ -55,7 +57,7 @@ def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n:
     for start in range(0, len(examples), batch_prompts):
         exs = examples[start:start + batch_prompts]
         batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, max_new_tokens=max_new_tokens,
-                                  temperature=temperature)
+                                  temperature=temperature if temperature > 0 else 1.0, do_sample=temperature > 0)
         texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
                  for ids, m in zip(batch.response_ids, batch.response_mask)]
         _, info = reward_fn(texts, [e for e in exs for _ in range(n)])

@@ -127,7 +127,8 @@ def render_prompts(tokenizer: Any, prompts: Sequence[Any]) -> list[str]:
 
 def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_generations: int, *,
                       max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                      batch_size: int = 0, group_offset: int = 0, share_prefix: bool = True) -> RolloutBatch:
+                      batch_size: int = 0, group_offset: int = 0, share_prefix: bool = True,
+                      do_sample: bool = True) -> RolloutBatch:
     """Sample ``num_generations`` completions of each prompt.
 
     Each prompt is repeated G times (rows ``g*G .. g*G+G-1`` belong to group ``group_offset + g``)
@@ -140,6 +141,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
         max_new_tokens: response length cap.
         temperature, top_p, top_k: sampling parameters (top_k=0 disables it).
         batch_size: rows per generate call; 0 = all.
+        do_sample: False = greedy decoding (evaluation); temperature/top_p/top_k are then unused.
         share_prefix: with G > 1, one generate call and a model taking ``past_key_values``:
             prefill each distinct prompt once and hand ``generate`` its KV cache repeated G
             times (the prompt prefill is most of the cost for short answers), instead of
@@ -173,9 +175,12 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
         for start in range(0, len(texts), chunk):
             sl = slice(start, start + chunk)
             kwargs: dict[str, Any] = dict(
-                attention_mask=attn[sl].to(device), max_new_tokens=max_new_tokens, do_sample=True,
-                temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None,
+                attention_mask=attn[sl].to(device), max_new_tokens=max_new_tokens, do_sample=do_sample,
                 pad_token_id=pad_id, eos_token_id=eos or None, use_cache=True)
+            if do_sample:
+                kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None)
+            else:
+                kwargs.update(temperature=None, top_p=None, top_k=None)
             with torch.inference_mode():
                 if share_prefix and num_generations > 1 and chunk == len(texts) and ids.shape[1] > 1 \
                         and _supports_shared_prefix(model):

@@ -11,6 +11,7 @@ from echotrain.cli import main
 from echotrain.experiments.looped_lr import (
     LoopedLRArgs,
     best_lrs,
+    format_loss_grid,
     load_corpus,
     load_records,
     lr_at,
@@ -89,6 +90,9 @@ def test_best_lr_skips_diverged_runs():
     recs = records_from(lambda rule, n, lr: None if lr > 3e-3 else 2.0 - lr)
     best = best_lrs(recs)[1]["1/N"][1]
     assert best["argmin_lr"] == pytest.approx(2e-3) and best["fit_lr"] == pytest.approx(2e-3)
+    grid = format_loss_grid(recs)
+    assert "| 8 | 2.000 | 2.000 | 2.000 | 1.999 | 1.998 | div. | div. |" in grid  # rows N, columns lr
+    assert grid.count("| N |") == 2
 
 
 def test_verdict_holds_only_when_the_optimum_stays_put_under_1_over_N():

@@ -281,6 +281,8 @@ def test_bad_config_is_rejected(kwargs, match):
     w = torch.zeros(1, requires_grad=True)
     with pytest.raises(ValueError, match=match):
         SAM([w], torch.optim.SGD, lr=0.1, **kwargs)
+    with pytest.raises(ValueError, match="rho=-0.5 of param group 1"):  # was accepted: e pointed downhill
+        SAM([{"params": [w]}, {"params": [torch.zeros(1, requires_grad=True)], "rho": -0.5}], torch.optim.SGD, lr=0.1)
 
 
 def test_unknown_base_name_lists_valid_names_and_step_needs_closure():
@@ -292,3 +294,28 @@ def test_unknown_base_name_lists_valid_names_and_step_needs_closure():
     other = torch.zeros(1, requires_grad=True)
     with pytest.raises(ValueError, match="params"):
         SAM([other], torch.optim.SGD([w], lr=0.1))
+
+
+def test_closure_error_in_second_pass_restores_weights_and_next_step_works():
+    """Before: an exception in the perturbed pass (e.g. an OOM the loop catches) left w at
+    w + e for good, and every later step() raised "first_step called twice"."""
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    opt = SAM([w], torch.optim.SGD, rho=0.5, lr=0.1)
+    calls = []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        loss = (w * w).sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        opt.step(failing)
+    assert torch.equal(w.detach(), torch.tensor([1.0, 2.0]))
+    # the next step is a normal SAM step: g = 2w, e = 0.5 g/|g|, w <- w - 0.1 * 2 (w + e)
+    opt.step(lambda: (w * w).sum().backward())
+    w0 = torch.tensor([1.0, 2.0])
+    expected = w0 - 0.1 * 2 * (w0 + 0.5 * w0 / w0.norm())
+    torch.testing.assert_close(w.detach(), expected)

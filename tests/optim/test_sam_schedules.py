@@ -46,7 +46,8 @@ def test_switch_happens_at_the_configured_step_and_not_before():
         (5, "step", {}, 5),
         (3, "epoch", {"steps_per_epoch": 4}, 12),
         (0.875, "fraction", {"total_steps": 200}, 175),
-        (0.85, "fraction", {"total_steps": 100}, 85),  # 0.85 * 100 = 84.999... in binary
+        (0.85, "fraction", {"total_steps": 100}, 85),
+        (0.29, "fraction", {"total_steps": 100}, 29),  # 0.29 * 100 = 28.999999999999996 in binary
         (0.0, "fraction", {"total_steps": 10}, 0),
         (1.0, "fraction", {"total_steps": 10}, 10),
     ],
@@ -64,6 +65,10 @@ def test_resolve_sam_start(sam_start, unit, kwargs, expected):
         ((2, "epoch"), "steps_per_epoch"),
         ((-1, "step"), "non-negative"),
         ((2.5, "step"), "integer"),
+        ((float("nan"), "step"), "finite"),  # was a bare "cannot convert float NaN to integer"
+        ((float("inf"), "epoch", None, 4), "finite"),  # was an OverflowError
+        ((2, "epoch", None, 2.5), "steps_per_epoch=2.5 must be an integer"),  # returned 5.0
+        ((0.5, "fraction", 10.5), "total_steps=10.5 must be an integer"),
     ],
 )
 def test_resolve_sam_start_rejects_bad_config(args, match):
@@ -200,3 +205,22 @@ def test_batchnorm_statistics_frozen_in_the_sam_phase():
     opt.step(closure)  # SAM step: only its first forward counts, 0.9 * 0.1 + 0.1 = 0.19
     assert bn.running_mean.item() == pytest.approx(0.19, abs=1e-6)
     assert bn.num_batches_tracked.item() == 2
+
+
+def test_resume_after_the_switch_matches_an_uninterrupted_run():
+    """The restored ``momentum_restarted`` flag keeps a resumed run from clearing the momentum
+    a second time (the first test resumes before the switch only)."""
+    model, opt, closure, _ = _setup(2)
+    for _ in range(3):  # steps 0, 1 SGD; step 2 SAM (momentum restarted)
+        opt.step(closure)
+    sd_model, sd_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    for _ in range(2):
+        opt.step(closure)
+    model2, opt2, closure2, _ = _setup(2)
+    model2.load_state_dict(sd_model)
+    opt2.load_state_dict(sd_opt)
+    assert opt2.momentum_restarted and opt2.steps_taken == 3
+    for _ in range(2):
+        opt2.step(closure2)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)

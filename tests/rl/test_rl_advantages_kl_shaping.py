@@ -110,6 +110,8 @@ def test_overlong_penalty_hand_values():
     torch.testing.assert_close(out, torch.tensor([0, 0, 0, -0.25, -0.75, -1.0, -1.0, -1.0]))
     with pytest.raises(ValueError, match="overlong_buffer_len must be in"):
         overlong_reward_penalty(lengths, 20, 0)
+    with pytest.raises(ValueError, match="response_length must be >= 0"):  # NaN gave a NaN reward
+        overlong_reward_penalty(torch.tensor([3.0, float("nan")]), 20, 4)
 
 
 def test_truncated_responses_are_masked_out():

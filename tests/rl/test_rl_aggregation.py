@@ -75,6 +75,14 @@ def test_errors_name_the_problem():
         agg_loss(loss, mask[:, :2], "token-mean")
     with pytest.raises(ValueError, match="num_tokens must be a finite scalar"):
         agg_loss(loss, mask, "token-mean", num_tokens=-1)
+    gid = torch.tensor([0, 0])
+    with pytest.raises(ValueError, match=r"advantages has shape \(3,\); expected \(2,\) or \(2, 3\)"):
+        agg_loss(loss, mask, "balanced", advantages=torch.ones(3), group_index=gid)
+    with pytest.raises(ValueError, match="advantages has 1 NaN/Inf"):  # was read as sign 0: weight 0, silently
+        agg_loss(loss, mask, "balanced", advantages=torch.tensor([float("nan"), 1.0]), group_index=gid)
+    # NaN advantages at padding are fine (row 0 has one valid token)
+    adv2 = torch.tensor([[1.0, float("nan"), float("nan")], [-1.0, -1.0, -1.0]])
+    assert float(agg_loss(loss, mask, "balanced", advantages=adv2, group_index=gid)) == pytest.approx(0.5 * 2 + 0.5 * 1)
 
 
 # ---------------------------------------------------------------- Balanced Aggregation

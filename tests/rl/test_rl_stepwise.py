@@ -265,3 +265,39 @@ def test_step_agg_loss_of_an_extra_term_sums_to_the_full_batch_value(batch_facto
                               group_index=mb["group_index"]).item() for mb in mbs)
     assert total == pytest.approx(full.item(), abs=1e-12)
     assert full.item() > 0
+
+
+def test_step_rejects_another_config_and_bad_dp_size(batch_factory):
+    """A step computed with one config and used with another gave a silently wrong ECHO
+    gradient (kappa from geo R, gradient share as arith); now an error naming both configs."""
+    batch = _drifted_batch(batch_factory, seed=3)
+    geo, arith = _cfg({"batch_ratio": "geo"}), _cfg({"batch_ratio": "arith"})
+    step = compute_step_stats([batch], loss_mode="echo", loss_agg_mode="token-mean", config=geo)
+    assert step.config.batch_ratio == "geo" and step.echo.clipped
+    args = (batch["old_log_prob"], batch["log_prob"], batch["advantages"], batch["response_mask"], "token-mean")
+    with pytest.raises(ValueError, match="step was computed with config"):
+        compute_policy_loss("echo", *args, arith, step=step)
+    loss, m = compute_policy_loss("echo", *args, geo, step=step)
+    assert m["echo/R_batch"] == step.echo.R
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="dp_size must be an int >= 1"):
+            compute_step_stats([batch], loss_mode="vanilla", loss_agg_mode="token-mean", dp_size=bad)
+
+
+def test_step_agg_loss_balanced_needs_advantages_and_a_0_1_mask(batch_factory):
+    """Without advantages, balanced weights were silently 0 (zeros substituted): the KL term vanished."""
+    from echotrain.rl import agg_loss, step_agg_loss
+
+    batch = batch_factory()
+    kl = torch.ones_like(batch["old_log_prob"])
+    step = compute_step_stats([batch], loss_mode="vanilla", loss_agg_mode="balanced")
+    with pytest.raises(ValueError, match="needs advantages and group_index"):
+        step_agg_loss(kl, batch["response_mask"], step, group_index=batch["group_index"])
+    full = agg_loss(kl, batch["response_mask"], "balanced", advantages=batch["advantages"], group_index=batch["group_index"])
+    out = step_agg_loss(kl, batch["response_mask"], step, advantages=batch["advantages"], group_index=batch["group_index"])
+    assert out.item() == pytest.approx(full.item(), abs=1e-12) and out.item() > 0
+    tm = compute_step_stats([batch], loss_mode="vanilla", loss_agg_mode="token-mean")
+    with pytest.raises(ValueError, match="response_mask must be boolean or hold only 0/1"):
+        step_agg_loss(kl, batch["response_mask"] * 0.5, tm)
+    with pytest.raises(ValueError, match="differs from the one step was computed with"):
+        step_agg_loss(kl, batch["response_mask"], tm, {"clip_ratio_high": 0.28})

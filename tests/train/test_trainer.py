@@ -15,7 +15,7 @@ from echotrain.train.trainer import Trainer
 
 BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=4,
             num_mini_batches=2, lr=1e-2, temperature=1.0, device="cpu", progress=False, plots=False,
-            save_final_model=False, log_samples=2, seed=0)
+            save_final_model=False, log_samples=2, seed=0, eval_prompts=3)
 
 REQUIRED = ["step", "reward/mean", "reward/std", "accuracy", "format_rate", "response_length/mean",
             "response_length/max", "entropy", "ppo_kl", "pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low",
@@ -62,6 +62,9 @@ def test_train_loop_writes_metrics_and_outputs(run, tmp_path, tiny_tokenizer, ma
     assert len(samples) == 6 and {"step", "question", "completion", "reward"} <= set(samples[0])
     assert [p.name for p in sorted((d / "checkpoints").iterdir())] == ["step_00000003.pt"]  # keep_last=1
     assert {p.name for p in (d / "plots").glob("*.png")} >= {"reward.png", "echo_batch_ratio.png", "grad_norm.png"}
+    evals = read_jsonl(d / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 3] and all(0 <= e["eval/accuracy"] <= 1 for e in evals)
+    assert lines[-1]["eval/accuracy"] == evals[-1]["eval/accuracy"]
 
 
 def test_kill_and_resume_gives_identical_metrics(run, tmp_path, tiny_tokenizer, make_tiny_model):

@@ -405,10 +405,29 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def format_loss_grid(records: list[dict]) -> str:
+    """Markdown tables of the final validation loss, one per (L, rule): rows N, columns lr."""
+    lrs = sorted({r["lr"] for r in records})
+    cols = sorted({f"{lr:.3e}" for lr in lrs}, key=float)
+    out = []
+    for L, rule in sorted({(r["n_layers"], r["rule"]) for r in records}, key=lambda p: (p[0], RESIDUAL_SCALINGS.index(p[1]))):
+        cell = {(r["n_loops"], f"{r['lr']:.3e}"): r for r in records if (r["n_layers"], r["rule"]) == (L, rule)}
+        out += [f"\nL={L}, rule {rule}: final validation loss (nats/byte)\n",
+                "| N | " + " | ".join(f"{float(c):.2g}" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for n in sorted({k[0] for k in cell}):
+            vals = []
+            for c in cols:
+                r = cell.get((n, c))
+                vals.append("" if r is None else "div." if r["val_loss"] is None else f"{r['val_loss']:.3f}")
+            out.append(f"| {n} | " + " | ".join(vals) + " |")
+    return "\n".join(out)
+
+
 def run(args: LoopedLRArgs, log=print) -> dict:
     """The whole experiment: sweep (resuming), then summary.json, the plot and a printed table."""
     records = run_sweep(args, log=log)
     summary = summarize(records, args.out_dir)
+    log(format_loss_grid(records))
     log(format_table(summary))
     return summary
 
@@ -443,7 +462,9 @@ def short_args(out_dir: str) -> LoopedLRArgs:
 def run_from_args(args: argparse.Namespace) -> int:
     """CLI entry point; returns the exit code."""
     if args.summarize_only:
-        summary = summarize(load_records(args.out_dir), args.out_dir)
+        records = load_records(args.out_dir)
+        summary = summarize(records, args.out_dir)
+        print(format_loss_grid(records))
         print(format_table(summary))
         return 0
     if args.short:  # never overwrite the committed results with the CI-sized run

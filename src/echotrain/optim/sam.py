@@ -115,9 +115,9 @@ class SAM(torch.optim.Optimizer):
     optimizer's state (momentum buffers ...) plus ``rho``/``adaptive`` in each group.
 
     Raises:
-        ValueError: ``rho`` negative or not finite; ``eps`` not positive; ``params`` given
-            together with an optimizer instance that does not hold exactly those parameters;
-            ``base_kwargs`` given with an instance.
+        ValueError: ``rho`` (or a param group's ``rho``) negative or not finite; ``eps`` not
+            positive; ``params`` given together with an optimizer instance that does not hold
+            exactly those parameters; ``base_kwargs`` given with an instance.
     """
 
     def __init__(
@@ -162,6 +162,9 @@ class SAM(torch.optim.Optimizer):
         self.base_optimizer = base
         # Share the groups and the state: one source of truth for lr, momentum buffers, saving.
         self.param_groups = base.param_groups
+        for i, group in enumerate(self.param_groups):
+            if not (group["rho"] >= 0.0 and group["rho"] < float("inf")):
+                raise ValueError(f"rho={group['rho']!r} of param group {i} must be finite and >= 0")
         self.state = base.state
         self.defaults.update(base.defaults)
         self.model = model
@@ -266,6 +269,7 @@ class SAM(torch.optim.Optimizer):
         Raises:
             ValueError: ``closure`` is None.
             FloatingPointError: NaN/Inf gradient norm in the first pass without a scaler.
+            Whatever the closure raises; if it raises in the second pass, w is restored first.
         """
         if closure is None:
             raise ValueError("closure is required: SAM re-evaluates the loss at the perturbed weights")
@@ -278,8 +282,12 @@ class SAM(torch.optim.Optimizer):
                 self.zero_grad()
                 return loss
         self.first_step(zero_grad=True)
-        with frozen_running_stats(self.model):
-            closure()
+        try:
+            with frozen_running_stats(self.model):
+                closure()
+        except BaseException:
+            self.restore()  # never leave the weights at w + e (the next step could not start)
+            raise
         if grad_scaler is None:
             self.second_step()
         else:

@@ -24,6 +24,8 @@ a loop may build the closure only when ``opt.sam_active()`` is true.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Iterable
 
 import torch
@@ -54,23 +56,28 @@ def resolve_sam_start(
         t0 such that step t uses SAM iff t >= t0.
 
     Raises:
-        ValueError: unknown ``unit``; negative/non-integral step or epoch; fraction outside
-            [0, 1]; the ``total_steps`` / ``steps_per_epoch`` the unit needs missing or < 1.
+        ValueError: unknown ``unit``; NaN/Inf ``sam_start``; negative/non-integral step or
+            epoch; fraction outside [0, 1]; the ``total_steps`` / ``steps_per_epoch`` the unit
+            needs missing, non-integral or < 1.
     """
     if unit not in SAM_START_UNITS:
         raise ValueError(f"sam_start_unit={unit!r} is unknown; valid: {list(SAM_START_UNITS)}")
+    if not (isinstance(sam_start, numbers.Real) and math.isfinite(sam_start)):
+        raise ValueError(f"sam_start={sam_start!r} must be a finite number")
     if unit == "fraction":
-        if total_steps is None or total_steps < 1:
-            raise ValueError(f"total_steps={total_steps!r} must be >= 1 when sam_start_unit='fraction'")
+        if total_steps is None or total_steps < 1 or total_steps != int(total_steps):
+            raise ValueError(f"total_steps={total_steps!r} must be an integer >= 1 when sam_start_unit='fraction'")
         if not 0.0 <= sam_start <= 1.0:
             raise ValueError(f"sam_start={sam_start!r} must lie in [0, 1] when sam_start_unit='fraction'")
         return int(round(sam_start * total_steps))
     if sam_start < 0 or sam_start != int(sam_start):
         raise ValueError(f"sam_start={sam_start!r} must be a non-negative integer {unit} index")
     if unit == "epoch":
-        if steps_per_epoch is None or steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch={steps_per_epoch!r} must be >= 1 when sam_start_unit='epoch'")
-        return int(sam_start) * steps_per_epoch
+        if steps_per_epoch is None or steps_per_epoch < 1 or steps_per_epoch != int(steps_per_epoch):
+            raise ValueError(
+                f"steps_per_epoch={steps_per_epoch!r} must be an integer >= 1 when sam_start_unit='epoch'"
+            )
+        return int(sam_start) * int(steps_per_epoch)
     return int(sam_start)
 
 

@@ -179,7 +179,8 @@ def agg_weights(
 
     Raises:
         ValueError: unknown mode; ``seq-mean-token-sum-norm`` without ``norm_constant``;
-            ``balanced`` without ``advantages`` / ``group_index``; bad normalisers.
+            ``balanced`` without ``advantages`` / ``group_index``, or with advantages of the
+            wrong shape or NaN/Inf at valid tokens; bad normalisers.
     """
     check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
     mask = as_bool_mask("response_mask", response_mask)
@@ -208,6 +209,10 @@ def agg_weights(
         raise ValueError("loss_agg_mode='balanced' needs advantages and group_index")
     check_group_index("group_index", group_index, mask.shape[0])
     check_choice("ba_scope", ba_scope, ("group", "batch"))
+    check_tensor("advantages", advantages, (1, 2))
+    if tuple(advantages.shape) not in ((mask.shape[0],), tuple(mask.shape)):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected ({mask.shape[0]},) or {tuple(mask.shape)}")
+    check_finite("advantages", advantages, mask if advantages.dim() == 2 else mask.any(-1))  # a NaN sign would read as 0
     if ba_scope == "batch":
         ids = torch.zeros_like(group_index, dtype=torch.long)
     elif balanced is None:

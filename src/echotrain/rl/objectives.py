@@ -229,6 +229,8 @@ def _seq_weights(
         )
     if step.loss_agg_mode != loss_agg_mode:
         raise ValueError(f"step was computed for loss_agg_mode={step.loss_agg_mode!r}, not {loss_agg_mode!r}")
+    if step.config is not None and step.config != cfg:
+        raise ValueError(f"step was computed with config {step.config}, not {cfg}")
     return agg_weights(
         mask,
         loss_agg_mode,
@@ -466,7 +468,8 @@ def compute_policy_loss(
     Raises:
         ValueError: unknown ``loss_mode`` / ``loss_agg_mode`` (lists the valid ones), shape
             mismatch, NaN/Inf at valid tokens, non-0/1 mask, bad config, missing inputs of
-            the aggregation (``norm_constant``, ``group_index``), ``step`` for another mode.
+            the aggregation (``norm_constant``, ``group_index``), ``step`` computed for another
+            mode or another config.
         TypeError: non-tensor inputs, non-integer ``group_index``.
     """
     check_choice("loss_mode", loss_mode, POLICY_LOSSES)

@@ -20,7 +20,7 @@ def overlong_reward_penalty(
         response_length: ``(B,)`` int or float, response tokens of each response.
 
     Raises:
-        ValueError: negative lengths, L_cache not in (0, L_max].
+        ValueError: negative or NaN lengths, L_cache not in (0, L_max].
     """
     check_tensor("response_length", response_length, 1)
     if not 0 < overlong_buffer_len <= max_response_length:
@@ -28,8 +28,8 @@ def overlong_reward_penalty(
             f"overlong_buffer_len must be in (0, max_response_length={max_response_length}], got {overlong_buffer_len}"
         )
     length = response_length.to(torch.float32)
-    if bool((length < 0).any()):
-        raise ValueError("response_length must be >= 0")
+    if not bool((length >= 0).all()):  # also catches NaN
+        raise ValueError("response_length must be >= 0 (and not NaN)")
     start = float(max_response_length - overlong_buffer_len)
     penalty = ((start - length) / overlong_buffer_len).clamp(min=-1.0, max=0.0)
     return torch.where(length > max_response_length, -1.0, penalty)

@@ -118,6 +118,7 @@ class StepStats:
     dp_size: int  # each rank's loss is multiplied by this (DDP averages gradients)
     balanced: BalancedStats | None = None  # per-group stats for loss_agg_mode="balanced"
     echo: EchoStats | None = None  # batch ratio stats for loss_mode="echo"
+    config: PolicyLossConfig | None = None  # the config the stats were computed with (checked by the losses)
 
 
 def needs_log_prob_prepass(loss_mode: str, config: PolicyLossConfig | Mapping[str, Any] | None = None) -> bool:
@@ -163,7 +164,7 @@ def compute_step_stats(
         reduce_fn: ``f(tensor, op) -> tensor`` replacing the all-reduce (``op`` is "sum" or
             "max"); for tests and custom backends. Default: ``dist.all_reduce`` when
             torch.distributed is initialised, else identity (one process).
-        dp_size: loss multiplier for gradient-averaging data parallelism (DDP/FSDP). Default:
+        dp_size: loss multiplier (int >= 1) for gradient-averaging data parallelism (DDP/FSDP). Default:
             the process group's world size with torch.distributed, else 1 (also with
             ``reduce_fn``). Pass 1 if your gradient reduction sums instead of averaging.
 
@@ -173,7 +174,7 @@ def compute_step_stats(
     Raises:
         ValueError: unknown mode names; missing ``log_prob`` (ECHO) or ``group_index``
             (balanced); bad tensors (see :func:`echotrain.rl.compute_policy_loss`);
-            ``seq-mean-token-sum-norm`` without ``config.norm_constant``.
+            ``seq-mean-token-sum-norm`` without ``config.norm_constant``; ``dp_size`` < 1.
     """
     check_choice("loss_mode", loss_mode, POLICY_LOSSES)
     check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
@@ -184,7 +185,9 @@ def compute_step_stats(
         reduce_fn, world = _default_reduce(process_group)
     else:
         world = 1
-    dp_size = world if dp_size is None else int(dp_size)
+    if dp_size is not None and not (isinstance(dp_size, int) and dp_size >= 1):
+        raise ValueError(f"dp_size must be an int >= 1 (or None for the world size), got {dp_size!r}")
+    dp_size = world if dp_size is None else dp_size
     is_echo = loss_mode in PREPASS_LOSS_MODES
     balanced = loss_agg_mode == "balanced"
 
@@ -248,6 +251,7 @@ def compute_step_stats(
         num_seqs=n_seq,
         dp_size=dp_size,
         balanced=BalancedStats.from_vector(bal_vec) if balanced else None,
+        config=cfg,
     )
     if not is_echo:
         return step
@@ -289,25 +293,24 @@ def step_agg_loss(
         loss_mat: ``(b, T)`` per-token loss of this micro-batch.
         response_mask: ``(b, T)`` bool / 0-1.
         step: from :func:`compute_step_stats`.
-        config: the policy-loss config (``norm_constant``, BA flags).
+        config: the policy-loss config (``norm_constant``, BA flags); default: ``step.config``.
         advantages, group_index: this micro-batch's, for ``balanced``.
 
     Returns:
         0-d tensor; summed over micro-batches (and ranks) it equals :func:`agg_loss` of the step.
 
     Raises:
-        ValueError: as :func:`echotrain.rl.agg_loss`.
+        ValueError: as :func:`echotrain.rl.agg_loss` (e.g. ``balanced`` without ``advantages``);
+            ``config`` differs from the one ``step`` was computed with.
     """
-    cfg = as_policy_loss_config(config)
-    mask = response_mask.bool()
-    adv = advantages
-    if adv is None:
-        adv = torch.zeros(mask.shape[0], dtype=loss_mat.dtype, device=mask.device)
+    cfg = step.config if config is None and step.config is not None else as_policy_loss_config(config)
+    if step.config is not None and cfg != step.config:
+        raise ValueError(f"config {cfg} differs from the one step was computed with ({step.config})")
     return agg_loss(
         loss_mat,
-        mask,
+        response_mask,
         step.loss_agg_mode,
-        advantages=adv,
+        advantages=advantages,
         group_index=group_index,
         num_tokens=step.num_tokens,
         num_seqs=step.num_seqs,

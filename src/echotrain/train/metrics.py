@@ -11,6 +11,8 @@
   (ECHO only; mean/min/max over the step's optimizer steps)
 - ``grad_norm`` (before clipping, mean over optimizer steps), ``lr``
 - ``groups/kept``, ``groups/zero_variance_frac``, ``sampling_rounds`` (int)
+- ``eval/accuracy``, ``eval/format_rate`` on the steps that ran the greedy evaluation (also in
+  ``eval.jsonl``, with the step-0 evaluation before training)
 - ``time/generation``, ``time/scoring``, ``time/update``, ``time/step`` (wall seconds),
   ``time/step_cpu`` (CPU seconds of this process, all threads; tells load from other processes),
   ``throughput/tokens_per_s`` (valid response tokens / step time), ``memory/peak_mb``
@@ -97,6 +99,11 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
 
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """Append one evaluation record to eval.jsonl."""
+        with open(self.run_dir / "eval.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
     def log_samples(self, rows: Iterable[dict[str, Any]]) -> None:
         """Append sample completions (one JSON object each)."""
         with open(self.samples_path, "a") as fh:
@@ -128,8 +135,9 @@ def summary_rows(records: list[dict[str, Any]], head: int = 3) -> list[tuple[str
     return rows
 
 
-def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wall_s: float) -> None:
-    """The closing table in the terminal (rich)."""
+def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wall_s: float,
+                  evals: list[dict[str, Any]] | None = None) -> None:
+    """The closing table in the terminal (rich); ``evals`` (eval.jsonl) adds start/end rows."""
     from rich.console import Console
     from rich.table import Table
 
@@ -142,4 +150,9 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
         table.add_column(col, justify="right")
     for row in summary_rows(records, head):
         table.add_row(*row)
+    if evals and len(evals) >= 1:
+        for key in ("eval/accuracy", "eval/format_rate"):
+            vals = [e[key] for e in evals if key in e]
+            table.add_row(f"{key} (greedy, step {evals[0]['step']} -> {evals[-1]['step']})", f"{vals[0]:.4g}",
+                          f"{vals[-1]:.4g}", f"{min(vals):.4g}", f"{max(vals):.4g}")
     Console(stderr=True).print(table)

@@ -117,13 +117,16 @@ class Trainer:
             RNG states, data position); metrics lines after it are dropped and recomputed.
         callbacks: ``fn(step, record)`` called after each step's metrics are written (before its
             checkpoint); tests use one to simulate a kill.
+        eval_task: task for the start/end greedy evaluation (``cfg.eval_prompts``); default: the
+            task built with ``seed + 1`` when it takes a seed, else the training task.
 
     Raises:
         FileNotFoundError: ``resume`` without a checkpoint in the run directory.
     """
 
     def __init__(self, cfg: TrainConfig, *, model: Any = None, tokenizer: Any = None, task: Any = None,
-                 reward_fn: Any = None, resume: bool = False, callbacks: Sequence[StepCallback] = ()):
+                 reward_fn: Any = None, resume: bool = False, callbacks: Sequence[StepCallback] = (),
+                 eval_task: Any = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir or default_run_dir(cfg))
         self.device = resolve_device(cfg.device)
@@ -142,7 +145,16 @@ class Trainer:
             from echotrain.tasks import get_task
 
             task = get_task(cfg.task, **cfg.task_options)
-        self.task = task
+        if eval_task is None and cfg.eval_prompts > 0:
+            eval_task = task
+            if "seed" in getattr(task, "__dict__", {}):  # other questions than the training ones
+                from echotrain.tasks import get_task
+
+                try:
+                    eval_task = get_task(cfg.task, **{**cfg.task_options, "seed": int(task.seed) + 1})
+                except (KeyError, TypeError, ValueError):
+                    eval_task = task
+        self.task, self.eval_task = task, eval_task
         if reward_fn is None:
             from echotrain.rewards import RewardFunction
 
@@ -188,6 +200,7 @@ class Trainer:
         self.start_step = int(state["step"])
         truncate_jsonl(self.run_dir / "metrics.jsonl", self.start_step)
         truncate_jsonl(self.run_dir / "samples.jsonl", self.start_step)
+        truncate_jsonl(self.run_dir / "eval.jsonl", self.start_step)
 
     # ------------------------------------------------------------------ 1-2. rollout and reward
     def _rollout_round(self, group_offset: int) -> tuple[RolloutBatch, list[Any], list[str], torch.Tensor, dict]:
@@ -433,6 +446,24 @@ class Trainer:
         ]
         return record
 
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Greedy accuracy on ``cfg.eval_prompts`` fixed prompts; appended to eval.jsonl.
+
+        Runs under a forked RNG, so enabling it does not change the training run."""
+        from echotrain.train.evaluate import evaluate
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        with torch.random.fork_rng(devices=[]):
+            res = evaluate(self.model, self.tokenizer, self.eval_task, num_prompts=cfg.eval_prompts, n=1, ks=(1,),
+                           max_new_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed + 7,
+                           batch_prompts=max(cfg.prompts_per_step * cfg.num_generations, 1))
+        out = {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"]}
+        self.logger.log_eval({"step": step, **out, "eval/prompts": cfg.eval_prompts,
+                              "time/eval": time.perf_counter() - t0})
+        return out
+
     # ------------------------------------------------------------------ the loop
     def save(self, step: int) -> Path:
         """Checkpoint after ``step`` (atomic, keep-last-k)."""
@@ -451,8 +482,12 @@ class Trainer:
             bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"echotrain {cfg.preset}", unit="step",
                        dynamic_ncols=True)
         try:
+            if cfg.eval_prompts and self.start_step == 0:
+                self.evaluate(0)
             for step in range(self.start_step + 1, cfg.steps + 1):
                 record = self.train_step(step)
+                if cfg.eval_prompts and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+                    record.update(self.evaluate(step))
                 self.logger.log(record)
                 self.logger.log_samples(self._samples)
                 if bar is not None:
@@ -477,7 +512,8 @@ class Trainer:
             if hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(self.run_dir / "final_model")
         if cfg.progress:
-            print_summary(records, self.run_dir, time.perf_counter() - t0)
+            print_summary(records, self.run_dir, time.perf_counter() - t0,
+                          evals=read_jsonl(self.run_dir / "eval.jsonl"))
         return records
 
     def write_plots(self, records: list[dict[str, Any]] | None = None) -> list[Path]:

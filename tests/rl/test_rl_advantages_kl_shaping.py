@@ -94,6 +94,20 @@ def test_k3_finite_value_and_gradient_for_extreme_log_ratio_fp32(x):
     assert lp.grad[1].item() == pytest.approx(1 - math.exp(0.3), rel=1e-6)
 
 
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_kl_non_finite_padding_gets_zero_gradient(est, garbage):
+    """k2 used to send 0 * inf = NaN back to a NaN/Inf log-prob at padding (then into the logits)."""
+    from echotrain.rl import agg_loss
+
+    lp = torch.tensor([[-1.0, garbage]], requires_grad=True)
+    ref = torch.tensor([[-0.5, -1.0]])
+    loss = agg_loss(kl_penalty(lp, ref, est), torch.tensor([[1, 0]]), "token-mean")
+    loss.backward()
+    expected = {"k1": 1.0, "k2": -0.5, "k3": 1 - math.exp(0.5)}[est]  # d/dlp at x = 0.5
+    assert lp.grad[0, 0].item() == pytest.approx(expected) and lp.grad[0, 1].item() == 0.0
+
+
 def test_kl_errors():
     with pytest.raises(ValueError, match=r"kl_penalty='k4' is unknown; valid: \['k1', 'k2', 'k3'\]"):
         kl_penalty(torch.zeros(2), torch.zeros(2), "k4")

@@ -259,6 +259,7 @@ def test_inf_log_probs_at_padding_are_fine():
         ({"clip_ratio": 0.2}, r"unknown PolicyLossConfig key\(s\) \['clip_ratio'\]"),
         ({"clip_ratio_low": -0.1}, "clip_ratio_low must be a finite float >= 0"),
         ({"ba_scope": "global"}, "ba_scope='global' is unknown"),
+        ({"log_ratio_clamp": float("inf")}, "log_ratio_clamp must be finite and > 0"),  # was accepted
     ],
 )
 def test_bad_config_raises(cfg, match):

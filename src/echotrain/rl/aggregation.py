@@ -211,8 +211,11 @@ def agg_weights(
     check_choice("ba_scope", ba_scope, ("group", "batch"))
     check_tensor("advantages", advantages, (1, 2))
     if tuple(advantages.shape) not in ((mask.shape[0],), tuple(mask.shape)):
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected ({mask.shape[0]},) or {tuple(mask.shape)}")
-    check_finite("advantages", advantages, mask if advantages.dim() == 2 else mask.any(-1))  # a NaN sign would read as 0
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)}; expected ({mask.shape[0]},) or {tuple(mask.shape)}"
+        )
+    # a NaN advantage would read as sign 0 (weight 0) without a word
+    check_finite("advantages", advantages, mask if advantages.dim() == 2 else mask.any(-1))
     if ba_scope == "batch":
         ids = torch.zeros_like(group_index, dtype=torch.long)
     elif balanced is None:

@@ -77,8 +77,8 @@ class PolicyLossConfig:
         check_choice("ba_scope", self.ba_scope, BA_SCOPES)
         if self.norm_constant is not None and not (math.isfinite(self.norm_constant) and self.norm_constant > 0):
             raise ValueError(f"norm_constant must be > 0, got {self.norm_constant}")
-        if not self.log_ratio_clamp > 0:
-            raise ValueError(f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+        if not (self.log_ratio_clamp > 0 and math.isfinite(self.log_ratio_clamp)):  # inf: exp overflows
+            raise ValueError(f"log_ratio_clamp must be finite and > 0, got {self.log_ratio_clamp}")
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(PolicyLossConfig))

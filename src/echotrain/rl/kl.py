@@ -11,9 +11,10 @@ With x = ref_log_prob - log_prob = log(pi_ref / pi) on tokens sampled from pi
   value; as a loss its gradient (1 - pi_ref / pi) d log pi has expectation grad KL(pi_ref || pi)
   (forward KL).
 
-x is clamped to +-``clamp`` *before* ``exp`` so that value and gradient are finite for extreme
-inputs (clamping only the output hides the overflow and still gives NaN gradients); outside
-the clamp the gradient is 0.
+For k2 and k3, x is clamped to +-``clamp`` *before* ``exp`` / the square, so that value and
+gradient are finite for extreme inputs (clamping only the output hides the overflow and still
+gives NaN gradients); outside the clamp the gradient is 0. This also keeps NaN/Inf log-probs at
+padding positions from sending a NaN gradient (0 * inf) back through the masked aggregation.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def kl_penalty(
         log_prob: ``(B, T)`` log pi of the sampled tokens (carries grad).
         ref_log_prob: ``(B, T)`` log pi_ref of the same tokens.
         kl_penalty: "k1", "k2" or "k3" (verl's argument name).
-        clamp: bound on |x| before ``exp`` (k3 only).
+        clamp: bound on |x| before ``exp`` / the square (k2 and k3).
 
     Raises:
         ValueError: unknown estimator (lists the valid ones), shape mismatch, clamp <= 0.
@@ -47,8 +48,8 @@ def kl_penalty(
         raise ValueError(f"clamp must be > 0, got {clamp}")
     x = ref_log_prob - log_prob
     if kl_penalty == "k1":
-        return -x
+        return -x  # gradient -1 * upstream: finite even where x is not
+    x = x.clamp(-clamp, clamp)
     if kl_penalty == "k2":
         return 0.5 * x.square()
-    x = x.clamp(-clamp, clamp)
     return torch.expm1(x) - x  # = exp(x) - x - 1; expm1 keeps it >= 0 for tiny x in fp32

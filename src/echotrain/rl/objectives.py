@@ -454,6 +454,9 @@ def compute_policy_loss(
     Args:
         loss_mode: "vanilla", "gspo", "gspo_token" or "echo" (or any registered name).
         old_log_prob, log_prob: ``(B, T)`` float log-probs (nats); ``log_prob`` carries grad.
+            Padding may hold anything (NaN, -inf): it gets neither value nor gradient.
+            float32/bfloat16/float64; with float16, rho = exp(log rho) overflows for
+            log rho > ~11 (the clamp is ``log_ratio_clamp`` = 20), so pass float32 log-probs.
         advantages: ``(B, T)`` or ``(B,)`` float.
         response_mask: ``(B, T)`` bool or 0/1.
         loss_agg_mode: one of :data:`echotrain.rl.AGG_MODES`.

@@ -164,9 +164,9 @@ def compute_step_stats(
         reduce_fn: ``f(tensor, op) -> tensor`` replacing the all-reduce (``op`` is "sum" or
             "max"); for tests and custom backends. Default: ``dist.all_reduce`` when
             torch.distributed is initialised, else identity (one process).
-        dp_size: loss multiplier (int >= 1) for gradient-averaging data parallelism (DDP/FSDP). Default:
-            the process group's world size with torch.distributed, else 1 (also with
-            ``reduce_fn``). Pass 1 if your gradient reduction sums instead of averaging.
+        dp_size: loss multiplier (int >= 1) for gradient-averaging data parallelism
+            (DDP/FSDP). Default: the process group's world size with torch.distributed, else 1
+            (also with ``reduce_fn``). Pass 1 if your gradient reduction sums instead of averaging.
 
     Returns:
         :class:`StepStats`.

@@ -317,6 +317,10 @@ def main(argv=None) -> dict:
         "trl": summary("trl"),
         "echotrain": summary("echotrain"),
     }
+    # paired: TRL step k against echotrain step k (adjacent in time, so under the same load)
+    pairs = list(zip(records["trl"], records["echotrain"]))[args.warmup:]
+    res["paired_ratio_median"] = {sfx or "wall": statistics.median(a["step" + sfx] / b["step" + sfx] for a, b in pairs)
+                                  for sfx in ("", "/cpu")}
     res["ratio"] = {}
     for k in ("step", "generation", "update"):
         for sfx in ("", "/cpu"):
@@ -350,6 +354,9 @@ def _print(res: dict) -> None:
     q = res["ratio"]
     print(f"TRL / echotrain (> 1: echotrain faster): step {q['step']:.2f}x wall, {q['step/cpu']:.2f}x CPU; "
           f"generation {q['generation/cpu']:.2f}x CPU; update {q['update/cpu']:.2f}x CPU")
+    pr = res["paired_ratio_median"]
+    print(f"median of the paired per-step ratios (TRL step k / echotrain step k): {pr['wall']:.2f}x wall, "
+          f"{pr['/cpu']:.2f}x CPU  (columns are medians of each part; they need not add up)")
     la = res["loadavg_during"]
     print(f"load average (1 min) during the run: {la['min']:.1f} .. {la['max']:.1f} on {res['cpu_count']} CPUs; "
           f"versions {res['versions']}")

@@ -296,3 +296,5 @@ def test_bad_shapes_raise_clear_errors():
         model(x, past_key_values=((torch.zeros(2, 2, 1, 8), torch.zeros(2, 2, 1, 8)),))
     with pytest.raises(ValueError, match="input_ids"):
         model(x[0])
+    with pytest.raises(ValueError, match=r"vocab_size=23"):
+        model(torch.tensor([[3, 23]]))

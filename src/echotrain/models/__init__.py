@@ -53,16 +53,8 @@ __all__ = [
     "prepare_tokenizer",
     "LoopedConfig",
     "LoopedTransformer",
+    "RESIDUAL_SCALINGS",
+    "residual_multiplier",
 ]
 
-# LEAD: looped transformer exports (models/looped.py). Lazy, so a missing or broken looped.py
-# does not break model loading; replace by a plain import once looped.py is in.
-_LAZY = {"LoopedTransformer": "echotrain.models.looped", "LoopedConfig": "echotrain.models.looped"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'echotrain.models' has no attribute {name!r}")
+from echotrain.models.looped import RESIDUAL_SCALINGS, LoopedConfig, LoopedTransformer, residual_multiplier  # noqa: E402

@@ -256,6 +256,8 @@ class LoopedTransformer(nn.Module):
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         cfg = self.config
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got [{int(input_ids.min())}, {int(input_ids.max())}]")
         n_past = 0
         if past_key_values is not None:
             if len(past_key_values) != cfg.n_loops * cfg.n_layers:

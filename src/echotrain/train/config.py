@@ -56,7 +56,7 @@ class TrainConfig:
                                 "Default: runs/<preset>-<UTC timestamp>.")
     seed: int = _f(0, "Seed for torch, numpy and python RNGs and the prompt order; a run is deterministic given the seed "
                    "on one device and thread count.")
-    steps: int = _f(20, "Number of training steps; each step = one rollout batch (prompts_per_step x num_generations) "
+    steps: int = _f(16, "Number of training steps; each step = one rollout batch (prompts_per_step x num_generations) "
                     "followed by num_mini_batches x ppo_epochs optimizer steps.")
     device: str = _f("auto", "Device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
     num_threads: int = _f(0, "torch intra-op threads for the run; 0 = all cores visible to this process (os.sched_getaffinity).")

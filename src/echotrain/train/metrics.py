@@ -144,7 +144,10 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
     if not records:
         return
     head = 3
-    table = Table(title=f"echotrain run summary ({len(records)} steps, {wall_s:.0f} s) - {run_dir}")
+    title = f"echotrain run summary ({len(records)} steps, {wall_s:.0f} s) - {run_dir}"
+    if evals:
+        title += f"\neval rows: greedy on fixed prompts at step {evals[0]['step']} (first) and {evals[-1]['step']} (last)"
+    table = Table(title=title)
     table.add_column("metric")
     for col in (f"first {head} steps", f"last {head} steps", "min", "max"):
         table.add_column(col, justify="right")
@@ -153,6 +156,7 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
     if evals and len(evals) >= 1:
         for key in ("eval/accuracy", "eval/format_rate"):
             vals = [e[key] for e in evals if key in e]
-            table.add_row(f"{key} (greedy, step {evals[0]['step']} -> {evals[-1]['step']})", f"{vals[0]:.4g}",
-                          f"{vals[-1]:.4g}", f"{min(vals):.4g}", f"{max(vals):.4g}")
+            # first/last columns: the evaluations at the first and last evaluated steps
+            table.add_row(f"{key} (greedy)", f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{min(vals):.4g}",
+                          f"{max(vals):.4g}")
     Console(stderr=True).print(table)

@@ -143,8 +143,10 @@ class TrainConfig:
                                    "responses sharing it (exact: same log-probs and gradients; ~3x less compute when "
                                    "prompts are longer than responses). Needs a model with past_key_values.",
                                    group="update")
-    optimizer: str = _f("adamw", "Optimizer by name from echotrain.optim.registry.OPTIMIZERS (adamw, adamw4bit, sgd, ...).",
-                        group="update")
+    optimizer: str = _f("adamw", "Optimizer by name from echotrain.optim.registry.OPTIMIZERS (adamw, adamw4bit, sgd, ...). "
+                        "sam: Sharpness-Aware Minimization around sam_base on every update (two forward/backward "
+                        "passes per update; Foret et al. ICLR 2021, arXiv 2010.01412); late_sam: sam_base until "
+                        "sam_start, SAM after (Zhou et al. ICLR 2025, arXiv 2410.10373).", group="update")
     lr: float = _f(1e-5, "Peak learning rate. DAPO: 1e-6 at 32B; 135M-parameter models learn the answer format within a "
                    "few steps at 1e-5 (our default-run measurement, README).", group="update")
     weight_decay: float = _f(0.0, "Decoupled weight decay (AdamW). DAPO/verl: 0.01; 0 keeps short runs simple.", group="update")
@@ -156,6 +158,18 @@ class TrainConfig:
     lr_scheduler: str = _f("constant", "Learning-rate schedule over optimizer steps (after warmup).",
                            ("constant", "linear", "cosine"), group="update")
     warmup_steps: int = _f(0, "Linear warmup length in optimizer steps.", group="update")
+    sam_base: str = _f("adamw", "optimizer=sam/late_sam: the base optimizer that applies the update with the SAM gradient "
+                       "(a name from OPTIMIZERS other than sam/late_sam; adam_* keys apply to adamw/adamw4bit).",
+                       group="update")
+    sam_rho: float = _f(0.05, "optimizer=sam/late_sam: radius rho of the L2 neighbourhood (Foret et al. 2021, arXiv "
+                        "2010.01412: 0.05 on CIFAR-10). Untuned for RL fine-tuning.", group="update")
+    sam_start: float = _f(0.875, "optimizer=late_sam: fraction of the run's optimizer updates (steps x num_mini_batches x "
+                          "ppo_epochs) after which SAM is switched on, in [0, 1] (0: SAM throughout, 1: never). 0.875 is "
+                          "the last 1/8 of training, as Zhou et al. (ICLR 2025, arXiv 2410.10373, Sec. 4: SGD to epoch "
+                          "175 of 200, then SAM).", group="update")
+    sam_restart_momentum: bool = _f(True, "optimizer=late_sam: clear the base optimizer's state (momentum; for AdamW also "
+                                    "the second moment and bias correction) at the switch, as Zhou et al.'s code starts "
+                                    "a fresh SAM optimizer (arXiv 2410.10373).", group="update")
 
     # ---- evaluation --------------------------------------------------------------------------
     eval_prompts: int = _f(32, "Greedy accuracy on this many fixed prompts before the first step and after the last "
@@ -417,6 +431,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(_unknown_msg("loss_agg_mode", cfg.loss_agg_mode, list(AGG_MODES)))
     if cfg.optimizer not in OPTIMIZERS:
         raise ConfigError(_unknown_msg("optimizer", cfg.optimizer, sorted(OPTIMIZERS)))
+    sam_bases = sorted(set(OPTIMIZERS) - {"sam", "late_sam"})
+    if cfg.sam_base not in sam_bases:
+        raise ConfigError(_unknown_msg("sam_base", cfg.sam_base, sam_bases))
 
     def need(cond: bool, key: str, what: str) -> None:
         if not cond:
@@ -449,6 +466,8 @@ def validate(cfg: TrainConfig) -> None:
     need(0 <= cfg.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
     need(cfg.adam_eps > 0, "adam_eps", "must be > 0")
     need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
+    need(cfg.sam_rho >= 0, "sam_rho", "must be >= 0")
+    need(0 <= cfg.sam_start <= 1, "sam_start", "must be a fraction of the run's optimizer updates in [0, 1]")
     need(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda") or cfg.device == "mps",
          "device", "valid: auto, cpu, cuda, cuda:N, mps")
 

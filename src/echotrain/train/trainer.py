@@ -11,7 +11,9 @@ One training step, top to bottom (:meth:`Trainer.train_step`), in the spirit of 
 5. update    for each PPO epoch, for each mini-batch of whole groups (one optimizer step each):
              [ECHO no-grad pre-pass] -> step-global statistics -> per micro-batch forward,
              ``compute_policy_loss(..., step=stats)`` (+ KL) and ``backward`` -> clip grad norm
-             -> optimizer step -> scheduler step
+             -> optimizer step -> scheduler step. With ``optimizer=sam`` / ``late_sam`` the
+             forward/backward passes and the clipping form a closure that SAM calls twice
+             (at w and at w + e; Foret et al. 2021), from ``sam_start`` on for late_sam.
 6. metrics   one line of metrics.jsonl, sample completions, progress bar, checkpoint
 
 With more than one mini-batch (or epoch) the later optimizer steps are off-policy, which is
@@ -30,14 +32,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from echotrain.optim.sam import SAM
 from echotrain.rl import (
-    agg_loss,
     compute_advantages,
     compute_policy_loss,
     compute_step_stats,
     kl_penalty,
     needs_log_prob_prepass,
     overlong_reward_penalty,
+    step_agg_loss,
     zero_variance_groups,
 )
 from echotrain.train.checkpoint import (
@@ -165,14 +168,8 @@ class Trainer:
             self.ref_model = copy.deepcopy(self.model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
-        from echotrain.optim.registry import build_optimizer
-
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        opt_kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-        if cfg.optimizer in ("adamw", "adamw4bit", "adam"):
-            opt_kwargs.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-        self.optimizer = build_optimizer(cfg.optimizer, params, **opt_kwargs)
         self.total_updates = cfg.steps * cfg.num_mini_batches * cfg.ppo_epochs
+        self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_updates))
         self.prompts = PromptStream(task, cfg.seed)
         self.loss_config = cfg.policy_loss_config()
@@ -184,6 +181,26 @@ class Trainer:
         save_config(cfg, self.run_dir / "config.yaml")
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                                     wandb_project=cfg.wandb_project, config=cfg.to_dict())
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """``cfg.optimizer`` on the trainable parameters. ``sam`` / ``late_sam`` wrap ``cfg.sam_base``
+        (SAM, Foret et al. 2021; late-phase SAM from ``sam_start`` x the run's optimizer steps,
+        Zhou et al. ICLR 2025, arXiv 2410.10373)."""
+        from echotrain.optim.registry import build_optimizer
+
+        cfg = self.cfg
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        base = cfg.sam_base if cfg.optimizer in ("sam", "late_sam") else cfg.optimizer
+        opt_kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+        if base in ("adamw", "adamw4bit", "adam"):
+            opt_kwargs.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        if cfg.optimizer == "sam":
+            opt_kwargs.update(base_optimizer=base, rho=cfg.sam_rho, model=self.model)
+        elif cfg.optimizer == "late_sam":
+            opt_kwargs.update(base_optimizer=base, rho=cfg.sam_rho, model=self.model, sam_start=cfg.sam_start,
+                              sam_start_unit="fraction", total_steps=self.total_updates,
+                              restart_momentum=cfg.sam_restart_momentum)
+        return build_optimizer(cfg.optimizer, params, **opt_kwargs)
 
     # ------------------------------------------------------------------ resume
     def _resume(self) -> None:
@@ -292,7 +309,9 @@ class Trainer:
         ``on_policy``: no optimizer step has happened since the old log-probs were computed (the
         first mini-batch of the first epoch), so the ECHO pre-pass is the old log-probs themselves.
 
-        Returns this optimizer step's metrics (token-weighted over micro-batches).
+        Returns this optimizer step's metrics (token-weighted over micro-batches). With SAM the
+        forward/backward passes run twice (closure at w and at w + e) and the metrics are those
+        of the first pass; the step statistics (ECHO's R, BA's group counts) stay those at w.
         """
         cfg = self.cfg
         batch: RolloutBatch = data["batch"].select(rows)
@@ -317,50 +336,58 @@ class Trainer:
         stat_mbs = [{k: v for k, v in mb.items() if k not in ("rows", "ref_log_prob")} for mb in mbs]
         stats = compute_step_stats(stat_mbs, loss_mode=cfg.loss_mode, loss_agg_mode=cfg.loss_agg_mode,
                                    config=self.loss_config)
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        weight = 0.0
-        batch_metrics: dict[str, float] = {}
-        for mb in mbs:
-            log_prob, _ = self._log_probs(self.model, mb["rows"], grad=True)
-            mask = mb["response_mask"].to(log_prob.device)
-            loss, m = compute_policy_loss(
-                cfg.loss_mode, mb["old_log_prob"].to(log_prob.device), log_prob, mb["advantages"].to(log_prob.device),
-                mask, cfg.loss_agg_mode, self.loss_config, group_index=mb["group_index"].to(log_prob.device),
-                step=stats)
-            if self.ref_model is not None:
-                kl_mat = kl_penalty(log_prob, mb["ref_log_prob"].to(log_prob.device), cfg.kl_penalty)
-                kl_loss = self._agg(kl_mat, mask, mb, stats)
-                loss = loss + cfg.kl_coef * kl_loss
-                m = dict(m, **{"kl/ref": float((kl_mat.detach() * mask).sum() / mask.sum().clamp(min=1))})
-            loss.backward()
-            n_tok = float(mask.sum())
-            for k, v in m.items():
-                if k.startswith("echo/"):
-                    batch_metrics[k] = float(v)
-                else:
-                    sums[k] = sums.get(k, 0.0) + float(v) * n_tok
-            weight += n_tok
-        out = {k: v / weight for k, v in sums.items()} if weight > 0 else {k: 0.0 for k in sums}
-        out.update(batch_metrics)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        out["grad_norm"] = float(grad_norm)
-        out["lr"] = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        return out
+        first: dict[str, float] = {}
 
-    def _agg(self, loss_mat: torch.Tensor, mask: torch.Tensor, mb: dict[str, Any], stats: Any) -> torch.Tensor:
-        """Aggregate an extra per-token loss (the KL term) with the step's global normalisers."""
-        kw: dict[str, Any] = {}
-        for name in ("num_tokens", "num_seqs", "balanced", "dp_size"):
-            if hasattr(stats, name):
-                kw[name] = getattr(stats, name)
-        return agg_loss(loss_mat, mask, self.cfg.loss_agg_mode, advantages=mb["advantages"].to(mask.device),
-                        group_index=mb["group_index"].to(mask.device),
-                        norm_constant=self.loss_config["norm_constant"], **kw)
+        def closure() -> torch.Tensor:
+            """Forward + backward over all micro-batches, then clip; metrics of the first call."""
+            sums: dict[str, float] = {}
+            weight = 0.0
+            batch_metrics: dict[str, float] = {}
+            total = torch.zeros(())
+            for mb in mbs:
+                log_prob, _ = self._log_probs(self.model, mb["rows"], grad=True)
+                mask = mb["response_mask"].to(log_prob.device)
+                advantages, group_index = mb["advantages"].to(log_prob.device), mb["group_index"].to(log_prob.device)
+                loss, m = compute_policy_loss(
+                    cfg.loss_mode, mb["old_log_prob"].to(log_prob.device), log_prob, advantages,
+                    mask, cfg.loss_agg_mode, self.loss_config, group_index=group_index, step=stats)
+                if self.ref_model is not None:
+                    kl_mat = kl_penalty(log_prob, mb["ref_log_prob"].to(log_prob.device), cfg.kl_penalty)
+                    # aggregated exactly like the policy loss, with the step's normalisers
+                    kl_loss = step_agg_loss(kl_mat, mask, stats, self.loss_config, advantages=advantages,
+                                            group_index=group_index)
+                    loss = loss + cfg.kl_coef * kl_loss
+                    kl_mean = torch.where(mask.bool(), kl_mat.detach(), 0).sum() / mask.sum().clamp(min=1)
+                    m = dict(m, **{"kl/ref": float(kl_mean)})
+                loss.backward()
+                total += loss.detach().float().cpu()
+                n_tok = float(mask.sum())
+                for k, v in m.items():
+                    if k.startswith("echo/"):
+                        batch_metrics[k] = float(v)
+                    else:
+                        sums[k] = sums.get(k, 0.0) + float(v) * n_tok
+                weight += n_tok
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if not first:  # SAM calls this twice; the metrics are those at w, not at w + e
+                first.update({k: v / weight for k, v in sums.items()} if weight > 0 else {k: 0.0 for k in sums})
+                first.update(batch_metrics)
+                first["grad_norm"] = float(grad_norm)
+            return total
+
+        out = {"lr": self.scheduler.get_last_lr()[0]}
+        if isinstance(self.optimizer, SAM):  # SAM and LateSAM: step() zeroes the grads and calls the closure
+            # 1 if this update is a SAM step (always for sam; from sam_start on for late_sam)
+            out["sam/active"] = float(getattr(self.optimizer, "sam_active", lambda: True)())
+            self.optimizer.step(closure)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            closure()
+            self.optimizer.step()
+        self.scheduler.step()
+        return {**first, **out}
 
     # ------------------------------------------------------------------ one training step
     def train_step(self, step: int) -> dict[str, Any]:

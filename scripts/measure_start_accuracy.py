@@ -1,6 +1,6 @@
 """Measure a policy's starting accuracy and format rate on a task (before any training).
 
-Used to choose the default task of `echotrain train` (see docs/benchmarks.md, tasks section):
+Used to choose the default task of `echotrain train` (see docs/benchmarks.md, "Tasks: starting accuracy of the default task"):
 
     python scripts/measure_start_accuracy.py --task default --n 64 --temperature 0.7 --max-new-tokens 48
 

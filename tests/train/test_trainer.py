@@ -58,6 +58,10 @@ def test_train_loop_writes_metrics_and_outputs(run, tmp_path, tiny_tokenizer, ma
     assert any(abs(r["echo/R_batch_min"] - 1) > 1e-4 for r in lines)
     cfg = yaml.safe_load((d / "config.yaml").read_text())
     assert cfg["loss_mode"] == "echo" and cfg["steps"] == 3
+    assert cfg["output_dir"] == str(d)  # the directory actually used, not null
+    info = json.loads((d / "run_info.json").read_text())
+    assert info["device"] == "cpu" and info["run_dir"] == str(d)
+    assert info["torch_num_threads"] >= 1 and info["versions"]["torch"] == torch.__version__
     samples = [json.loads(s) for s in (d / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 6 and {"step", "question", "completion", "reward"} <= set(samples[0])
     assert [p.name for p in sorted((d / "checkpoints").iterdir())] == ["step_00000003.pt"]  # keep_last=1

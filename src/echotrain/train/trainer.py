@@ -23,6 +23,8 @@ where ECHO's batch clip and GSPO's sequence ratio differ from token-level PPO.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import math
 import os
 import time
@@ -178,9 +180,35 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             self._resume()
-        save_config(cfg, self.run_dir / "config.yaml")
+        # the run directory actually used, so the saved config reruns / resumes into it
+        save_config(dataclasses.replace(cfg, output_dir=str(self.run_dir)), self.run_dir / "config.yaml")
+        self._write_run_info()
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                                     wandb_project=cfg.wandb_project, config=cfg.to_dict())
+
+    def _write_run_info(self) -> None:
+        """``run_info.json``: what ``auto`` / ``0`` / empty config values resolved to in this run
+        (device, threads, model, task) and the library versions, for reproducing it."""
+        import platform
+
+        import transformers
+
+        import echotrain
+
+        info = {
+            "run_dir": str(self.run_dir),
+            "device": str(self.device),
+            "torch_num_threads": torch.get_num_threads(),
+            "model": self.cfg.model or "smollm2-135m-instruct (embedded default)",
+            "model_class": type(self.model).__name__,
+            "task": self.cfg.task,
+            "task_class": type(self.task).__name__,
+            "versions": {"echotrain": echotrain.__version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__, "python": platform.python_version()},
+        }
+        tmp = self.run_dir / "run_info.json.tmp"
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / "run_info.json")
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """``cfg.optimizer`` on the trainable parameters. ``sam`` / ``late_sam`` wrap ``cfg.sam_base``

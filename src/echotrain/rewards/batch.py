@@ -84,29 +84,33 @@ def score_batch(
             errors.append(msg)
         logger.warning("reward %s failed for sample %s", what, msg)
 
-    for i, (completion, example) in enumerate(zip(completions, examples)):
+    def guarded(i: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) under the timeout; a timeout or exception is counted, logged and gives None."""
+        nonlocal n_timeouts, n_exceptions
         try:
-            value = float(call_with_timeout(score_fn, completion, example, timeout_s=timeout_s))
-            if not math.isfinite(value):
-                raise ValueError(f"score_fn returned a non-finite reward {value}")
-            correct[i] = value
+            return call_with_timeout(fn, *args, timeout_s=timeout_s)
         except RewardTimeout as exc:
             n_timeouts += 1
-            record(i, "score (timeout)", exc)
+            record(i, f"{what} (timeout)", exc)
         except Exception as exc:
             n_exceptions += 1
-            record(i, "score", exc)
+            record(i, what, exc)
+        return None
+
+    def finite_score(completion: str, example: Any) -> float:
+        value = float(score_fn(completion, example))
+        if not math.isfinite(value):
+            raise ValueError(f"score_fn returned a non-finite reward {value}")
+        return value
+
+    for i, (completion, example) in enumerate(zip(completions, examples)):
+        value = guarded(i, "score", finite_score, completion, example)
+        if value is not None:
+            correct[i] = value
         if format_fn is None:
             format_ok[i] = True
-            continue
-        try:
-            format_ok[i] = bool(call_with_timeout(format_fn, completion, timeout_s=timeout_s))
-        except RewardTimeout as exc:
-            n_timeouts += 1
-            record(i, "format (timeout)", exc)
-        except Exception as exc:
-            n_exceptions += 1
-            record(i, "format", exc)
+        else:
+            format_ok[i] = bool(guarded(i, "format", format_fn, completion))
 
     rewards = correct + float(format_weight) * format_ok.to(torch.float32)
     info = {

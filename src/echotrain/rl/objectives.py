@@ -236,12 +236,7 @@ def _seq_weights(
         loss_agg_mode,
         advantages=advantages,
         group_index=group_index,
-        num_tokens=step.num_tokens,
-        num_seqs=step.num_seqs,
-        norm_constant=cfg.norm_constant,
-        balanced=step.balanced,
-        ba_scope=cfg.ba_scope,
-        ba_count_zero_adv=cfg.ba_count_zero_adv,
+        **step.agg_kwargs(cfg),
     )
 
 

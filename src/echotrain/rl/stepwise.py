@@ -120,6 +120,19 @@ class StepStats:
     echo: EchoStats | None = None  # batch ratio stats for loss_mode="echo"
     config: PolicyLossConfig | None = None  # the config the stats were computed with (checked by the losses)
 
+    def agg_kwargs(self, cfg: PolicyLossConfig) -> dict[str, Any]:
+        """Keyword arguments of :func:`~echotrain.rl.agg_weights` / :func:`~echotrain.rl.agg_loss`
+        that are global to the step (token / sequence counts, BA group statistics) or come from
+        ``cfg`` (``norm_constant``, BA flags)."""
+        return dict(
+            num_tokens=self.num_tokens,
+            num_seqs=self.num_seqs,
+            norm_constant=cfg.norm_constant,
+            balanced=self.balanced,
+            ba_scope=cfg.ba_scope,
+            ba_count_zero_adv=cfg.ba_count_zero_adv,
+        )
+
 
 def needs_log_prob_prepass(loss_mode: str, config: PolicyLossConfig | Mapping[str, Any] | None = None) -> bool:
     """True if :func:`compute_step_stats` needs each micro-batch's current ``log_prob`` (ECHO)."""
@@ -312,13 +325,8 @@ def step_agg_loss(
         step.loss_agg_mode,
         advantages=advantages,
         group_index=group_index,
-        num_tokens=step.num_tokens,
-        num_seqs=step.num_seqs,
-        norm_constant=cfg.norm_constant,
-        balanced=step.balanced,
-        ba_scope=cfg.ba_scope,
-        ba_count_zero_adv=cfg.ba_count_zero_adv,
         dp_size=step.dp_size,
+        **step.agg_kwargs(cfg),
     )
 
 

@@ -287,7 +287,7 @@ def test_plugin_vanilla_equals_verl_vanilla_everywhere(case, agg, dp_size):
 
 
 def test_expected_difference_gspo_token_clamp():
-    """Documented difference (design §7): our token log-ratios are clamped at +-20 before the
+    """Documented difference (design §8): our token log-ratios are clamped at +-20 before the
     sequence mean; verl's gspo clamps the mean from above at 10. One token at +30 of 4 (others 0),
     A = -1: ours e^(20/4) = 148.4, verl's e^(30/4) = 1808; a sequence of 4 tokens at +12: ours e^12,
     verl's e^10. Below both clamps they agree."""

@@ -87,3 +87,49 @@ def test_balanced_sign_is_the_sum_over_the_response_not_its_first_token():
     loss = agg_loss(loss_mat, mask, "balanced", advantages=adv, group_index=torch.zeros(4, dtype=torch.long))
     c_pos, c_neg = 2 / (4 * 4), 1 / (4 * 2)
     assert loss.item() == pytest.approx(c_pos * (1 + 2 + 3 + 10) + c_neg * (4 + 5))
+
+
+def test_balanced_equals_token_mean_only_with_equal_group_sizes_too():
+    """Equal lengths are not enough (design §5): groups of 2 and 3 responses (length 2 each) with
+    per-token losses 2 and 1: BA = mean over groups (2 + 1) / 2 = 1.5; token-mean and
+    seq-mean-token-mean = (2 * 2 + 3 * 1) / 5 = 1.4. With equal group sizes all three agree."""
+    mask = torch.ones(5, 2, dtype=torch.bool)
+    loss_mat = torch.tensor([[2.0, 2.0]] * 2 + [[1.0, 1.0]] * 3, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0], dtype=torch.float64)
+    gid = torch.tensor([0, 0, 1, 1, 1])
+    assert agg_loss(loss_mat, mask, "balanced", advantages=adv, group_index=gid).item() == pytest.approx(1.5)
+    assert agg_loss(loss_mat, mask, "token-mean").item() == pytest.approx(1.4)
+    assert agg_loss(loss_mat, mask, "seq-mean-token-mean").item() == pytest.approx(1.4)
+    # groups of 2 and 2 (drop one response of the second group): 1.5 everywhere
+    keep = torch.tensor([0, 1, 2, 4])
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        assert agg_loss(loss_mat[keep], mask[keep], mode).item() == pytest.approx(1.5)
+    assert agg_loss(loss_mat[keep], mask[keep], "balanced", advantages=adv[keep],
+                    group_index=gid[keep]).item() == pytest.approx(1.5)
+
+
+def test_balanced_all_zero_advantage_group_and_count_zero_adv():
+    """Group 0: A = [+1, -1], per-token losses 3 and 1 (length 1 each); group 1: A = [0, 0].
+
+    - ``ba_count_zero_adv=True``: group 1 counts in the mean over groups with contribution 0:
+      ((1/2) 3 + (1/2) 1 + 0) / 2 = 1.0.
+    - ``ba_count_zero_adv=False``: group 1 has G = 0 and is left out of the mean, exactly as if
+      the zero-advantage responses had been filtered out: (1/2) 3 + (1/2) 1 = 2.0.
+    """
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    loss_mat = torch.tensor([[3.0], [1.0], [5.0], [7.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 0.0, 0.0], dtype=torch.float64)
+    gid = torch.tensor([0, 0, 1, 1])
+    kw = dict(advantages=adv, group_index=gid)
+    assert agg_loss(loss_mat, mask, "balanced", **kw, ba_count_zero_adv=True).item() == pytest.approx(1.0)
+    assert agg_loss(loss_mat, mask, "balanced", **kw, ba_count_zero_adv=False).item() == pytest.approx(2.0)
+    filtered = agg_loss(loss_mat[:2], mask[:2], "balanced", advantages=adv[:2], group_index=gid[:2])
+    assert filtered.item() == pytest.approx(2.0)
+    # a zero-advantage response inside a mixed group: counted in G (True) or not (False)
+    adv2 = torch.tensor([1.0, -1.0, 0.0, 1.0], dtype=torch.float64)
+    gid2 = torch.tensor([0, 0, 0, 1])
+    # True: group 0 G = 3: (1/3) 3 + (1/3) 1 = 4/3; group 1: 7; mean (4/3 + 7) / 2
+    assert agg_loss(loss_mat, mask, "balanced", advantages=adv2, group_index=gid2).item() == pytest.approx((4 / 3 + 7) / 2)
+    # False: group 0 G = 2: 2.0; group 1: 7; mean 4.5
+    assert agg_loss(loss_mat, mask, "balanced", advantages=adv2, group_index=gid2,
+                    ba_count_zero_adv=False).item() == pytest.approx(4.5)

@@ -136,7 +136,7 @@ def test_gspo_token_matches_verl_with_per_token_advantages(agg):
     torch.testing.assert_close(g_ours, g_ref, **TOL)
 
 
-# ---------------------------------------------------------------- documented differences (design §7)
+# ---------------------------------------------------------------- documented differences (design §8)
 
 
 def test_expected_difference_k3_output_is_not_clipped_at_10():

@@ -37,7 +37,7 @@ verl name              echotrain     compared with verl
 ``echotrain_echo``     ``echo``      R is the micro-batch's (see below)
 ====================== ============= ==============================================================
 
-Documented differences from verl (design/objectives.md §7, each an explicit expectation in
+Documented differences from verl (design/objectives.md §8, each an explicit expectation in
 tests/integrations/test_verl_adapter.py and tests/rl/test_rl_verl_parity.py; the upstream run
 of ``scripts/verl_upstream_tests.py`` is recorded in docs/design/objectives.md): our token
 log-ratios are clamped at +-``log_ratio_clamp`` (20) with zero gradient beyond, where verl's

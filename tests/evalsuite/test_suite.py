@@ -254,3 +254,7 @@ def test_evaluate_run_dir_writes_and_skips(tmp_path, ascii_tokenizer, monkeypatc
 
     monkeypatch.setattr(ev, "load_for_eval", lambda *a, **k: pytest.fail("a finished evaluation was redone"))
     assert evaluate_run_dir(run, None, **kwargs) == json.loads(json.dumps(first))
+    with pytest.raises(pytest.fail.Exception):  # other settings: evaluated again
+        evaluate_run_dir(run, None, **{**kwargs, "max_new_tokens": 3})
+    with pytest.raises(SuiteInputError, match="unknown suite"):  # inputs checked before the model
+        evaluate_run_dir(run, "nope")

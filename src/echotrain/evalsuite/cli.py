@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-SUITE_MAX_NEW_TOKENS = 1024  # the suite's token cap when --max-new-tokens is not given
+from echotrain.evalsuite.runner import DEFAULT_MAX_NEW_TOKENS as SUITE_MAX_NEW_TOKENS
 
 
 def add_suite_arguments(parser: argparse.ArgumentParser) -> None:

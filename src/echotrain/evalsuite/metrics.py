@@ -3,8 +3,8 @@
 With ``P`` problems and ``n`` samples each, ``correct[i][j]`` in [0, 1] (1 = sample ``j`` of
 problem ``i`` is right):
 
-- ``avg@n`` = (1 / (P n)) sum_ij correct[i][j], the mean accuracy of a single sample (the
-  "avg@k" of DeepSeek-R1 and the ECHO paper's tables), with its standard error over problems
+- ``avg@n`` = (1 / (P n)) sum_ij correct[i][j], the expected accuracy of a single sample
+  (what DeepSeek-R1 reports as pass@1 over k samples), with its standard error over problems
   ``std_i(mean_j correct[i][j]) / sqrt(P)`` (population std; 0 for P = 1);
 - ``pass@k`` = (1 / P) sum_i [1 - C(n - c_i, k) / C(n, k)], ``c_i`` the number of samples with
   ``correct >= 1``: the unbiased estimator of Chen et al. 2021 (arXiv 2107.03374, Eq. 1), from

@@ -33,7 +33,9 @@ from echotrain.evalsuite.registry import (
     resolve_source,
 )
 
-__all__ = ["evaluate_run_dir", "load_suite", "parse_benchmark_spec", "run_suite"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "evaluate_run_dir", "load_suite", "parse_benchmark_spec", "run_suite"]
+
+DEFAULT_MAX_NEW_TOKENS = 1024  # answer cap of a suite run (math solutions need hundreds of tokens)
 
 
 def parse_benchmark_spec(spec: str) -> tuple[str, str | None]:
@@ -130,6 +132,19 @@ def _check_settings(n: int, ks: Sequence[int], temperature: float, top_p: float,
                               f"identical; use n=1 (--n 1) or a temperature > 0")
 
 
+_SETTING_KEYS = ("n", "ks", "temperature", "top_p", "max_new_tokens", "batch_size", "seed", "limit",
+                 "verify_timeout_s", "data_dir")
+
+
+def _settings(*, n: int, ks: Sequence[int], temperature: float, top_p: float, max_new_tokens: int,
+              batch_size: int, seed: int, limit: int | None, verify_timeout_s: float | None,
+              data_dir: str | Path | None) -> dict[str, Any]:
+    """The settings block of a summary (what makes two evaluations the same evaluation)."""
+    return {"n": n, "ks": [int(k) for k in ks], "temperature": float(temperature), "top_p": float(top_p),
+            "max_new_tokens": max_new_tokens, "batch_size": batch_size, "seed": seed, "limit": limit,
+            "verify_timeout_s": verify_timeout_s, "data_dir": str(data_dir) if data_dir is not None else None}
+
+
 def _evaluate_task(model: Any, tokenizer: Any, bench: Benchmark, task: Any, *, n: int, ks: Sequence[int],
                    temperature: float, top_p: float, max_new_tokens: int, batch_size: int, seed: int,
                    write: Callable[[dict[str, Any]], None], advance: Callable[[int, float], None]
@@ -186,7 +201,7 @@ def _safe_extract(task: Any, text: str) -> str | None:
 def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
               benchmarks: Sequence[str] | Mapping[str, Any] | None = None, data_dir: str | Path | None = None,
               limit: int | None = None, n: int = 1, ks: Sequence[int] = (1,), temperature: float = 0.0,
-              top_p: float = 1.0, max_new_tokens: int = 1024, batch_size: int = 8, seed: int = 1234,
+              top_p: float = 1.0, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, batch_size: int = 8, seed: int = 1234,
               out_dir: str | Path | None = None, progress: bool = False, verify_timeout_s: float | None = 3.0,
               model_name: str | None = None) -> dict[str, Any]:
     """Evaluate ``model`` on every benchmark of a suite; the Python entry point (and the hook
@@ -222,9 +237,9 @@ def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
     """
     _check_settings(n, ks, float(temperature), float(top_p), max_new_tokens, batch_size)
     loaded = load_suite(suite, benchmarks, data_dir=data_dir, limit=limit, verify_timeout_s=verify_timeout_s)
-    settings = {"n": n, "ks": list(ks), "temperature": float(temperature), "top_p": float(top_p),
-                "max_new_tokens": max_new_tokens, "batch_size": batch_size, "seed": seed, "limit": limit,
-                "verify_timeout_s": verify_timeout_s, "data_dir": str(data_dir) if data_dir is not None else None}
+    settings = _settings(n=n, ks=ks, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                         batch_size=batch_size, seed=seed, limit=limit, verify_timeout_s=verify_timeout_s,
+                         data_dir=data_dir)
     summary: dict[str, Any] = {
         "suite": suite or "custom",
         "model": model_name or getattr(model, "name_or_path", None) or type(model).__name__,
@@ -284,7 +299,7 @@ def evaluate_run_dir(run_dir: str | Path, suite: str | None = "math", *, out_dir
 
     Writes ``<run_dir>/suite/<suite>/{samples.jsonl,summary.json}`` unless ``out_dir`` is given.
     With ``skip_existing``, a ``summary.json`` already there whose ``settings`` and benchmark
-    names match this call is returned without loading the model (so a re-invoked comparison does
+    sources match this call is returned without loading the model (so a re-invoked comparison does
     not evaluate a cell twice).
 
     Args:
@@ -296,16 +311,18 @@ def evaluate_run_dir(run_dir: str | Path, suite: str | None = "math", *, out_dir
         SuiteInputError: bad suite inputs (checked before the model is loaded).
         FileNotFoundError: a run directory without a model or checkpoint.
     """
+    import inspect
+
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "suite" / (suite or "custom")
     loaded = load_suite(suite, kwargs.get("benchmarks"), data_dir=kwargs.get("data_dir"), limit=kwargs.get("limit"))
-    names = [b.name for b, _, _ in loaded]
     if skip_existing and (out / "summary.json").is_file():
+        defaults = {k: p.default for k, p in inspect.signature(run_suite).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        wanted = {**defaults, **kwargs}
+        settings = json.loads(json.dumps(_settings(**{k: wanted[k] for k in _SETTING_KEYS})))
         old = json.loads((out / "summary.json").read_text())
-        probe = {"n": kwargs.get("n", 1), "ks": [int(k) for k in kwargs.get("ks", (1,))],
-                 "temperature": float(kwargs.get("temperature", 0.0)), "top_p": float(kwargs.get("top_p", 1.0)),
-                 "max_new_tokens": kwargs.get("max_new_tokens", 1024), "seed": kwargs.get("seed", 1234),
-                 "limit": kwargs.get("limit")}
-        if list(old.get("benchmarks", {})) == names and all(old["settings"].get(k) == v for k, v in probe.items()):
+        sources = [src for _, src, _ in loaded]
+        if old.get("settings") == settings and [r.get("source") for r in old.get("benchmarks", {}).values()] == sources:
             return old
     from echotrain.train.evaluate import load_for_eval
 

@@ -187,7 +187,8 @@ def test_input_errors(tmp_path, shared_data):
 
 @pytest.mark.parametrize("argv, message", [
     (["--suite", "nope"], "unknown suite 'nope' (--suite)"),
-    (["--suite", "math", "--data-dir", "/nonexistent/dir"], "data_dir (--data-dir) '/nonexistent/dir' is not a directory"),
+    (["--suite", "math", "--data-dir", "/nonexistent/dir"],
+     "data_dir (--data-dir) '/nonexistent/dir' is not a directory"),
     (["--benchmark", "gsm8k=/nonexistent/g.jsonl"], "benchmark 'gsm8k': file '/nonexistent/g.jsonl' not found"),
     (["--benchmark", "gsm8k="], "must be NAME, NAME=PATH"),
     (["--suite", "mc", "--n", "2", "--k", "3"], "ks (--k): every k must be an integer in [1, n=2]"),
@@ -258,3 +259,21 @@ def test_evaluate_run_dir_writes_and_skips(tmp_path, ascii_tokenizer, monkeypatc
         evaluate_run_dir(run, None, **{**kwargs, "max_new_tokens": 3})
     with pytest.raises(SuiteInputError, match="unknown suite"):  # inputs checked before the model
         evaluate_run_dir(run, "nope")
+
+
+def test_sources_folder_and_hub(shared_data, tmp_path):
+    from echotrain.evalsuite.registry import HubSource, parse_source
+
+    assert parse_source("hf:allenai/ai2_arc:ARC-Challenge@validation") == HubSource(
+        "allenai/ai2_arc", "ARC-Challenge", "validation")
+    assert parse_source("hf:openai/gsm8k") == HubSource("openai/gsm8k", None, "test")
+    assert str(HubSource("openai/gsm8k", "main", "test")) == "hf:openai/gsm8k:main@test"
+    # a folder source reads its test.jsonl (gsm8k/ also holds train.jsonl)
+    [(bench, src, task)] = load_suite(None, {"gsm8k": shared_data / "gsm8k"}, limit=2)
+    assert src.endswith("gsm8k/test.jsonl") and len(task) == 2
+    with pytest.raises(SuiteInputError, match="holds no test.jsonl"):
+        load_suite(None, {"gsm8k": tmp_path})
+    # a hub source that cannot be loaded (tests run offline) names the benchmark and the way out
+    with pytest.raises(SuiteInputError, match=r"benchmark 'gsm8k': could not load hf:echotrain/none@test .*"
+                                              r"give a local file with --data-dir DIR or gsm8k=PATH"):
+        load_suite(None, ["gsm8k=hf:echotrain/none"])

@@ -55,9 +55,8 @@ def wants_suite(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "suite", None) or getattr(args, "benchmark", None))
 
 
-def _fmt(value: float, stderr: float | None = None) -> str:
-    text = f"{100 * value:.1f}"
-    return text + (f" ± {100 * stderr:.1f}" if stderr is not None else "")
+def _pct(value: float) -> str:
+    return f"{100 * value:.1f}"
 
 
 def print_table(summary: dict[str, Any], title: str) -> None:
@@ -67,18 +66,18 @@ def print_table(summary: dict[str, Any], title: str) -> None:
 
     s = summary["settings"]
     n, ks = s["n"], s["ks"]
-    table = Table(title=title, caption=f"accuracy in %, avg@{n} ± standard error over problems; n={n}, "
+    table = Table(title=title, caption=f"accuracy in %; se = standard error of avg@{n} over problems; n={n}, "
                   f"temperature={s['temperature']}, top_p={s['top_p']}, max_new_tokens={s['max_new_tokens']}, "
                   f"limit={s['limit']}, seed={s['seed']}")
-    for col in ["benchmark", "problems", f"avg@{n}", *[f"pass@{k}" for k in ks], "format %", "mean tokens",
-                "truncated %", "s"]:
-        table.add_column(col, justify="left" if col == "benchmark" else "right")
+    table.add_column("benchmark", no_wrap=True)
+    for col in ["N", f"avg@{n}", "se", *[f"pass@{k}" for k in ks], "format", "tokens", "trunc", "s"]:
+        table.add_column(col, justify="right", no_wrap=True)
     for name, r in summary["benchmarks"].items():
-        table.add_row(name, str(int(r["num_problems"])), _fmt(r[f"avg@{n}"], r[f"avg@{n}_stderr"]),
-                      *[_fmt(r[f"pass@{k}"]) for k in ks], _fmt(r["format_rate"]), f"{r['mean_response_tokens']:.0f}",
-                      _fmt(r["truncated_rate"]), f"{r['seconds']:.0f}")
+        table.add_row(name, str(int(r["num_problems"])), _pct(r[f"avg@{n}"]), _pct(r[f"avg@{n}_stderr"]),
+                      *[_pct(r[f"pass@{k}"]) for k in ks], _pct(r["format_rate"]), f"{r['mean_response_tokens']:.0f}",
+                      _pct(r["truncated_rate"]), f"{r['seconds']:.0f}")
     avg = summary["average"]
-    table.add_row("average", "", _fmt(avg[f"avg@{n}"]), *[_fmt(avg[f"pass@{k}"]) for k in ks], "", "", "",
+    table.add_row("average", "", _pct(avg[f"avg@{n}"]), "", *[_pct(avg[f"pass@{k}"]) for k in ks], "", "", "",
                   f"{summary['seconds']:.0f}", style="bold")
     Console().print(table)
 

@@ -139,3 +139,18 @@ def test_nearest_rounding_is_still_the_default_and_bad_values_fail():
     assert AdamW4bit([p]).param_groups[0]["m_rounding"] == "nearest"
     with pytest.raises(ValueError, match="m_rounding must be"):
         AdamW4bit([p], m_rounding="round")
+
+
+def test_hash_uniform_is_deterministic_uniform_and_seed_dependent():
+    idx = torch.arange(200_000, dtype=torch.int64)
+    u = quant.hash_uniform(idx, 3)
+    assert u.dtype == torch.float32 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert torch.equal(u, quant.hash_uniform(idx, torch.tensor(3)))
+    # mean 1/2 and variance 1/12 within ~5 standard errors; deciles within 2% of 1/10
+    assert abs(float(u.mean()) - 0.5) < 5 * (1 / 12) ** 0.5 / 200_000**0.5
+    assert abs(float(u.var()) - 1 / 12) < 2e-3
+    hist = torch.histc(u, bins=10, min=0, max=1) / u.numel()
+    assert float((hist - 0.1).abs().max()) < 0.002
+    # neighbouring indices and neighbouring seeds are uncorrelated
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.01
+    assert abs(float(torch.corrcoef(torch.stack([u, quant.hash_uniform(idx, 4)]))[0, 1])) < 0.01

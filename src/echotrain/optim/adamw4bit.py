@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from echotrain.optim import quant
+from echotrain.optim.finite import first_nonfinite_grad, nonfinite_grad_message
 
 __all__ = ["AdamW4bit", "adamw4bit_tensor_update_"]
 
@@ -273,9 +274,14 @@ class AdamW4bit(torch.optim.Optimizer):
             parameter index, piece, step, element), so runs are reproducible and a resumed run
             draws the same ones.
         seed: (ours) seed of the stochastic-rounding uniforms (default 0).
-        check_finite: raise ``FloatingPointError`` when a step produces NaN/Inf in m (from a
-            NaN/Inf gradient) instead of silently carrying on (default True; costs a reduction
-            over the block scales).
+        check_finite: before writing anything, check every gradient of the step
+            (:mod:`echotrain.optim.finite`: NaN, Inf, or |g| whose square overflows float32);
+            on a bad one raise ``FloatingPointError`` naming the parameter (param group, index,
+            shape) with every parameter and every state tensor unchanged, so the caller can skip
+            the step and go on (default True; one max-abs reduction per gradient, one sync).
+            ``False``: no check (a bad gradient then corrupts the parameter and its state).
+        skip_nonfinite: with ``check_finite``, skip such a step instead of raising: nothing is
+            written and :attr:`skipped_steps` is incremented (default False).
 
     Raises:
         ValueError: invalid hyperparameters (negative lr/eps/weight_decay, betas outside [0, 1),
@@ -304,6 +310,7 @@ class AdamW4bit(torch.optim.Optimizer):
         chunk_numel: int | None = 2**18,
         compile: bool | None = None,
         check_finite: bool = True,
+        skip_nonfinite: bool = False,
         m_rounding: str = "nearest",
         seed: int = 0,
     ) -> None:
@@ -324,6 +331,9 @@ class AdamW4bit(torch.optim.Optimizer):
             _check_hparams(group, f"param_groups[{i}]")
         self.compile = compile  # None: decided per device at the first step
         self.check_finite = check_finite
+        self.skip_nonfinite = skip_nonfinite
+        #: steps skipped because of a bad gradient (``skip_nonfinite=True``)
+        self.skipped_steps = 0
         self.seed = int(seed)
         self._compiled = None
 
@@ -357,13 +367,25 @@ class AdamW4bit(torch.optim.Optimizer):
         """Perform one optimization step (``closure`` re-evaluates the loss, as in torch.optim).
 
         Raises:
-            ValueError: a sparse gradient.
-            FloatingPointError: (``check_finite``) the new m of a parameter is NaN/Inf.
+            ValueError: a sparse gradient (nothing is written).
+            FloatingPointError: (``check_finite`` without ``skip_nonfinite``) a gradient holds
+                NaN/Inf; raised before anything is written (see :mod:`echotrain.optim.finite`).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError(f"AdamW4bit does not support sparse gradients (param_groups[{gi}] param {pi})")
+        if self.check_finite:
+            hit = first_nonfinite_grad(self.param_groups)
+            if hit is not None:
+                if self.skip_nonfinite:
+                    self.skipped_steps += 1
+                    return loss
+                raise FloatingPointError(nonfinite_grad_message("AdamW4bit", hit))
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             lr = group["lr"]
@@ -371,8 +393,6 @@ class AdamW4bit(torch.optim.Optimizer):
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise ValueError(f"AdamW4bit does not support sparse gradients (param_groups[{gi}] param {pi})")
                 state = self.state[p]
                 if not state:
                     state.update(self._init_state(p, group))
@@ -381,11 +401,6 @@ class AdamW4bit(torch.optim.Optimizer):
                     small.append((p, state))
                     continue
                 self._update_quantized(p, state, group, lr, beta1, beta2, index=(gi, pi))
-                if self.check_finite and not torch.isfinite(state["exp_avg_scale"]).all():
-                    raise FloatingPointError(
-                        f"AdamW4bit: non-finite m after step {int(state['step'])} for param_groups[{gi}] "
-                        f"param {pi} (shape {tuple(p.shape)}): the gradient has NaN/Inf values"
-                    )
             if small:
                 self._update_small(small, group, lr, beta1, beta2)
         return loss

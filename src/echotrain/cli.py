@@ -55,8 +55,32 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``echotrain`` command; returns the process exit code."""
+    """Entry point of the ``echotrain`` command; returns the process exit code.
+
+    Exit codes: 0 done, 2 bad input (one message naming the key or path; ``--debug`` anywhere on
+    the command line adds the traceback), 130 interrupted (Ctrl-C).
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    from echotrain._quiet import silence_known_noise
+
+    silence_known_noise()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("echotrain: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        from echotrain.train.config import ConfigError
+
+        if debug or not isinstance(exc, ConfigError):
+            raise
+        print(f"echotrain: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     func = getattr(args, "func", None)

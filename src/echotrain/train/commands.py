@@ -17,7 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from echotrain.train.config import ConfigError, format_help, load_yaml, parse_overrides, resolve_config
+from echotrain.train.config import (
+    ConfigError,
+    _safe_load_file,
+    format_help,
+    load_yaml,
+    parse_overrides,
+    resolve_config,
+)
 
 TRAIN_EPILOG = """\
 Configuration keys (key=value on the command line, or a flat YAML mapping in --config).
@@ -48,8 +55,6 @@ def register_train(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve_train_config(args: argparse.Namespace):
-    import yaml
-
     tokens = list(getattr(args, "overrides", []) or []) + list(getattr(args, "extra", []) or [])
     for tok in tokens:
         if tok.startswith("-"):
@@ -63,9 +68,13 @@ def _resolve_train_config(args: argparse.Namespace):
         if not run_dir:
             raise ConfigError("--resume needs a run directory: --resume RUN_DIR or output_dir=RUN_DIR")
         saved = Path(run_dir) / "config.yaml"
+        if not Path(run_dir).is_dir():
+            raise ConfigError(f"--resume {run_dir!r}: no such run directory")
         if not saved.is_file():
             raise ConfigError(f"--resume {run_dir!r}: no config.yaml there (not a run directory)")
-        base = yaml.safe_load(saved.read_text()) or {}
+        base = _safe_load_file(saved, "--resume")
+        if not isinstance(base, dict):
+            raise ConfigError(f"--resume {run_dir!r}: {saved} is not a mapping of keys to values")
         base["output_dir"] = str(run_dir)
     return resolve_config(yaml_values, overrides, base=base)
 
@@ -82,13 +91,21 @@ def run_train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    from echotrain.tasks import get_task
+    from echotrain.train import preflight
 
-    try:  # the task is cheap to build: check its name and options before loading the model
-        task = get_task(cfg.task, **cfg.task_options)
-    except (KeyError, ValueError, TypeError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"echotrain train: error: task={cfg.task!r} task_options={cfg.task_options}: {msg}", file=sys.stderr)
+    try:  # every path, device and resume state, before a model is loaded or anything is written
+        preflight.check_threads(cfg.num_threads)
+        preflight.check_device(cfg.device)
+        if args.resume is not None:
+            preflight.check_resume(cfg.output_dir, cfg.steps)
+        preflight.check_model(cfg.model)
+        task = preflight.check_task(cfg.task, cfg.task_options)  # cheap: the model is not loaded yet
+        if cfg.reward:
+            from echotrain.rewards.custom import load_reward
+
+            load_reward(cfg.reward)
+    except ConfigError as exc:
+        print(f"echotrain train: error: {exc}", file=sys.stderr)
         return 2
     import torch
 
@@ -144,13 +161,20 @@ def run_eval(args: argparse.Namespace) -> int:
             print(f"echotrain eval: error: --task-option {item!r} must be KEY=VALUE", file=sys.stderr)
             return 2
         key, _, value = item.partition("=")
-        options[key] = yaml.safe_load(value)
-    from echotrain.tasks import get_task
+        try:
+            options[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            print(f"echotrain eval: error: --task-option {item!r}: not a valid YAML value", file=sys.stderr)
+            return 2
+    from echotrain.train import preflight
 
-    try:
-        task = get_task(args.task, **options)
-    except (KeyError, ValueError, TypeError) as exc:
-        print(f"echotrain eval: error: --task {args.task!r}: {exc}", file=sys.stderr)
+    try:  # paths, device, threads and the task before the model is loaded
+        preflight.check_threads(args.threads, key="--threads")
+        preflight.check_device(args.device, key="--device")
+        _check_eval_model(args.model)
+        task = preflight.check_task(args.task, options, key="--task")
+    except ConfigError as exc:
+        print(f"echotrain eval: error: {exc}", file=sys.stderr)
         return 2
     import torch
 
@@ -175,3 +199,26 @@ def run_eval(args: argparse.Namespace) -> int:
             table.add_row(k, f"{v:.4g}")
         Console().print(table)
     return 0
+
+
+def _check_eval_model(model: str | None) -> None:
+    """``--model``: a run directory / checkpoint file must be complete; else as ``model=``."""
+    from echotrain.train import preflight
+    from echotrain.train.checkpoint import is_readable_checkpoint, latest_valid_checkpoint
+
+    if model is not None and os.path.exists(model):
+        p = Path(model)
+        if p.is_file() and p.suffix == ".pt":
+            if not is_readable_checkpoint(p):
+                raise ConfigError(f"--model {model!r}: checkpoint file is damaged (truncated or not a torch archive)")
+            return
+        if p.is_dir() and (p / "config.yaml").is_file():
+            if (p / "final_model").is_dir():
+                return
+            ckpt, damaged = latest_valid_checkpoint(p)
+            if ckpt is None:
+                extra = f" (damaged: {', '.join(map(str, damaged))})" if damaged else ""
+                raise ConfigError(f"--model {model!r}: run directory has neither final_model/ nor a readable "
+                                  f"checkpoint{extra}")
+            return
+    preflight.check_model(model, key="--model")

@@ -87,7 +87,7 @@ def load_for_eval(model: str | None, device: str = "cpu") -> tuple[Any, Any, str
         FileNotFoundError: a run directory without a model or checkpoint.
     """
     from echotrain.models import load_policy
-    from echotrain.train.checkpoint import latest_checkpoint, load_checkpoint
+    from echotrain.train.checkpoint import latest_valid_checkpoint, load_checkpoint
 
     if model is not None and os.path.exists(model):
         p = Path(model)
@@ -99,7 +99,7 @@ def load_for_eval(model: str | None, device: str = "cpu") -> tuple[Any, Any, str
             if (p / "final_model").is_dir():
                 m, tok = load_policy(str(p / "final_model"), device=device)
                 return m, tok, f"{p / 'final_model'}"
-            ckpt = latest_checkpoint(p)
+            ckpt = latest_valid_checkpoint(p)[0]
             if ckpt is None:
                 raise FileNotFoundError(f"run directory {str(p)!r} has neither final_model/ nor checkpoints")
         else:

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     silence_known_noise()
     try:
-        return _main(argv)
+        return _main(argv, debug)
     except KeyboardInterrupt:
         print("echotrain: interrupted", file=sys.stderr)
         return 130
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], debug: bool = False) -> int:
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     func = getattr(args, "func", None)
@@ -91,6 +91,7 @@ def _main(argv: list[str]) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "accepts_extra", False):
         args.extra = extra
+    args.debug = debug
     rc = func(args)
     return int(rc or 0)
 

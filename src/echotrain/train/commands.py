@@ -50,6 +50,7 @@ def register_train(parser: argparse.ArgumentParser) -> None:
                         help="continue from the last checkpoint of RUN_DIR (or of output_dir=...): model, optimizer, "
                              "scheduler, RNG states and data position; key=value may change e.g. steps")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("--debug", action="store_true", help="on a bad input, show the traceback too")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="configuration overrides")
     parser.set_defaults(func=run_train, accepts_extra=True)
 
@@ -84,6 +85,8 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         cfg = _resolve_train_config(args)
     except ConfigError as exc:
+        if getattr(args, "debug", False):
+            raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
@@ -98,13 +101,17 @@ def run_train(args: argparse.Namespace) -> int:
         preflight.check_device(cfg.device)
         if args.resume is not None:
             preflight.check_resume(cfg.output_dir, cfg.steps)
-        preflight.check_model(cfg.model)
-        task = preflight.check_task(cfg.task, cfg.task_options)  # cheap: the model is not loaded yet
+        preflight.check_output_dir(cfg.output_dir, resume=args.resume is not None)
+        preflight.check_chat_template(cfg.chat_template)
         if cfg.reward:
             from echotrain.rewards.custom import load_reward
 
             load_reward(cfg.reward)
+        preflight.check_model(cfg.model)
+        task = preflight.check_task(cfg.task, cfg.task_options)  # cheap: the model is not loaded yet
     except ConfigError as exc:
+        if getattr(args, "debug", False):
+            raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)
         return 2
     import torch
@@ -138,6 +145,7 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores (default)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    parser.add_argument("--debug", action="store_true", help="on a bad input, show the traceback too")
     parser.set_defaults(func=run_eval, accepts_extra=False)
 
 
@@ -174,6 +182,8 @@ def run_eval(args: argparse.Namespace) -> int:
         _check_eval_model(args.model)
         task = preflight.check_task(args.task, options, key="--task")
     except ConfigError as exc:
+        if getattr(args, "debug", False):
+            raise
         print(f"echotrain eval: error: {exc}", file=sys.stderr)
         return 2
     import torch

@@ -264,3 +264,41 @@ def check_resume(run_dir: str | os.PathLike, steps: int) -> Path:
         raise ConfigError(f"--resume {str(run_dir)!r}: steps={steps} is below the step the run already reached "
                           f"({reached}, {path.name}); give steps={reached} or more")
     return path
+
+
+def check_output_dir(output_dir: str | None, resume: bool) -> None:
+    """A new run must not write into a file or into another run's directory.
+
+    Raises:
+        ConfigError: ``output_dir`` is a file, holds a run already (``metrics.jsonl`` or
+            ``checkpoints/``) and this is not ``--resume``, or its nearest existing parent is not writable.
+    """
+    if not output_dir:
+        return
+    p = Path(output_dir).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"output_dir={output_dir!r} is a file, not a folder")
+    if not resume and p.is_dir() and ((p / "metrics.jsonl").exists() or (p / "checkpoints").exists()):
+        raise ConfigError(f"output_dir={output_dir!r} holds a run already; continue it with --resume {output_dir} or "
+                          "choose another output_dir")
+    parent = p
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"output_dir={output_dir!r}: {parent} is not writable")
+
+
+def check_chat_template(value: str | None) -> None:
+    """``chat_template``: a valid Jinja template or an existing file holding one.
+
+    Raises:
+        ConfigError: neither, or invalid Jinja.
+    """
+    if not value:
+        return
+    from echotrain.train.features import read_chat_template
+
+    try:
+        read_chat_template(value)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from None

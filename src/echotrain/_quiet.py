@@ -16,6 +16,7 @@ import logging
 KNOWN_NOISE: tuple[tuple[str, str], ...] = (
     ("torchao", "Failed to load "),
     ("torch.utils._pytree", "<enum "),
+    ("torchao.kernel.intmm", "Warning: Detected no triton"),
 )
 
 

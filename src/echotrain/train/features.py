@@ -21,14 +21,18 @@ def enable_gradient_checkpointing(model: Any) -> None:
     transformers only recomputes activations in ``train()`` mode, so the trainer runs its
     with-grad forward inside :func:`checkpointed_forward`, which switches to train mode with
     every dropout module kept in eval mode (the policy must stay dropout-free: the ECHO pre-pass
-    and the with-grad pass must compute the same function).
+    and the with-grad pass must compute the same function). transformers turns the KV cache off
+    under checkpointing, so that pass does not share prompt prefixes (``share_prompt_prefix``).
 
     Raises:
         ValueError: the model does not support gradient checkpointing.
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"gradient_checkpointing=true: {type(model).__name__} does not support gradient checkpointing")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
         if float(getattr(model.config, key, 0.0) or 0.0) > 0:
             setattr(model.config, key, 0.0)

@@ -335,7 +335,7 @@ class Trainer:
             with torch.set_grad_enabled(True), checkpointed_forward(model):
                 return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                          batch.response_mask, temperature=self.cfg.temperature,
-                                         with_entropy=with_entropy, share_prefix=self.cfg.share_prompt_prefix)
+                                         with_entropy=with_entropy, share_prefix=False)  # no KV cache under checkpointing
         with torch.set_grad_enabled(grad):
             return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                      batch.response_mask, temperature=self.cfg.temperature, with_entropy=with_entropy,

@@ -54,8 +54,9 @@ class TrainConfig:
                      "for Balanced Aggregation (2605.04077). Sets the objective fields below; explicit keys override it.")
     output_dir: str | None = _f(None, "Run directory (config.yaml, metrics.jsonl, samples.jsonl, plots/, checkpoints/). "
                                 "Default: runs/<preset>-<UTC timestamp>.")
-    seed: int = _f(0, "Seed for torch, numpy and python RNGs and the prompt order; a run is deterministic given the seed "
-                   "on one device and thread count.")
+    seed: int = _f(0, "Seed for torch, numpy and python RNGs and the prompt order. Same seed, device, num_threads, CPU "
+                   "model and library versions give a bit-identical run (README, Reproducibility); other thread counts "
+                   "or machines do not.")
     steps: int = _f(16, "Number of training steps; each step = one rollout batch (prompts_per_step x num_generations) "
                     "followed by num_mini_batches x ppo_epochs optimizer steps.")
     device: str = _f("auto", "Device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")

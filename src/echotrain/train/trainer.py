@@ -605,4 +605,5 @@ class Trainer:
         from echotrain.train.plots import plot_metrics
 
         records = read_jsonl(self.run_dir / "metrics.jsonl") if records is None else records
-        return plot_metrics(records, self.run_dir / "plots")
+        return plot_metrics(records, self.run_dir / "plots", evals=read_jsonl(self.run_dir / "eval.jsonl"),
+                            title=f"{self.run_dir} ({self.cfg.preset}, seed {self.cfg.seed})")

@@ -124,7 +124,10 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"echotrain: run directory {trainer.run_dir} (config.yaml, metrics.jsonl, samples.jsonl, plots/, "
           f"checkpoints/); {torch.get_num_threads()} threads, device {trainer.device}", file=sys.stderr)
     trainer.train()
-    print(f"echotrain: done in {time.perf_counter() - t0:.0f} s; outputs in {trainer.run_dir}", file=sys.stderr)
+    total = time.perf_counter() - t0
+    train_s = getattr(trainer, "train_seconds", total)
+    print(f"echotrain: done in {total:.0f} s ({total - train_s:.0f} s loading and setup, {train_s:.0f} s training); "
+          f"outputs in {trainer.run_dir} (plots/summary.png: the run at a glance)", file=sys.stderr)
     return 0
 
 
@@ -145,6 +148,8 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores (default)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    parser.add_argument("--show", type=int, default=None, metavar="N",
+                        help="print N completions (default: 3 when accuracy is 0%%, else none)")
     parser.add_argument("--debug", action="store_true", help="on a bad input, show the traceback too")
     parser.set_defaults(func=run_eval, accepts_extra=False)
 
@@ -194,20 +199,17 @@ def run_eval(args: argparse.Namespace) -> int:
     model, tok, desc = load_for_eval(args.model, device=args.device)
     t0 = time.perf_counter()
     res = evaluate(model, tok, task, num_prompts=args.prompts, n=args.n, ks=ks, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, seed=args.seed)
+                   temperature=args.temperature, seed=args.seed, keep_samples=max(3, args.show or 0))
     res["seconds"] = time.perf_counter() - t0
+    samples = res.pop("samples", [])
+    show = args.show if args.show is not None else (3 if res["accuracy"] == 0 else 0)
+    params = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
     if args.json:
-        print(json.dumps({"model": desc, "task": args.task, **res}))
+        print(json.dumps({"model": desc, "task": args.task, **params, **res, "samples": samples[:show]}))
     else:
-        from rich.console import Console
-        from rich.table import Table
+        from echotrain.train.eval_report import print_eval_report
 
-        table = Table(title=f"echotrain eval: {desc} on {args.task}")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        for k, v in res.items():
-            table.add_row(k, f"{v:.4g}")
-        Console().print(table)
+        print_eval_report(desc, args.task, params, res, samples[:show])
     return 0
 
 

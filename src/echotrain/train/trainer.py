@@ -596,9 +596,10 @@ class Trainer:
             self.model.save_pretrained(self.run_dir / "final_model")
             if hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(self.run_dir / "final_model")
+        self.train_seconds = time.perf_counter() - t0
         if cfg.progress:
-            print_summary(records, self.run_dir, time.perf_counter() - t0,
-                          evals=read_jsonl(self.run_dir / "eval.jsonl"))
+            print_summary(records, self.run_dir, self.train_seconds, evals=read_jsonl(self.run_dir / "eval.jsonl"),
+                          steps_run=(self.start_step + 1, cfg.steps))
         return records
 
     def write_plots(self, records: list[dict[str, Any]] | None = None) -> list[Path]:

@@ -1,5 +1,9 @@
 """Run outputs: metrics.jsonl, samples.jsonl, optional TensorBoard / W&B, the summary table.
 
+``samples.jsonl`` has ``log_samples`` rows per step taken round-robin over the step's prompt
+groups (``group``: the prompt's index in the step), each with ``question``, ``answer``,
+``completion``, ``reward`` and ``correct``.
+
 ``metrics.jsonl`` has one JSON object per step. Keys (all floats unless noted):
 
 - ``step`` (int), ``reward/mean``, ``reward/std``, ``accuracy`` (mean correctness), ``format_rate``
@@ -11,6 +15,8 @@
   (ECHO only; mean/min/max over the step's optimizer steps)
 - ``grad_norm`` (before clipping, mean over optimizer steps), ``lr``
 - ``groups/kept``, ``groups/zero_variance_frac``, ``sampling_rounds`` (int)
+- ``reward/timeouts``, ``reward/exceptions`` (int): completions whose reward call timed out or
+  raised this step (scored 0; see ``echotrain.rewards.RewardFunction``)
 - ``eval/accuracy``, ``eval/format_rate`` on the steps that ran the greedy evaluation (also in
   ``eval.jsonl``, with the step-0 evaluation before training)
 - ``time/generation``, ``time/scoring``, ``time/update``, ``time/step`` (wall seconds),

@@ -387,7 +387,7 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--config {str(path)!r}: file not found")
+        raise ConfigError(f"--config {str(path)!r}: " + ("is a folder, not a YAML file" if p.is_dir() else "file not found"))
     data = _safe_load_file(p, "--config")
     if not isinstance(data, dict):
         raise ConfigError(f"--config {str(path)!r}: expected a mapping of keys to values")

@@ -155,7 +155,7 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
         return
     head = 3
     first, last = steps_run if steps_run is not None else (records[0]["step"], records[-1]["step"])
-    ran = f"steps {first}-{last} ran" if last >= first else "no step ran"
+    ran = (f"steps {first}-{last} ran" if last > first else f"step {first} ran" if last == first else "no step ran")
     title = (f"echotrain run summary - {run_dir}\n{len(records)} steps in metrics.jsonl; {ran} in {wall_s:.0f} s "
              f"(training, model loading excluded)")
     if evals:

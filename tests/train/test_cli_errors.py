@@ -204,6 +204,14 @@ def test_resume_with_steps_below_reached(cwd, capsys, tiny_run):
           "steps=2 is below the step the run already reached (3", "steps=3 or more")
 
 
+def test_resume_of_a_finished_run_without_more_steps_writes_nothing(cwd, capsys, tiny_run):
+    run = tiny_run("r")
+    before = snapshot(run.parent)
+    assert cli.main(["train", "--resume", str(run)]) == 0
+    assert "already reached steps=3; nothing to do (give steps=4 or more" in capsys.readouterr().err
+    assert snapshot(run.parent) == before
+
+
 def test_resume_truncated_only_checkpoint(cwd, capsys, tiny_run):
     run = tiny_run("r", keep_last=1)
     (ckpt,) = list((run / "checkpoints").iterdir())

@@ -100,7 +100,13 @@ def run_train(args: argparse.Namespace) -> int:
         preflight.check_threads(cfg.num_threads)
         preflight.check_device(cfg.device)
         if args.resume is not None:
-            preflight.check_resume(cfg.output_dir, cfg.steps)
+            from echotrain.train.checkpoint import checkpoint_step
+
+            reached = checkpoint_step(preflight.check_resume(cfg.output_dir, cfg.steps))
+            if reached == cfg.steps:  # nothing to run: say so, write nothing
+                print(f"echotrain train: {cfg.output_dir} already reached steps={cfg.steps}; nothing to do (give "
+                      f"steps={cfg.steps + 1} or more to continue it)", file=sys.stderr)
+                return 0
         preflight.check_output_dir(cfg.output_dir, resume=args.resume is not None)
         preflight.check_chat_template(cfg.chat_template)
         if cfg.reward:

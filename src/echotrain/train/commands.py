@@ -126,7 +126,13 @@ def run_train(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(cfg.num_threads or _cores())
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, task=task, resume=args.resume is not None)
+    try:
+        trainer = Trainer(cfg, task=task, resume=args.resume is not None)
+    except OSError as exc:  # e.g. a hub id that passed the checks but does not exist there
+        if getattr(args, "debug", False):
+            raise
+        print(f"echotrain train: error: {exc}", file=sys.stderr)
+        return 2
     print(f"echotrain: run directory {trainer.run_dir} (config.yaml, metrics.jsonl, samples.jsonl, plots/, "
           f"checkpoints/); {torch.get_num_threads()} threads, device {trainer.device}", file=sys.stderr)
     trainer.train()
@@ -202,7 +208,13 @@ def run_eval(args: argparse.Namespace) -> int:
     from echotrain.train.evaluate import evaluate, load_for_eval
 
     torch.set_num_threads(args.threads or _cores())
-    model, tok, desc = load_for_eval(args.model, device=args.device)
+    try:
+        model, tok, desc = load_for_eval(args.model, device=args.device)
+    except OSError as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"echotrain eval: error: {exc}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     res = evaluate(model, tok, task, num_prompts=args.prompts, n=args.n, ks=ks, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, seed=args.seed, keep_samples=max(3, args.show or 0))

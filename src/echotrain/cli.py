@@ -70,9 +70,33 @@ def set_omp_wait_policy(environ: dict[str, str] | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``echotrain`` command; returns the process exit code."""
+    """Entry point of the ``echotrain`` command; returns the process exit code.
+
+    Exit codes: 0 done, 2 bad input (one message naming the key or path; ``--debug`` anywhere on
+    the command line adds the traceback), 130 interrupted (Ctrl-C).
+    """
     set_omp_wait_policy()
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    from echotrain._quiet import silence_known_noise
+
+    silence_known_noise()
+    try:
+        return _main(argv, debug)
+    except KeyboardInterrupt:
+        print("echotrain: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        from echotrain.train.config import ConfigError
+
+        if debug or not isinstance(exc, ConfigError):
+            raise
+        print(f"echotrain: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str], debug: bool = False) -> int:
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     func = getattr(args, "func", None)
@@ -83,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "accepts_extra", False):
         args.extra = extra
+    args.debug = debug
     rc = func(args)
     return int(rc or 0)
 

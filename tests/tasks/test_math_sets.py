@@ -64,7 +64,7 @@ def test_loader_errors(tmp_path):
         load_jsonl(tmp_path / "missing.jsonl")
     wrong = tmp_path / "wrong.jsonl"
     wrong.write_text(json.dumps({"problem": "p"}) + "\n")
-    with pytest.raises(ValueError, match=r"row 0 lacks field\(s\) \['answer'\]"):
+    with pytest.raises(ValueError, match=r"wrong.jsonl:1: line 1 lacks field\(s\) \['answer'\]"):
         load_math500(wrong)
     with pytest.raises(ValueError, match="no '####' marker"):
         gsm8k_gold("forty two")

@@ -32,6 +32,8 @@ Public API
     ``"gsm8k"``             GSM8K (``path=`` a local JSONL file or folder, else the hub
                             ``openai/gsm8k``), math-verify equivalence,
     ``"math500"``           MATH-500 (``path=`` local JSONL, else ``HuggingFaceH4/MATH-500``).
+    ``"jsonl"``             any prompt/answer JSONL (``path=``, ``prompt_field=``, ``answer_field=``;
+                            ``echotrain.tasks.jsonl``), math-verify equivalence.
     Unknown names raise ``KeyError`` listing the valid ones.
 """
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 from echotrain.tasks.base import Example, Task, get_task, register_task, task_names
 from echotrain.tasks.gym import DEFAULT_TASK, ReasoningGymTask
 from echotrain.tasks.math_sets import JsonlMathTask, load_gsm8k, load_math500
+from echotrain.tasks import jsonl as _jsonl  # noqa: F401  registers task=jsonl
 
 __all__ = [
     "DEFAULT_TASK",

@@ -26,12 +26,44 @@ from echotrain.tasks.base import (
     sample_indices,
 )
 
-__all__ = ["MATH_SYSTEM_PROMPTS", "JsonlMathTask", "load_gsm8k", "load_jsonl", "load_math500"]
+__all__ = ["MATH_SYSTEM_PROMPTS", "JsonlMathTask", "load_gsm8k", "load_jsonl", "load_jsonl_lines", "load_math500"]
 
 MATH_SYSTEM_PROMPTS = {
     "boxed": "Solve the problem step by step. Put the final answer within \\boxed{}.",
     "tag": "Solve the problem step by step. Give the final answer inside <answer> </answer> tags.",
 }
+
+
+def load_jsonl_lines(path: str | Path, *, split: str = "test") -> tuple[Path, list[dict[str, Any]], list[int]]:
+    """``(file, rows, line numbers)`` of a JSONL file (or ``<path>/<split>.jsonl`` for a folder);
+    ``lines[i]`` is the 1-based line of ``rows[i]`` in the file (blank lines are skipped).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: a line is not valid JSON or not an object (message gives file and line
+            number), or the file is empty.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / f"{split}.jsonl"
+    if not p.is_file():
+        raise FileNotFoundError(f"JSONL file not found: {p}")
+    rows, lines = [], []
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{p}:{lineno}: invalid JSON ({exc})") from exc
+            if not isinstance(row, dict):
+                raise ValueError(f"{p}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+            lines.append(lineno)
+    if not rows:
+        raise ValueError(f"{p} holds no rows")
+    return p, rows, lines
 
 
 def load_jsonl(path: str | Path, *, split: str = "test", line_numbers: bool = False) -> list[Any]:
@@ -44,31 +76,18 @@ def load_jsonl(path: str | Path, *, split: str = "test", line_numbers: bool = Fa
         FileNotFoundError: the file does not exist.
         ValueError: a line is not valid JSON (message gives file and line number) or the file is empty.
     """
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / f"{split}.jsonl"
-    if not p.is_file():
-        raise FileNotFoundError(f"JSONL file not found: {p}")
-    rows = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{p}:{lineno}: invalid JSON ({exc})") from exc
-            rows.append((lineno, row) if line_numbers else row)
-    if not rows:
-        raise ValueError(f"{p} holds no rows")
-    return rows
+    _, rows, lines = load_jsonl_lines(path, split=split)
+    return list(zip(lines, rows)) if line_numbers else rows
 
 
-def _require(rows: list[dict[str, Any]], keys: tuple[str, ...], source: str) -> None:
+def _require(rows: list[dict[str, Any]], keys: tuple[str, ...], source: str, lines: list[int] | None = None) -> None:
+    """Every row has ``keys``; the error gives the 1-based line number when ``lines`` is known,
+    else the 1-based row number."""
     for i, row in enumerate(rows):
         missing = [k for k in keys if k not in row]
         if missing:
-            raise ValueError(f"{source}: row {i} lacks field(s) {missing}; it has {sorted(row)}")
+            where = f"{source}:{lines[i]}: line {lines[i]}" if lines is not None else f"{source}: row {i + 1}"
+            raise ValueError(f"{where} lacks field(s) {missing}; it has {sorted(row)}")
 
 
 def gsm8k_gold(solution: str) -> str:
@@ -94,12 +113,19 @@ def load_gsm8k(path: str | Path | None = None, *, split: str = "test") -> list[d
         from datasets import load_dataset
 
         raw = [dict(r) for r in load_dataset("openai/gsm8k", "main", split=split)]
-        source = f"openai/gsm8k[{split}]"
+        source, lines = f"openai/gsm8k[{split}]", None
     else:
-        raw = load_jsonl(path, split=split)
-        source = str(path)
-    _require(raw, ("question", "answer"), source)
-    return [{"question": r["question"], "answer": gsm8k_gold(r["answer"]), "solution": r["answer"]} for r in raw]
+        file, raw, lines = load_jsonl_lines(path, split=split)
+        source = str(file)
+    _require(raw, ("question", "answer"), source, lines)
+    out = []
+    for i, r in enumerate(raw):
+        try:
+            out.append({"question": r["question"], "answer": gsm8k_gold(r["answer"]), "solution": r["answer"]})
+        except ValueError as exc:
+            where = f"{source}:{lines[i]}" if lines is not None else f"{source} row {i + 1}"
+            raise ValueError(f"{where}: {exc}") from None
+    return out
 
 
 def load_math500(path: str | Path | None = None, *, split: str = "test") -> list[dict[str, Any]]:
@@ -114,11 +140,11 @@ def load_math500(path: str | Path | None = None, *, split: str = "test") -> list
         from datasets import load_dataset
 
         raw = [dict(r) for r in load_dataset("HuggingFaceH4/MATH-500", split=split)]
-        source = f"HuggingFaceH4/MATH-500[{split}]"
+        source, lines = f"HuggingFaceH4/MATH-500[{split}]", None
     else:
-        raw = load_jsonl(path, split=split)
-        source = str(path)
-    _require(raw, ("problem", "answer"), source)
+        file, raw, lines = load_jsonl_lines(path, split=split)
+        source = str(file)
+    _require(raw, ("problem", "answer"), source, lines)
     keep = ("solution", "subject", "level", "unique_id")
     return [{"question": r["problem"], "answer": str(r["answer"]), **{k: r[k] for k in keep if k in r}} for r in raw]
 
@@ -234,3 +260,7 @@ def _gsm8k(*, path: str | Path | None = None, split: str = "test", **options: An
 @register_task("math500")
 def _math500(*, path: str | Path | None = None, split: str = "test", **options: Any) -> JsonlMathTask:
     return JsonlMathTask("math500", load_math500(path, split=split), **options)
+
+
+_gsm8k.hub_dataset = "openai/gsm8k"  # type: ignore[attr-defined]  (read by echotrain.train.preflight)
+_math500.hub_dataset = "HuggingFaceH4/MATH-500"  # type: ignore[attr-defined]

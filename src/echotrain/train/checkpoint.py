@@ -18,6 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
+class CheckpointError(RuntimeError):
+    """A checkpoint file cannot be read (truncated, corrupted); the message names the file."""
+
+
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
 
@@ -106,9 +110,50 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
     Raises:
         FileNotFoundError: no such file.
+        CheckpointError: the file is damaged (names it).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} not found")
     # our own files: they hold numpy RNG state and python tuples, so not weights_only
-    return torch.load(path, map_location=map_location, weights_only=False)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged (truncated or not a torch archive): {exc}") from exc
+
+
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step in a checkpoint file name ``step_XXXXXXXX.pt``.
+
+    Raises:
+        ValueError: the name does not follow that pattern.
+    """
+    m = _NAME.match(Path(path).name)
+    if not m:
+        raise ValueError(f"{str(path)!r} is not a checkpoint file name (step_XXXXXXXX.pt)")
+    return int(m.group(1))
+
+
+def is_readable_checkpoint(path: str | os.PathLike) -> bool:
+    """Cheap integrity check: ``path`` is a complete zip archive (what ``torch.save`` writes).
+
+    A truncated file loses the zip central directory at its end, so this catches it without
+    reading the tensors.
+    """
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return bool(zf.namelist())
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+        return False
+
+
+def latest_valid_checkpoint(run_dir: str | os.PathLike) -> tuple[Path | None, list[Path]]:
+    """``(newest readable checkpoint or None, damaged files newer than it)``, newest first."""
+    damaged: list[Path] = []
+    for p in reversed(list_checkpoints(run_dir)):
+        if is_readable_checkpoint(p):
+            return p, damaged
+        damaged.append(p)
+    return None, damaged

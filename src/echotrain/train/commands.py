@@ -18,7 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from echotrain.train.config import ConfigError, format_help, load_yaml, parse_overrides, resolve_config
+from echotrain.train.config import (
+    ConfigError,
+    _safe_load_file,
+    format_help,
+    load_yaml,
+    parse_overrides,
+    resolve_config,
+)
 
 TRAIN_EPILOG = """\
 Configuration keys (key=value on the command line, or a flat YAML mapping in --config).
@@ -44,13 +51,12 @@ def register_train(parser: argparse.ArgumentParser) -> None:
                         help="continue from the last checkpoint of RUN_DIR (or of output_dir=...): model, optimizer, "
                              "scheduler, RNG states and data position; key=value may change e.g. steps")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("--debug", action="store_true", help="on a bad input, show the traceback too")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="configuration overrides")
     parser.set_defaults(func=run_train, accepts_extra=True)
 
 
 def _resolve_train_config(args: argparse.Namespace):
-    import yaml
-
     tokens = list(getattr(args, "overrides", []) or []) + list(getattr(args, "extra", []) or [])
     for tok in tokens:
         if tok.startswith("-"):
@@ -64,9 +70,13 @@ def _resolve_train_config(args: argparse.Namespace):
         if not run_dir:
             raise ConfigError("--resume needs a run directory: --resume RUN_DIR or output_dir=RUN_DIR")
         saved = Path(run_dir) / "config.yaml"
+        if not Path(run_dir).is_dir():
+            raise ConfigError(f"--resume {run_dir!r}: no such run directory")
         if not saved.is_file():
             raise ConfigError(f"--resume {run_dir!r}: no config.yaml there (not a run directory)")
-        base = yaml.safe_load(saved.read_text()) or {}
+        base = _safe_load_file(saved, "--resume")
+        if not isinstance(base, dict):
+            raise ConfigError(f"--resume {run_dir!r}: {saved} is not a mapping of keys to values")
         base["output_dir"] = str(run_dir)
     return resolve_config(yaml_values, overrides, base=base)
 
@@ -76,6 +86,8 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         cfg = _resolve_train_config(args)
     except ConfigError as exc:
+        if getattr(args, "debug", False):
+            raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
@@ -83,13 +95,31 @@ def run_train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    from echotrain.tasks import get_task
+    from echotrain.train import preflight
 
-    try:  # the task is cheap to build: check its name and options before loading the model
-        task = get_task(cfg.task, **cfg.task_options)
-    except (KeyError, ValueError, TypeError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"echotrain train: error: task={cfg.task!r} task_options={cfg.task_options}: {msg}", file=sys.stderr)
+    try:  # every path, device and resume state, before a model is loaded or anything is written
+        preflight.check_threads(cfg.num_threads)
+        preflight.check_device(cfg.device)
+        if args.resume is not None:
+            from echotrain.train.checkpoint import checkpoint_step
+
+            reached = checkpoint_step(preflight.check_resume(cfg.output_dir, cfg.steps))
+            if reached == cfg.steps:  # nothing to run: say so, write nothing
+                print(f"echotrain train: {cfg.output_dir} already reached steps={cfg.steps}; nothing to do (give "
+                      f"steps={cfg.steps + 1} or more to continue it)", file=sys.stderr)
+                return 0
+        preflight.check_output_dir(cfg.output_dir, resume=args.resume is not None)
+        preflight.check_chat_template(cfg.chat_template)
+        if cfg.reward:
+            from echotrain.rewards.custom import load_reward
+
+            load_reward(cfg.reward)
+        preflight.check_model(cfg.model)
+        task = preflight.check_task(cfg.task, cfg.task_options)  # cheap: the model is not loaded yet
+    except ConfigError as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"echotrain train: error: {exc}", file=sys.stderr)
         return 2
     import torch
 
@@ -97,11 +127,20 @@ def run_train(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(cfg.num_threads or _cores())
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, task=task, resume=args.resume is not None)
+    try:
+        trainer = Trainer(cfg, task=task, resume=args.resume is not None)
+    except OSError as exc:  # e.g. a hub id that passed the checks but does not exist there
+        if getattr(args, "debug", False):
+            raise
+        print(f"echotrain train: error: {exc}", file=sys.stderr)
+        return 2
     print(f"echotrain: run directory {trainer.run_dir} (config.yaml, metrics.jsonl, samples.jsonl, plots/, "
           f"checkpoints/); {torch.get_num_threads()} threads, device {trainer.device}", file=sys.stderr)
     trainer.train()
-    print(f"echotrain: done in {time.perf_counter() - t0:.0f} s; outputs in {trainer.run_dir}", file=sys.stderr)
+    total = time.perf_counter() - t0
+    train_s = getattr(trainer, "train_seconds", total)
+    print(f"echotrain: done in {total:.0f} s ({total - train_s:.0f} s loading and setup, {train_s:.0f} s training); "
+          f"outputs in {trainer.run_dir} (plots/summary.png: the run at a glance)", file=sys.stderr)
     return 0
 
 
@@ -126,6 +165,9 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     from echotrain.evalsuite.cli import add_suite_arguments
 
     add_suite_arguments(parser)  # --suite, --benchmark, --data-dir, --limit, --top-p, --batch-size, --out
+    parser.add_argument("--show", type=int, default=None, metavar="N",
+                        help="print N completions (default: 3 when accuracy is 0%%, else none)")
+    parser.add_argument("--debug", action="store_true", help="on a bad input, show the traceback too")
     parser.set_defaults(func=run_eval, accepts_extra=False)
 
 
@@ -156,34 +198,69 @@ def run_eval(args: argparse.Namespace) -> int:
             print(f"echotrain eval: error: --task-option {item!r} must be KEY=VALUE", file=sys.stderr)
             return 2
         key, _, value = item.partition("=")
-        options[key] = yaml.safe_load(value)
-    from echotrain.tasks import get_task
+        try:
+            options[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            print(f"echotrain eval: error: --task-option {item!r}: not a valid YAML value", file=sys.stderr)
+            return 2
+    from echotrain.train import preflight
 
-    try:
-        task = get_task(args.task, **options)
-    except (KeyError, ValueError, TypeError) as exc:
-        print(f"echotrain eval: error: --task {args.task!r}: {exc}", file=sys.stderr)
+    try:  # paths, device, threads and the task before the model is loaded
+        preflight.check_threads(args.threads, key="--threads")
+        preflight.check_device(args.device, key="--device")
+        _check_eval_model(args.model)
+        task = preflight.check_task(args.task, options, key="--task")
+    except ConfigError as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"echotrain eval: error: {exc}", file=sys.stderr)
         return 2
     import torch
 
     from echotrain.train.evaluate import evaluate, load_for_eval
 
     torch.set_num_threads(args.threads or _cores())
-    model, tok, desc = load_for_eval(args.model, device=args.device)
+    try:
+        model, tok, desc = load_for_eval(args.model, device=args.device)
+    except OSError as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"echotrain eval: error: {exc}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     res = evaluate(model, tok, task, num_prompts=args.prompts, n=args.n, ks=ks, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, seed=args.seed)
+                   temperature=args.temperature, seed=args.seed, keep_samples=max(3, args.show or 0))
     res["seconds"] = time.perf_counter() - t0
+    samples = res.pop("samples", [])
+    show = args.show if args.show is not None else (3 if res["accuracy"] == 0 else 0)
+    params = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
     if args.json:
-        print(json.dumps({"model": desc, "task": args.task, **res}))
+        print(json.dumps({"model": desc, "task": args.task, **params, **res, "samples": samples[:show]}))
     else:
-        from rich.console import Console
-        from rich.table import Table
+        from echotrain.train.eval_report import print_eval_report
 
-        table = Table(title=f"echotrain eval: {desc} on {args.task}")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        for k, v in res.items():
-            table.add_row(k, f"{v:.4g}")
-        Console().print(table)
+        print_eval_report(desc, args.task, params, res, samples[:show])
     return 0
+
+
+def _check_eval_model(model: str | None) -> None:
+    """``--model``: a run directory / checkpoint file must be complete; else as ``model=``."""
+    from echotrain.train import preflight
+    from echotrain.train.checkpoint import is_readable_checkpoint, latest_valid_checkpoint
+
+    if model is not None and os.path.exists(model):
+        p = Path(model)
+        if p.is_file() and p.suffix == ".pt":
+            if not is_readable_checkpoint(p):
+                raise ConfigError(f"--model {model!r}: checkpoint file is damaged (truncated or not a torch archive)")
+            return
+        if p.is_dir() and (p / "config.yaml").is_file():
+            if (p / "final_model").is_dir():
+                return
+            ckpt, damaged = latest_valid_checkpoint(p)
+            if ckpt is None:
+                extra = f" (damaged: {', '.join(map(str, damaged))})" if damaged else ""
+                raise ConfigError(f"--model {model!r}: run directory has neither final_model/ nor a readable "
+                                  f"checkpoint{extra}")
+            return
+    preflight.check_model(model, key="--model")

@@ -54,8 +54,9 @@ class TrainConfig:
                      "for Balanced Aggregation (2605.04077). Sets the objective fields below; explicit keys override it.")
     output_dir: str | None = _f(None, "Run directory (config.yaml, metrics.jsonl, samples.jsonl, plots/, checkpoints/). "
                                 "Default: runs/<preset>-<UTC timestamp>.")
-    seed: int = _f(0, "Seed for torch, numpy and python RNGs and the prompt order; a run is deterministic given the seed "
-                   "on one device and thread count.")
+    seed: int = _f(0, "Seed for torch, numpy and python RNGs and the prompt order. Same seed, device, num_threads, CPU "
+                   "model and library versions give a bit-identical run (README, Reproducibility); other thread counts "
+                   "or machines do not.")
     steps: int = _f(16, "Number of training steps; each step = one rollout batch (prompts_per_step x num_generations) "
                     "followed by num_mini_batches x ppo_epochs optimizer steps.")
     device: str = _f("auto", "Device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
@@ -69,6 +70,15 @@ class TrainConfig:
     task: str = _f("default", "Task name for echotrain.tasks.get_task ('default' = the task the tasks module measured to "
                    "start at 10-60% accuracy for the default model).", group="model")
     task_options: dict = _f({}, "Extra keyword options for get_task (YAML mapping, or task_options.KEY=VALUE).", group="model")
+    reward: str | None = _f(None, "Custom reward function by import path 'module:function' (module importable, e.g. a "
+                            "my_reward.py in the working directory), called as fn(completions: list[str], examples: "
+                            "list[Example]) -> list[float] (TRL reward_funcs style; a value >= 1 counts as correct) "
+                            "or a single-sample fn(completion, example) -> float when it takes 'example'. Empty: the "
+                            "task's scorer. Timeouts and exceptions score 0 and are counted in metrics.jsonl.",
+                            group="model")
+    chat_template: str | None = _f(None, "Chat template override: a Jinja template string or a path to a file holding "
+                                   "one; replaces the tokenizer's (as TRL's chat_template_path). Empty: the model's own.",
+                                   group="model")
 
     # ---- rollout -----------------------------------------------------------------------------
     prompts_per_step: int = _f(8, "Prompts sampled per step (B). DAPO uses 512 at scale; 8 fits 2 CPU cores.", group="rollout")
@@ -143,6 +153,9 @@ class TrainConfig:
                                    "responses sharing it (exact: same log-probs and gradients; ~3x less compute when "
                                    "prompts are longer than responses). Needs a model with past_key_values.",
                                    group="update")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (transformers' "
+                                      "gradient_checkpointing_enable, non-reentrant): less memory, ~30% more update "
+                                      "time; same gradients.", group="update")
     optimizer: str = _f("adamw", "Optimizer by name from echotrain.optim.registry.OPTIMIZERS (adamw, adamw4bit, sgd, ...). "
                         "sam: Sharpness-Aware Minimization around sam_base on every update (two forward/backward "
                         "passes per update; Foret et al. ICLR 2021, arXiv 2010.01412); late_sam: sam_base until "
@@ -184,7 +197,9 @@ class TrainConfig:
                         group="outputs")
     save_final_model: bool = _f(True, "Also save the final policy with save_pretrained in <output_dir>/final_model.",
                                 group="outputs")
-    log_samples: int = _f(2, "Completions written to samples.jsonl per step (with prompt, answer and reward).", group="outputs")
+    log_samples: int = _f(4, "Completions written to samples.jsonl per step (with prompt, answer and reward), taken "
+                          "round-robin over the step's prompt groups (first completion of each prompt, then the second ...).",
+                          group="outputs")
     plots: bool = _f(True, "Write PNG plots of the main curves to <output_dir>/plots at the end (and at each checkpoint).",
                      group="outputs")
     progress: bool = _f(True, "Show a progress bar and the closing summary table in the terminal.", group="outputs")
@@ -328,8 +343,13 @@ _OTHER_NAMES = {"learning_rate": "lr", "beta": "kl_coef", "kl_beta": "kl_coef", 
 
 
 def _suggest(key: str) -> str:
-    close = ([_OTHER_NAMES[key]] if key in _OTHER_NAMES else []) + difflib.get_close_matches(key, list(FIELDS), n=3,
-                                                                                           cutoff=0.5)
+    """' (did you mean ...)' from our keys and the TRL/verl names in :data:`_OTHER_NAMES`, both by
+    edit distance (``lerning_rate`` -> ``lr`` through ``learning_rate``); else the valid keys."""
+    close: list[str] = []
+    for alias in difflib.get_close_matches(key, list(_OTHER_NAMES), n=2, cutoff=0.8):
+        close.append(_OTHER_NAMES[alias])
+    close += difflib.get_close_matches(key, list(FIELDS), n=3, cutoff=0.6)
+    close = list(dict.fromkeys(close))[:3]
     return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else f"; valid keys: {', '.join(FIELDS)}"
 
 
@@ -348,7 +368,10 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
         key, _, value = tok.partition("=")
         key = key.strip().replace("-", "_")
         if key.startswith("task_options."):
-            out.setdefault("task_options", {})[key.split(".", 1)[1]] = yaml.safe_load(value)
+            try:
+                out.setdefault("task_options", {})[key.split(".", 1)[1]] = yaml.safe_load(value)
+            except yaml.YAMLError:
+                raise ConfigError(f"{key}={value!r}: not a valid YAML value (quote strings with ':' or '#')") from None
             continue
         if key not in FIELDS:
             raise ConfigError(f"unknown key {key!r}" + _suggest(key))
@@ -364,12 +387,25 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--config {str(path)!r}: file not found")
-    data = yaml.safe_load(p.read_text()) or {}
+        raise ConfigError(f"--config {str(path)!r}: " + ("is a folder, not a YAML file" if p.is_dir() else "file not found"))
+    data = _safe_load_file(p, "--config")
     if not isinstance(data, dict):
         raise ConfigError(f"--config {str(path)!r}: expected a mapping of keys to values")
     _check_keys(data, str(path))
     return data
+
+
+def _safe_load_file(p: Path, what: str) -> Any:
+    """``yaml.safe_load`` of file ``p``; a syntax error becomes a ConfigError with its 1-based line."""
+    try:
+        return yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{what} {str(p)!r}: malformed YAML at {where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{what} {str(p)!r}: cannot read it ({exc})") from None
 
 
 def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,

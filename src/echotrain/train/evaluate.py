@@ -32,14 +32,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n: int = 4,
              ks: Sequence[int] = (1,), max_new_tokens: int = 48, temperature: float = 0.7, seed: int = 1234,
-             batch_prompts: int = 16, reward_fn: Any = None) -> dict[str, float]:
+             batch_prompts: int = 16, reward_fn: Any = None, keep_samples: int = 0) -> dict[str, Any]:
     """Sample ``n`` completions for each of ``num_prompts`` task prompts and score them.
 
     ``temperature=0`` decodes greedily (then every sample of a prompt is the same; use n=1).
 
     Returns:
         ``{"accuracy": mean correctness over all samples, "format_rate": ..., "pass@k": ... for k
-        in ks, "num_prompts", "n"}``.
+        in ks, "num_prompts", "n", "truncated_frac": share of completions that hit
+        max_new_tokens}``; with ``keep_samples > 0`` also ``"samples"``: the first
+        ``keep_samples`` completions as dicts (question, answer, completion, correct, truncated).
 
     Raises:
         ValueError: a k outside [1, n].
@@ -53,22 +55,32 @@ def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n:
         reward_fn = RewardFunction(task)
     torch.manual_seed(seed)
     examples = list(task.sample(num_prompts, seed))
-    correct_all, fmt_all = [], []
+    correct_all, fmt_all, trunc_all, samples = [], [], [], []
     for start in range(0, len(examples), batch_prompts):
         exs = examples[start:start + batch_prompts]
         batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, max_new_tokens=max_new_tokens,
                                   temperature=temperature if temperature > 0 else 1.0, do_sample=temperature > 0)
         texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
                  for ids, m in zip(batch.response_ids, batch.response_mask)]
-        _, info = reward_fn(texts, [e for e in exs for _ in range(n)])
+        rows = [e for e in exs for _ in range(n)]
+        _, info = reward_fn(texts, rows)
+        trunc_all.append(batch.truncated.float())
+        for i in range(0, len(texts), n):  # the first sample of each prompt
+            if len(samples) < keep_samples:
+                samples.append({"question": getattr(rows[i], "question", None), "answer": getattr(rows[i], "answer", None),
+                                "completion": texts[i], "correct": float(info["correct"][i]),
+                                "truncated": bool(batch.truncated[i])})
         correct_all.append(torch.as_tensor(info["correct"], dtype=torch.float32).view(len(exs), n))
         fmt_all.append(torch.as_tensor(info["format_ok"], dtype=torch.float32).view(len(exs), n))
     correct = torch.cat(correct_all)
     out: dict[str, float] = {"accuracy": float(correct.mean()), "format_rate": float(torch.cat(fmt_all).mean()),
-                             "num_prompts": float(len(examples)), "n": float(n)}
+                             "num_prompts": float(len(examples)), "n": float(n),
+                             "truncated_frac": float(torch.cat(trunc_all).mean())}
     counts = (correct >= 1.0).sum(-1).tolist()
     for k in ks:
         out[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in counts) / len(counts)
+    if keep_samples:
+        out["samples"] = samples
     return out
 
 
@@ -87,7 +99,7 @@ def load_for_eval(model: str | None, device: str = "cpu") -> tuple[Any, Any, str
         FileNotFoundError: a run directory without a model or checkpoint.
     """
     from echotrain.models import load_policy
-    from echotrain.train.checkpoint import latest_checkpoint, load_checkpoint
+    from echotrain.train.checkpoint import latest_valid_checkpoint, load_checkpoint
 
     if model is not None and os.path.exists(model):
         p = Path(model)
@@ -99,7 +111,7 @@ def load_for_eval(model: str | None, device: str = "cpu") -> tuple[Any, Any, str
             if (p / "final_model").is_dir():
                 m, tok = load_policy(str(p / "final_model"), device=device)
                 return m, tok, f"{p / 'final_model'}"
-            ckpt = latest_checkpoint(p)
+            ckpt = latest_valid_checkpoint(p)[0]
             if ckpt is None:
                 raise FileNotFoundError(f"run directory {str(p)!r} has neither final_model/ nor checkpoints")
         else:
@@ -112,4 +124,4 @@ def load_for_eval(model: str | None, device: str = "cpu") -> tuple[Any, Any, str
         m.load_state_dict(load_checkpoint(ckpt, map_location=device)["model"])
         return m, tok, f"{ckpt} (base {base or 'default'})"
     m, tok = load_policy(model, device=device)
-    return m, tok, model or "default"
+    return m, tok, model or "smollm2-135m-instruct (embedded default)"

@@ -1,5 +1,9 @@
 """Run outputs: metrics.jsonl, samples.jsonl, optional TensorBoard / W&B, the summary table.
 
+``samples.jsonl`` has ``log_samples`` rows per step taken round-robin over the step's prompt
+groups (``group``: the prompt's index in the step), each with ``question``, ``answer``,
+``completion``, ``reward`` and ``correct``.
+
 ``metrics.jsonl`` has one JSON object per step. Keys (all floats unless noted):
 
 - ``step`` (int), ``reward/mean``, ``reward/std``, ``accuracy`` (mean correctness), ``format_rate``
@@ -11,6 +15,8 @@
   (ECHO only; mean/min/max over the step's optimizer steps)
 - ``grad_norm`` (before clipping, mean over optimizer steps), ``lr``
 - ``groups/kept``, ``groups/zero_variance_frac``, ``sampling_rounds`` (int)
+- ``reward/timeouts``, ``reward/exceptions`` (int): completions whose reward call timed out or
+  raised this step (scored 0; see ``echotrain.rewards.RewardFunction``)
 - ``eval/accuracy``, ``eval/format_rate`` on the steps that ran the greedy evaluation (also in
   ``eval.jsonl``, with the step-0 evaluation before training)
 - ``time/generation``, ``time/scoring``, ``time/update``, ``time/step`` (wall seconds),
@@ -136,19 +142,27 @@ def summary_rows(records: list[dict[str, Any]], head: int = 3) -> list[tuple[str
 
 
 def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wall_s: float,
-                  evals: list[dict[str, Any]] | None = None) -> None:
-    """The closing table in the terminal (rich); ``evals`` (eval.jsonl) adds start/end rows."""
+                  evals: list[dict[str, Any]] | None = None, steps_run: tuple[int, int] | None = None) -> None:
+    """The closing table in the terminal (rich); ``evals`` (eval.jsonl) adds start/end rows.
+
+    ``wall_s`` is the training time of this invocation (model loading excluded) and
+    ``steps_run`` = (first, last) the steps it ran (a resumed run ran fewer than ``records`` hold).
+    """
     from rich.console import Console
     from rich.table import Table
 
     if not records:
         return
     head = 3
-    title = f"echotrain run summary ({len(records)} steps, {wall_s:.0f} s) - {run_dir}"
+    first, last = steps_run if steps_run is not None else (records[0]["step"], records[-1]["step"])
+    ran = (f"steps {first}-{last} ran" if last > first else f"step {first} ran" if last == first else "no step ran")
+    title = (f"echotrain run summary - {run_dir}\n{len(records)} steps in metrics.jsonl; {ran} in {wall_s:.0f} s "
+             f"(training, model loading excluded)")
     if evals:
         title += f"\neval rows: greedy on fixed prompts at step {evals[0]['step']} (first) and {evals[-1]['step']} (last)"
     table = Table(title=title)
-    table.add_column("metric")
+    width = max([len(r[0]) for r in summary_rows(records, head)] + [len("eval/format_rate (greedy)")])
+    table.add_column("metric", no_wrap=True, min_width=width)  # never cut a metric name
     for col in (f"first {head} steps", f"last {head} steps", "min", "max"):
         table.add_column(col, justify="right")
     for row in summary_rows(records, head):

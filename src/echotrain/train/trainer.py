@@ -46,7 +46,7 @@ from echotrain.rl import (
     zero_variance_groups,
 )
 from echotrain.train.checkpoint import (
-    latest_checkpoint,
+    latest_valid_checkpoint,
     load_checkpoint,
     save_checkpoint,
     seed_everything,
@@ -145,6 +145,14 @@ class Trainer:
         self.model = model.to(self.device)
         # no dropout: the ECHO pre-pass and the with-grad pass must see the same function
         self.model.eval()
+        if cfg.gradient_checkpointing:
+            from echotrain.train.features import enable_gradient_checkpointing
+
+            enable_gradient_checkpointing(self.model)
+        if cfg.chat_template:
+            from echotrain.train.features import read_chat_template
+
+            tokenizer.chat_template = read_chat_template(cfg.chat_template)
         self.tokenizer = tokenizer
         if task is None:
             from echotrain.tasks import get_task
@@ -163,7 +171,12 @@ class Trainer:
         if reward_fn is None:
             from echotrain.rewards import RewardFunction
 
-            reward_fn = RewardFunction(task)
+            if cfg.reward:
+                from echotrain.rewards.custom import CustomRewardTask, load_reward
+
+                reward_fn = RewardFunction(CustomRewardTask(task, load_reward(cfg.reward)))
+            else:
+                reward_fn = RewardFunction(task)
         self.reward_fn = reward_fn
         self.ref_model = None
         if cfg.kl_coef > 0:
@@ -232,9 +245,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ resume
     def _resume(self) -> None:
-        path = latest_checkpoint(self.run_dir)
+        path, damaged = latest_valid_checkpoint(self.run_dir)
         if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}")
+            extra = f"; damaged: {', '.join(map(str, damaged))}" if damaged else ""
+            raise FileNotFoundError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}{extra}")
         state = load_checkpoint(path, map_location=self.device)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -262,6 +276,8 @@ class Trainer:
         texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
                  for ids, mask in zip(batch.response_ids, batch.response_mask)]
         rewards, info = self.reward_fn(texts, rows)
+        self._n_reward_timeouts += int(info.get("n_timeouts", 0))
+        self._n_reward_exceptions += int(info.get("n_exceptions", 0))
         self._t_score += time.perf_counter() - t0
         return batch, rows, texts, rewards.float(), info
 
@@ -313,6 +329,13 @@ class Trainer:
     # ------------------------------------------------------------------ 4. log-probs
     def _log_probs(self, model: Any, batch: RolloutBatch, with_entropy: bool = False,
                    grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if grad and self.cfg.gradient_checkpointing:
+            from echotrain.train.features import checkpointed_forward
+
+            with torch.set_grad_enabled(True), checkpointed_forward(model):
+                return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                         batch.response_mask, temperature=self.cfg.temperature,
+                                         with_entropy=with_entropy, share_prefix=False)  # no KV cache under checkpointing
         with torch.set_grad_enabled(grad):
             return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                      batch.response_mask, temperature=self.cfg.temperature, with_entropy=with_entropy,
@@ -423,6 +446,7 @@ class Trainer:
         cfg = self.cfg
         t_start, cpu_start = time.perf_counter(), time.process_time()
         self._t_gen = self._t_score = 0.0
+        self._n_reward_timeouts = self._n_reward_exceptions = 0
 
         # 1-2. rollout, reward (+ DAPO dynamic sampling)
         data = self.collect()
@@ -476,6 +500,8 @@ class Trainer:
             "groups/zero_variance_frac": data["zero_variance_frac"],
             "sampling_rounds": data["rounds"],
             "optimizer_steps": len(updates),
+            "reward/timeouts": self._n_reward_timeouts,
+            "reward/exceptions": self._n_reward_exceptions,
         }
         keys = sorted({k for u in updates for k in u})
         for k in keys:
@@ -494,10 +520,14 @@ class Trainer:
             "throughput/tokens_per_s": n_tokens / max(step_time, 1e-9),
             "memory/peak_mb": peak_memory_mb(self.device),
         })
+        from echotrain.train.features import spread_sample_rows
+
+        rows = spread_sample_rows(batch.group_index, cfg.log_samples)
         self._samples = [
-            {"step": step, "question": getattr(ex, "question", None), "answer": getattr(ex, "answer", None),
-             "completion": text, "reward": float(r), "correct": float(c)}
-            for ex, text, r, c in list(zip(data["examples"], data["texts"], rewards, data["correct"]))[: cfg.log_samples]
+            {"step": step, "question": getattr(data["examples"][i], "question", None),
+             "answer": getattr(data["examples"][i], "answer", None), "group": int(batch.group_index[i]),
+             "completion": data["texts"][i], "reward": float(rewards[i]), "correct": float(data["correct"][i])}
+            for i in rows
         ]
         return record
 
@@ -566,13 +596,15 @@ class Trainer:
             self.model.save_pretrained(self.run_dir / "final_model")
             if hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(self.run_dir / "final_model")
+        self.train_seconds = time.perf_counter() - t0
         if cfg.progress:
-            print_summary(records, self.run_dir, time.perf_counter() - t0,
-                          evals=read_jsonl(self.run_dir / "eval.jsonl"))
+            print_summary(records, self.run_dir, self.train_seconds, evals=read_jsonl(self.run_dir / "eval.jsonl"),
+                          steps_run=(self.start_step + 1, cfg.steps))
         return records
 
     def write_plots(self, records: list[dict[str, Any]] | None = None) -> list[Path]:
         from echotrain.train.plots import plot_metrics
 
         records = read_jsonl(self.run_dir / "metrics.jsonl") if records is None else records
-        return plot_metrics(records, self.run_dir / "plots")
+        return plot_metrics(records, self.run_dir / "plots", evals=read_jsonl(self.run_dir / "eval.jsonl"),
+                            title=f"{self.run_dir} ({self.cfg.preset}, seed {self.cfg.seed})")

@@ -1,0 +1,94 @@
+"""Small trainer options that TRL / verl users expect: gradient checkpointing, a chat template
+override, and which completions go to samples.jsonl.
+
+Kept apart from the trainer loop; each function is one option.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["checkpointed_forward", "enable_gradient_checkpointing", "read_chat_template", "spread_sample_rows"]
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Turn on transformers' gradient checkpointing (non-reentrant) on ``model``.
+
+    transformers only recomputes activations in ``train()`` mode, so the trainer runs its
+    with-grad forward inside :func:`checkpointed_forward`, which switches to train mode with
+    every dropout module kept in eval mode (the policy must stay dropout-free: the ECHO pre-pass
+    and the with-grad pass must compute the same function). transformers turns the KV cache off
+    under checkpointing, so that pass does not share prompt prefixes (``share_prompt_prefix``).
+
+    Raises:
+        ValueError: the model does not support gradient checkpointing.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient_checkpointing=true: {type(model).__name__} does not support gradient checkpointing")
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
+        if float(getattr(model.config, key, 0.0) or 0.0) > 0:
+            setattr(model.config, key, 0.0)
+
+
+@contextlib.contextmanager
+def checkpointed_forward(model: Any) -> Iterator[None]:
+    """Train mode for checkpointing, with every ``nn.Dropout`` left in eval mode; restores eval."""
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.eval()
+    try:
+        yield
+    finally:
+        model.eval()
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template from ``value``: the template itself (contains ``{{`` or ``{%``) or a file path.
+
+    Raises:
+        FileNotFoundError: ``value`` is neither a template nor an existing file.
+        ValueError: the template is not valid Jinja.
+    """
+    text = value
+    if "{{" not in value and "{%" not in value:
+        p = Path(value).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"chat_template={value!r}: neither a Jinja template nor an existing file")
+        text = p.read_text()
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template: invalid Jinja at line {exc.lineno}: {exc.message}") from None
+    return text
+
+
+def spread_sample_rows(group_index: torch.Tensor, n: int) -> list[int]:
+    """Up to ``n`` row indices taken round-robin over prompt groups: the first completion of
+    each group in order, then the second of each, ... so samples.jsonl shows several prompts.
+
+    Args:
+        group_index: (N,) int64 group id of each row.
+        n: how many rows.
+    """
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(group_index.tolist()):
+        groups.setdefault(int(g), []).append(i)
+    out: list[int] = []
+    depth = 0
+    while len(out) < n and any(depth < len(v) for v in groups.values()):
+        for rows in groups.values():
+            if depth < len(rows) and len(out) < n:
+                out.append(rows[depth])
+        depth += 1
+    return out

@@ -1,0 +1,304 @@
+"""Checks of every user-given path, device and resume state, run before any heavy work.
+
+``echotrain train`` and ``echotrain eval`` call these after the configuration is parsed and
+before a model is loaded or a run directory is written. Each raises :class:`ConfigError` with
+one message naming the key or path, the problem and what to do; the CLI prints it and exits 2.
+
+- :func:`check_model` a local folder / ``.gguf`` file must exist (a folder must hold a
+  ``config.json``); a hub id must look like one and be reachable or cached.
+- :func:`check_task` builds the task (cheap) and turns its errors (missing JSONL file, a row
+  without an answer, no network for a hub data set) into one message.
+- :func:`check_device` ``cuda``/``cuda:N``/``mps`` must exist in this torch build and machine.
+- :func:`check_threads` at most the number of CPU cores (more only oversubscribes; an absurd
+  count makes ``pthread_create`` fail inside torch).
+- :func:`check_resume` the run directory has a readable checkpoint, and ``steps`` is not below
+  the step it reached; names damaged checkpoint files and falls back to the newest good one.
+
+Hub reachability (:func:`hub_reachable`) is a single TCP connection with a 3 s bound, only made
+when a hub model or data set is actually needed; ``HF_HUB_OFFLINE=1`` skips it. When the hub is
+not reachable but the model/data set is in the local Hugging Face cache, the offline variables
+are set so the libraries read the cache at once instead of retrying the network.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from echotrain.train.config import ConfigError
+
+__all__ = ["check_device", "check_model", "check_resume", "check_task", "check_threads", "cpu_cores",
+           "hub_reachable"]
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+_TRUTHY = ("1", "true", "yes", "on")
+
+
+def cpu_cores() -> int:
+    """CPU cores of this machine (``os.cpu_count``), at least 1."""
+    return os.cpu_count() or 1
+
+
+def _offline_env() -> bool:
+    return any(os.environ.get(k, "").lower() in _TRUTHY for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                                                                   "TRANSFORMERS_OFFLINE"))
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection within ``timeout_s`` (DNS included).
+
+    False at once when ``HF_HUB_OFFLINE`` (or ``HF_DATASETS_OFFLINE``/``TRANSFORMERS_OFFLINE``) is set.
+    """
+    if _offline_env():
+        return False
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, 443), timeout=timeout_s).close()
+            ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return bool(ok)
+
+
+def _hub_cache() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    return home / "hub"
+
+
+def _in_hub_cache(repo_id: str, repo_type: str) -> bool:
+    folder = _hub_cache() / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    if folder.is_dir() and any((folder / "snapshots").glob("*")):
+        return True
+    if repo_type == "dataset":  # datasets' own processed cache
+        home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+        dcache = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser()
+        return (dcache / repo_id.replace("/", "___")).is_dir()
+    return False
+
+
+def _go_offline() -> None:
+    """Make transformers / datasets / huggingface_hub read only the local cache from now on."""
+    for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ[k] = "1"
+    try:  # already imported: their constants were read at import time
+        import huggingface_hub.constants as hc
+
+        hc.HF_HUB_OFFLINE = True
+    except Exception:  # pragma: no cover - optional
+        pass
+    try:
+        import sys
+
+        if "datasets" in sys.modules:
+            import datasets.config as dc
+
+            dc.HF_HUB_OFFLINE = True
+            if hasattr(dc, "HF_DATASETS_OFFLINE"):
+                dc.HF_DATASETS_OFFLINE = True
+    except Exception:  # pragma: no cover
+        pass
+
+
+def require_hub(repo_id: str, repo_type: str, key: str, alternative: str) -> None:
+    """Raise unless the hub is reachable or ``repo_id`` is in the local cache (then go offline).
+
+    Raises:
+        ConfigError: neither; the message names ``key`` and suggests ``alternative``.
+    """
+    if hub_reachable():
+        return
+    if _in_hub_cache(repo_id, repo_type):
+        _go_offline()
+        return
+    why = "HF_HUB_OFFLINE is set" if _offline_env() else "huggingface.co is not reachable (no network)"
+    raise ConfigError(f"{key}: needs the Hugging Face hub {repo_type} {repo_id!r}, but {why} and it is not in the "
+                      f"local cache ({_hub_cache()}); {alternative}")
+
+
+def check_model(name: str | None, key: str = "model") -> None:
+    """Check a ``model`` value before loading it (see :func:`echotrain.models.load_policy`).
+
+    Raises:
+        ConfigError: a missing local path or ``.gguf`` file, a folder without ``config.json``, a
+            string that is neither a path nor a hub id, or a hub id with no network and no cache.
+    """
+    from echotrain.models.gguf import EMBEDDED_MODELS, locate_gguf
+
+    if name is None or name in EMBEDDED_MODELS:
+        try:
+            locate_gguf(name or "smollm2-135m-instruct")
+        except (FileNotFoundError, KeyError) as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+        return
+    s = str(name)
+    p = Path(s).expanduser()
+    if s.lower().endswith(".gguf"):
+        if not p.is_file():
+            raise ConfigError(f"{key}={s!r}: GGUF file not found (resolved to {p.resolve()})")
+        return
+    if p.exists():
+        if p.is_dir() and not (p / "config.json").is_file():
+            raise ConfigError(f"{key}={s!r}: the folder has no config.json, so it is not a Hugging Face model "
+                              "folder (save one with model.save_pretrained, or give a run's final_model/)")
+        if p.is_file():
+            raise ConfigError(f"{key}={s!r} is a file; give a model folder, a .gguf file or a hub id")
+        return
+    looks_like_path = s.startswith(("/", "./", "../", "~")) or s.count("/") > 1 or os.sep + os.sep in s
+    if looks_like_path or not _REPO_ID.match(s):
+        raise ConfigError(f"{key}={s!r}: no such file or folder, and not a Hugging Face hub id (org/name); "
+                          f"embedded models: {', '.join(sorted(EMBEDDED_MODELS))}")
+    require_hub(s, "model", f"{key}={s!r}", "give a local model folder or a .gguf file, or run where the hub is "
+                "reachable once to fill the cache")
+
+
+def check_task(name: str, options: dict[str, Any], key: str = "task") -> Any:
+    """Build task ``name`` with ``options`` and return it; a hub data set needs network or cache.
+
+    Raises:
+        ConfigError: unknown task, bad option, missing file, malformed data, or no network.
+    """
+    from echotrain.tasks import get_task
+    from echotrain.tasks.base import _REGISTRY
+
+    opts = dict(options or {})
+    repo = getattr(_REGISTRY.get(name), "hub_dataset", None)
+    if repo and not opts.get("path"):
+        require_hub(repo, "dataset", f"{key}={name!r} without task_options.path",
+                    "give a local JSONL file with task_options.path=FILE.jsonl")
+    try:
+        return get_task(name, **opts)
+    except KeyError as exc:
+        msg = exc.args[0] if exc.args else exc
+        raise ConfigError(f"{key}={name!r}: {msg}") from None
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{key}={name!r} task_options.path={opts.get('path')!r}: {exc}") from None
+    except (ValueError, TypeError, OSError) as exc:
+        raise ConfigError(f"{key}={name!r} task_options={opts}: {exc}") from None
+
+
+def check_device(name: str, key: str = "device") -> None:
+    """``cuda``/``cuda:N``/``mps`` must be usable here (checked without loading a model).
+
+    Raises:
+        ConfigError: this torch has no CUDA / no such GPU index / no MPS.
+    """
+    import torch
+
+    if name in ("auto", "cpu"):
+        return
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = ("this torch build has no CUDA (CPU-only wheel)" if torch.version.cuda is None
+                   else "no CUDA GPU is visible (driver / CUDA_VISIBLE_DEVICES)")
+            raise ConfigError(f"{key}={name!r}: {why}; use {key}=cpu or {key}=auto")
+        _, _, idx = name.partition(":")
+        if idx:
+            if not idx.isdigit():
+                raise ConfigError(f"{key}={name!r}: expected cuda or cuda:N with N an integer")
+            if int(idx) >= torch.cuda.device_count():
+                raise ConfigError(f"{key}={name!r}: only {torch.cuda.device_count()} CUDA device(s) "
+                                  f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+        return
+    if name == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise ConfigError(f"{key}={name!r}: MPS is not available here; use {key}=cpu")
+        return
+    raise ConfigError(f"{key}={name!r} is not a device; valid: auto, cpu, cuda, cuda:N, mps")
+
+
+def check_threads(n: int, key: str = "num_threads") -> None:
+    """``0 <= n <= cpu_cores()`` (0 = all cores).
+
+    Raises:
+        ConfigError: negative, or more threads than this machine has cores.
+    """
+    if n < 0 or n > cpu_cores():
+        raise ConfigError(f"{key}={n}: must be in [0, {cpu_cores()}] (0 = all cores; this machine has "
+                          f"{cpu_cores()} CPU cores, more threads only oversubscribe them)")
+
+
+def check_resume(run_dir: str | os.PathLike, steps: int) -> Path:
+    """The checkpoint a resume of ``run_dir`` will load; ``steps`` must reach at least its step.
+
+    Damaged checkpoint files (truncated or not a torch zip archive) are skipped with a warning
+    naming them; the newest readable one is returned.
+
+    Raises:
+        ConfigError: no checkpoint, every checkpoint damaged, or ``steps`` below the step reached.
+    """
+    import sys
+
+    from echotrain.train.checkpoint import latest_valid_checkpoint
+
+    path, damaged = latest_valid_checkpoint(run_dir)
+    ckdir = Path(run_dir) / "checkpoints"
+    if path is None:
+        if damaged:
+            raise ConfigError(f"--resume {str(run_dir)!r}: checkpoint file(s) damaged (truncated or not a torch "
+                              f"archive): {', '.join(str(d) for d in damaged)}; no earlier checkpoint to fall back "
+                              "to (keep_last=2 or more keeps one); start a new run")
+        raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoint in {ckdir} (the run stopped before its first "
+                          "checkpoint; see save_every); start a new run")
+    for d in damaged:
+        print(f"echotrain: warning: checkpoint {d} is damaged (truncated or not a torch archive); "
+              f"resuming from the previous one, {path.name}", file=sys.stderr)
+    from echotrain.train.checkpoint import checkpoint_step
+
+    reached = checkpoint_step(path)
+    if steps < reached:
+        raise ConfigError(f"--resume {str(run_dir)!r}: steps={steps} is below the step the run already reached "
+                          f"({reached}, {path.name}); give steps={reached} or more")
+    return path
+
+
+def check_output_dir(output_dir: str | None, resume: bool) -> None:
+    """A new run must not write into a file or into another run's directory.
+
+    Raises:
+        ConfigError: ``output_dir`` is a file, holds a run already (``metrics.jsonl`` or
+            ``checkpoints/``) and this is not ``--resume``, or its nearest existing parent is not writable.
+    """
+    if not output_dir:
+        return
+    p = Path(output_dir).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"output_dir={output_dir!r} is a file, not a folder")
+    if not resume and p.is_dir() and ((p / "metrics.jsonl").exists() or (p / "checkpoints").exists()):
+        raise ConfigError(f"output_dir={output_dir!r} holds a run already; continue it with --resume {output_dir} or "
+                          "choose another output_dir")
+    parent = p
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"output_dir={output_dir!r}: {parent} is not writable")
+
+
+def check_chat_template(value: str | None) -> None:
+    """``chat_template``: a valid Jinja template or an existing file holding one.
+
+    Raises:
+        ConfigError: neither, or invalid Jinja.
+    """
+    if not value:
+        return
+    from echotrain.train.features import read_chat_template
+
+    try:
+        read_chat_template(value)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from None

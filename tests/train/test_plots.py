@@ -1,0 +1,58 @@
+"""The run's plots (issue 10, item 4): one summary figure, labelled axes, eval points, smoothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from echotrain.train.plots import PANELS, PLOTS, moving_mean, plot_metrics, smoothing_window
+
+
+def test_moving_mean_hand_values():
+    assert moving_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_mean([2.0, 4.0], 1) == [2.0, 4.0]
+    assert smoothing_window(5) == 1 and smoothing_window(16) == 2 and smoothing_window(80) == 10
+
+
+def test_every_plot_has_a_unit_and_ppo_kl_is_not_called_kl():
+    for _, _, series, ylabel in PLOTS:
+        assert ylabel
+    for title, series, ylabel, _ in PANELS:
+        assert ylabel, title
+    labels = {lbl for _, _, series, _ in PLOTS for k, lbl in series if k == "ppo_kl"}
+    labels |= {lbl for _, series, _, _ in PANELS for k, lbl in series if k == "ppo_kl"}
+    assert labels and all("not a KL" in lbl and "log" in lbl for lbl in labels)
+
+
+def test_summary_figure_written(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [{"step": s, "accuracy": 0.1 * s, "reward/mean": 0.1 * s, "format_rate": 0.5, "entropy": 1.0 / s,
+                "ppo_kl": -0.01 * (s % 2), "grad_norm": 1.0, "response_length/mean": 10.0,
+                "response_length/max": 20.0, "time/step": 1.0} for s in range(1, 9)]
+    evals = [{"step": 0, "eval/accuracy": 0.2}, {"step": 8, "eval/accuracy": 0.6}]
+    seen = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def spy(fig, path, **kw):
+        seen[str(path)] = [(ax.get_title(), ax.get_ylabel(), [t.get_text() for t in ax.get_legend().get_texts()])
+                           for ax in fig.axes if ax.get_visible()]
+        return real_savefig(fig, path, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    paths = plot_metrics(records, tmp_path, evals=evals, title="run")
+    names = {p.name for p in paths}
+    assert "summary.png" in names and "entropy.png" in names and "policy_drift.png" in names
+    assert (tmp_path / "summary.png").stat().st_size > 10_000
+    (summary,) = [v for k, v in seen.items() if k.endswith(".summary.png.tmp.png")]
+    titles = {t for t, _, _ in summary}
+    assert {"Accuracy", "Reward", "Entropy", "Policy drift", "Gradient norm"} <= titles
+    assert all(ylabel for _, ylabel, _ in summary)
+    acc = [legend for t, _, legend in summary if t == "Accuracy"][0]
+    assert "greedy eval (fixed prompts)" in acc
+    # binary reward: reward.png draws one curve and says why
+    (reward,) = [v for k, v in seen.items() if k.endswith(".reward.png.tmp.png")]
+    assert any("accuracy = reward" in lbl for lbl in reward[0][2])
+    plt.close("all")

@@ -130,8 +130,26 @@ def test_python_trl_snippet(tmp_path, monkeypatch, tiny_model_dir):
     assert (tmp_path / "out-trl").is_dir()
 
 
+def _suite_data(root: Path) -> None:
+    """``data/<benchmark>/test.jsonl`` with two hand-made rows per benchmark of the suites in README."""
+    import json
+
+    math_rows = {
+        "gsm8k": [{"question": "What is 1+1?", "answer": "1+1=2\n#### 2"}, {"question": "2*3?", "answer": "#### 6"}],
+        "olympiadbench": [{"question": "What is 2+2?", "final_answer": ["4"]}, {"question": "3*3?", "final_answer": ["9"]}],
+    }
+    for name in ("math500", "aime24", "amc23", "minerva_math"):
+        math_rows[name] = [{"problem": "What is 1+2?", "answer": "3"}, {"problem": "What is 5-1?", "answer": "4"}]
+    mc = [{"question": "Which is even?", "choices": ["3", "4", "5", "7"], "answer": "B"},
+          {"question": "Which is odd?", "choices": ["2", "4", "5", "8"], "answer": 2}]
+    for name, rows in {**math_rows, "gpqa": mc, "mmlu_pro": mc, "arc_challenge": mc}.items():
+        (root / "data" / name).mkdir(parents=True)
+        (root / "data" / name / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def test_bash_blocks(tmp_path, monkeypatch, tiny_model_dir, capsys):
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    _suite_data(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "src"))
     ran = []

@@ -112,7 +112,7 @@ def test_choice_file_errors_name_the_line(tmp_path):
     with pytest.raises(SuiteInputError, match=r"mc.jsonl:3: benchmark 'mc': answer 'E' is not one of"):
         load_suite(None, [f"choice:mc={f}"])
     f.write_text(good + "\n[1, 2]\n")
-    with pytest.raises(SuiteInputError, match=r"mc.jsonl:2: .*must be a JSON object"):
+    with pytest.raises(SuiteInputError, match=r"mc.jsonl:2: .*(must be|expected) a JSON object"):
         load_suite(None, [f"choice:mc={f}"])
     f.write_text(good + "\n{oops\n")
     with pytest.raises(SuiteInputError, match=r"mc.jsonl:2: invalid JSON"):

@@ -94,7 +94,10 @@ def run_train(args: argparse.Namespace) -> int:
 
     from echotrain.train.trainer import Trainer
 
-    torch.set_num_threads(cfg.num_threads or _cores())
+    from echotrain.train.dist import local_world_size
+
+    # torchrun: the processes on this machine share its cores
+    torch.set_num_threads(cfg.num_threads or max(1, _cores() // local_world_size()))
     t0 = time.perf_counter()
     trainer = Trainer(cfg, task=task, resume=args.resume is not None)
     print(f"echotrain: run directory {trainer.run_dir} (config.yaml, metrics.jsonl, samples.jsonl, plots/, "

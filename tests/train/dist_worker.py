@@ -1,7 +1,8 @@
 """Worker for tests/train/test_distributed.py, launched as
 ``python -m torch.distributed.run --standalone --nproc_per_node 2 dist_worker.py OUT_DIR``.
 
-Runs, in one process group: ``group`` (rollout_rng=group, compared with one process),
+Runs, in one process group: ``group`` (rollout_rng=group, compared with one process), ``lora`` (the same with
+LoRA adapters),
 ``stream`` (per-rank RNG streams), ``killed`` (stream, killed after step 2's metrics, so the
 step-1 checkpoint is the last) and ``killed`` resumed. Not a test module (no ``test_`` prefix).
 """
@@ -41,6 +42,7 @@ def main(out: Path) -> None:
     torch.set_num_threads(1)
     run(out, "group", rollout_rng="group")
     run(out, "stream", rollout_rng="stream")
+    run(out, "lora", rollout_rng="group", lora_r=4, lora_alpha=8)
 
     def kill_at_2(step, record):
         if step == 2:

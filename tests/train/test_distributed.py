@@ -79,6 +79,22 @@ def test_two_processes_equal_one_process(two_process_runs, tmp_path, tiny_tokeni
     assert samples == read_jsonl(tmp_path / "one" / "samples.jsonl")
 
 
+def test_two_processes_equal_one_process_with_lora(two_process_runs, tmp_path, tiny_tokenizer, make_tiny_model,
+                                                   digit_task):
+    pytest.importorskip("peft")
+    trainer, one = one_process(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "one", rollout_rng="group",
+                               lora_r=4, lora_alpha=8)
+    two = read_jsonl(two_process_runs / "lora" / "metrics.jsonl")
+    for a, b in zip(one, two, strict=True):
+        for k, v in strip(a).items():
+            assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    p2 = load_checkpoint(latest_checkpoint(two_process_runs / "lora"))["model"]  # adapters only
+    p1 = {k.replace(".default", ""): v for k, v in trainer.model.state_dict().items() if "lora_" in k}
+    assert p2.keys() == p1.keys()
+    for k in p1:
+        torch.testing.assert_close(p2[k], p1[k], rtol=1e-4, atol=1e-5)
+
+
 def test_two_process_kill_and_resume_is_exact(two_process_runs):
     full = read_jsonl(two_process_runs / "stream" / "metrics.jsonl")
     resumed = read_jsonl(two_process_runs / "killed" / "metrics.jsonl")

@@ -454,7 +454,7 @@ class Trainer:
                 loss, m = compute_policy_loss(
                     cfg.loss_mode, mb["old_log_prob"].to(log_prob.device), log_prob, advantages,
                     mask, cfg.loss_agg_mode, self.loss_config, group_index=group_index, step=stats)
-                if self.ref_model is not None:
+                if mb["ref_log_prob"] is not None:  # kl_coef > 0 (a reference copy, or LoRA adapters off)
                     kl_mat = kl_penalty(log_prob, mb["ref_log_prob"].to(log_prob.device), cfg.kl_penalty)
                     # aggregated exactly like the policy loss, with the step's normalisers
                     kl_loss = step_agg_loss(kl_mat, mask, stats, self.loss_config, advantages=advantages,

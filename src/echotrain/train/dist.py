@@ -34,6 +34,10 @@ import torch
 #: valid values of the ``dist_backend`` config key
 BACKENDS = ("auto", "gloo", "nccl")
 
+#: this process's communication so far (benchmarks read it): bytes this rank contributed to
+#: gradient all-reduces / object gathers / broadcasts, and wall seconds spent in collectives
+TRAFFIC = {"all_reduce_bytes": 0, "gather_bytes": 0, "broadcast_bytes": 0, "seconds": 0.0}
+
 
 def env_world_size() -> int:
     """``WORLD_SIZE`` from the launcher's environment (1 when not launched by torchrun)."""
@@ -54,7 +58,8 @@ class DistContext:
         rank: 0 .. world_size - 1.
         world_size: number of processes (1 without a process group).
         local_rank: index on this machine (selects ``cuda:<local_rank>``).
-        backend: ``"gloo"``, ``"nccl"`` or None (single process).
+        backend: ``"gloo"``, ``"nccl"`` (NCCL for CUDA tensors, gloo for CPU ones) or None
+            (single process).
     """
 
     rank: int = 0
@@ -86,8 +91,14 @@ class DistContext:
             return [obj]
         import torch.distributed as dist
 
+        import pickle
+        import time
+
+        t0 = time.perf_counter()
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
+        TRAFFIC["gather_bytes"] += len(pickle.dumps(obj))
+        TRAFFIC["seconds"] += time.perf_counter() - t0
         return out
 
     def broadcast(self, obj: Any) -> Any:
@@ -96,8 +107,14 @@ class DistContext:
             return obj
         import torch.distributed as dist
 
+        import pickle
+        import time
+
+        t0 = time.perf_counter()
         box = [obj]
         dist.broadcast_object_list(box, src=0)
+        TRAFFIC["broadcast_bytes"] += len(pickle.dumps(box[0]))
+        TRAFFIC["seconds"] += time.perf_counter() - t0
         return box[0]
 
     def broadcast_params(self, module: torch.nn.Module) -> None:
@@ -125,13 +142,18 @@ class DistContext:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        import time
+
+        t0 = time.perf_counter()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        TRAFFIC["all_reduce_bytes"] += flat.numel() * flat.element_size()
         offset = 0
         for p in params:
             n = p.grad.numel()
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
+        TRAFFIC["seconds"] += time.perf_counter() - t0
 
     def barrier(self) -> None:
         """Wait for every rank."""
@@ -178,8 +200,10 @@ def init_distributed(backend: str = "auto", device: torch.device | None = None) 
     name = resolve_backend(backend, device)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if name == "nccl":
+        # CPU tensors (step statistics of stepwise, which live on the CPU) go through gloo,
+        # CUDA tensors (gradients) through NCCL
         torch.cuda.set_device(local)
-        dist.init_process_group(name, device_id=torch.device("cuda", local))
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local))
     else:
         dist.init_process_group(name)
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local, backend=name)

@@ -2,7 +2,7 @@
 
 Same model, same init, same batches, one process, for: torch.optim.AdamW (foreach),
 bitsandbytes AdamW8bit, torchao AdamW4bit (torch.compile), echotrain AdamW4bit and echotrain
-AdamW4bit with ``factor_second_moment=True`` (and the eager echotrain update for reference).
+AdamW4bit with ``factor_second_moment=True``, both again with ``m_rounding="stochastic"`` (and the eager echotrain update for reference).
 Step time is the thread CPU time of ``optimizer.step()`` alone (median over the steps after
 the first ``--warmup``, so compilation is excluded and reported separately); ratios are against
 torch AdamW measured in the same run. The machine is shared, so CPU time is steadier than wall
@@ -99,12 +99,19 @@ def make_optimizer(name: str, params, lr: float, wd: float):
         return AdamW4bit(params, lr=lr, weight_decay=wd)
     from echotrain.optim.adamw4bit import AdamW4bit
 
-    kw = {"echotrain_4bit": {}, "echotrain_4bit_factor": {"factor_second_moment": True}, "echotrain_4bit_eager": {"compile": False}}[name]
+    kw = {
+        "echotrain_4bit": {},
+        "echotrain_4bit_factor": {"factor_second_moment": True},
+        "echotrain_4bit_sr": {"m_rounding": "stochastic"},
+        "echotrain_4bit_factor_sr": {"factor_second_moment": True, "m_rounding": "stochastic"},
+        "echotrain_4bit_eager": {"compile": False},
+    }[name]
     kw.setdefault("compile", True)
     return AdamW4bit(params, lr=lr, weight_decay=wd, **kw)
 
 
-NAMES = ["torch_adamw", "bnb_adamw8bit", "torchao_adamw4bit", "echotrain_4bit", "echotrain_4bit_factor", "echotrain_4bit_eager"]
+NAMES = ["torch_adamw", "bnb_adamw8bit", "torchao_adamw4bit", "echotrain_4bit", "echotrain_4bit_factor", "echotrain_4bit_sr",
+         "echotrain_4bit_factor_sr", "echotrain_4bit_eager"]
 
 
 def run_one(name: str, args, train: list[torch.Tensor], evals: list[torch.Tensor]) -> dict:

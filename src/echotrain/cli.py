@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> ("module:function", one-line help). Imported lazily, when the command is parsed.
@@ -54,8 +55,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def set_omp_wait_policy(environ: dict[str, str] | None = None) -> str:
+    """Make OpenMP worker threads sleep, not spin, while they wait (unless the user chose).
+
+    Sets ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` (default ``os.environ``) when it is unset,
+    and returns the policy in force. It must run before torch is imported (libgomp reads it
+    once). Why: with the default (active) policy a 2-thread step next to one other busy
+    process took 2.4-4x the 1-thread step on 2 cores, as idle threads spin for their turn;
+    with PASSIVE 1.0-1.3x (``python benchmarks/bench_contention.py``, docs/benchmarks.md).
+    Set ``OMP_WAIT_POLICY=ACTIVE`` to get the old behaviour.
+    """
+    env = os.environ if environ is None else environ
+    return env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``echotrain`` command; returns the process exit code."""
+    set_omp_wait_policy()
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)

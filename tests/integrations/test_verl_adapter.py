@@ -6,6 +6,8 @@ requirements-extras.txt); without it these tests skip with the import error as t
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ except Exception as exc:  # ImportError, or a version clash raised at import tim
     )
 
 from echotrain.integrations.verl import (
+    DUAL_CLIP_LOSSES,
     ADV_ESTIMATORS,
     POLICY_LOSS_NAMES,
     balanced_advantage_scale,
@@ -75,7 +78,8 @@ def test_registered_loss_equals_compute_policy_loss(verl_name, agg):
     loss_mode = POLICY_LOSS_NAMES[verl_name]
     fn = verl_algos.get_policy_loss_fn(verl_name)
     old, log_prob, adv, mask = _batch(1)
-    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, **BAND)
+    c = 3.0 if loss_mode in DUAL_CLIP_LOSSES else None  # verl's gspo has no dual-clip
+    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=c, **BAND)
     v1, g1, m1 = _value_grad(lambda o, lp, a, m: fn(o, lp, a, m, loss_agg_mode=agg, config=_actor()), old, log_prob,
                              adv, mask)
     v2, g2, m2 = _value_grad(lambda o, lp, a, m: compute_policy_loss(loss_mode, o, lp, a, m, agg, cfg), old,
@@ -221,3 +225,110 @@ def test_plugin_module_registers_in_a_fresh_verl_process():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(sorted(POLICY_LOSS_NAMES)) + " True"
+
+
+# ---------------------------------------------------------------- issue 9 case 11: verl's own losses vs ours
+
+
+def test_plugin_gspo_has_no_dual_clip_like_verls_gspo():
+    """Old log-probs -2, new 0, A = -1, 4 tokens, token-mean: s = e^2 > clip_ratio_c = 3, but verl's
+    gspo has no dual-clip: loss e^2 = 7.389, gradient e^2 / 4 = 1.847 per token, clipfrac_lower 0."""
+    old = torch.full((1, 4), -2.0, dtype=torch.float64)
+    log_prob = torch.zeros(1, 4, dtype=torch.float64)
+    adv = -torch.ones(1, 4, dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    call = lambda f: _value_grad(lambda *a: f(*a, loss_agg_mode="token-mean", config=_actor()),  # noqa: E731
+                                 old, log_prob, adv, mask)
+    v_ref, g_ref, _ = call(verl_algos.compute_policy_loss_gspo)
+    assert float(v_ref) == pytest.approx(math.exp(2), rel=1e-12)
+    torch.testing.assert_close(g_ref, torch.full((1, 4), math.exp(2) / 4, dtype=torch.float64))
+    for name in ("echotrain_gspo", "echotrain_gspo_token"):
+        v, g, m = call(verl_algos.get_policy_loss_fn(name))
+        torch.testing.assert_close(v, v_ref, **TOL)
+        torch.testing.assert_close(g, g_ref, **TOL)
+        assert m["actor/pg_clipfrac_lower"] == 0.0
+    # vanilla (token level) does take verl's dual-clip, as verl's vanilla does: loss capped at 3
+    v, g, m = call(verl_algos.get_policy_loss_fn("echotrain_vanilla"))
+    v_vanilla, g_vanilla, _ = call(verl_algos.compute_policy_loss_vanilla)
+    assert float(v) == pytest.approx(3.0) and float(v_vanilla) == pytest.approx(3.0)
+    assert g.eq(0).all() and g_vanilla.eq(0).all() and m["actor/pg_clipfrac_lower"] == 1.0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("case", ["extreme", "dual_clip", "asymmetric"])
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_plugin_vanilla_equals_verl_vanilla_everywhere(case, agg, dp_size):
+    """echotrain_vanilla == verl's vanilla per rank: log-ratios of +-30 (both clamp at 20), dual-clip
+    active, asymmetric clips, 1 / 2 / 4 data-parallel ranks with verl's global counts."""
+    old, log_prob, adv, mask = _batch(7, B=16, noise=1.0)
+    low, high = (0.2, 0.28) if case != "asymmetric" else (0.05, 0.6)
+    if case == "extreme":
+        log_prob = log_prob.clone()
+        log_prob[0, 0], log_prob[1, 0] = old[0, 0] + 30, old[1, 0] - 30
+        adv = adv.clone()
+        adv[0, 0], adv[1, 0] = -1.0, 1.0
+    info = dict(dp_size=dp_size, batch_num_tokens=int(mask.sum()), global_batch_size=mask.shape[0])
+    cfg = _actor(low, high, 3.0, **info)
+    lp1 = log_prob.clone().requires_grad_(True)
+    lp2 = log_prob.clone().requires_grad_(True)
+    fired = 0.0
+    for rows in torch.arange(16).chunk(dp_size):
+        a = (old[rows], lp1[rows], adv[rows], mask[rows])
+        v1, m1 = verl_algos.get_policy_loss_fn("echotrain_vanilla")(*a, loss_agg_mode=agg, config=cfg)
+        v2, m2 = verl_algos.compute_policy_loss_vanilla(old[rows], lp2[rows], adv[rows], mask[rows],
+                                                        loss_agg_mode=agg, config=cfg)
+        torch.testing.assert_close(v1, v2, rtol=1e-7, atol=1e-12)
+        assert m1["actor/pg_clipfrac_lower"] == pytest.approx(m2["actor/pg_clipfrac_lower"], abs=1e-8)
+        fired += m1["actor/pg_clipfrac_lower"]
+        (v1 / dp_size).backward()
+        (v2 / dp_size).backward()
+    torch.testing.assert_close(lp1.grad, lp2.grad, rtol=1e-7, atol=1e-12)
+    assert fired > 0  # dual-clip active somewhere: the comparison is not vacuous
+
+
+def test_expected_difference_gspo_token_clamp():
+    """Documented difference (design §8): our token log-ratios are clamped at +-20 before the
+    sequence mean; verl's gspo clamps the mean from above at 10. One token at +30 of 4 (others 0),
+    A = -1: ours e^(20/4) = 148.4, verl's e^(30/4) = 1808; a sequence of 4 tokens at +12: ours e^12,
+    verl's e^10. Below both clamps they agree."""
+    ours = verl_algos.get_policy_loss_fn("echotrain_gspo_token")
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    adv = -torch.ones(1, 4, dtype=torch.float64)
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    for row, v_ours, v_verl in (([30.0, 0, 0, 0], math.exp(5), math.exp(7.5)), ([12.0] * 4, math.exp(12), math.exp(10)),
+                                ([2.0, 1.0, 0.0, -1.0], math.exp(0.5), math.exp(0.5))):
+        lp = torch.tensor([row], dtype=torch.float64)
+        a, _ = ours(old, lp, adv, mask, loss_agg_mode="token-mean", config=_actor())
+        b, _ = verl_algos.compute_policy_loss_gspo(old, lp, adv, mask, loss_agg_mode="token-mean", config=_actor())
+        assert float(a) == pytest.approx(v_ours, rel=1e-12) and float(b) == pytest.approx(v_verl, rel=1e-12)
+
+
+def test_expected_difference_seq_mean_token_sum_norm_without_loss_scale_factor():
+    """verl divides by the padded width when loss_scale_factor is unset; the plugin refuses."""
+    old, log_prob, adv, mask = _batch(8)
+    v, _ = verl_algos.compute_policy_loss_vanilla(old, log_prob, adv, mask, loss_agg_mode="seq-mean-token-sum-norm",
+                                                  config=_actor())
+    ref = verl_algos.compute_policy_loss_vanilla(old, log_prob, adv, mask, loss_agg_mode="seq-mean-token-sum-norm",
+                                                 config=_actor(loss_scale_factor=mask.shape[1]))[0]
+    torch.testing.assert_close(v, ref)  # verl: the padded width 7
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        verl_algos.get_policy_loss_fn("echotrain_vanilla")(old, log_prob, adv, mask,
+                                                           loss_agg_mode="seq-mean-token-sum-norm", config=_actor())
+
+
+def test_expected_difference_echo_R_is_per_micro_batch():
+    """Through verl, ECHO's R is each micro-batch's: two micro-batches sum to a different loss
+    than the whole step in one call (R differs between them); one call is exact."""
+    fn = verl_algos.get_policy_loss_fn("echotrain_echo")
+    old, log_prob, adv, mask = _batch(9, drift=0.0, noise=0.01)
+    log_prob = log_prob + torch.where(torch.arange(12)[:, None] < 6, 0.05, -0.05) * mask  # R > 1 | R < 1
+    info = dict(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=mask.shape[0])
+    whole, m = fn(old, log_prob, adv, mask, loss_agg_mode="token-mean", config=_actor(**info))
+    exact, _ = compute_policy_loss("echo", old, log_prob, adv, mask, "token-mean",
+                                   PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, **BAND))
+    torch.testing.assert_close(whole, exact, **TOL)
+    assert m["actor/echo/R_token_share"] == 1.0
+    parts = [fn(old[r], log_prob[r], adv[r], mask[r], loss_agg_mode="token-mean", config=_actor(**info))
+             for r in (slice(0, 6), slice(6, 12))]
+    assert parts[0][1]["actor/echo/R_batch"] > 1.01 > 0.99 > parts[1][1]["actor/echo/R_batch"]
+    assert abs(float(parts[0][0] + parts[1][0]) - float(whole)) > 1e-3

@@ -57,3 +57,40 @@ def test_math_equal_in_worker_threads():
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda c: math_equal(c[0], c[1]), cases))
     assert results == [c[2] for c in cases]
+
+
+# Issue 9 case 6: one canonical form per plain number (scientific notation, trailing zeros,
+# thousands separators, leading '+'); true and false pairs.
+@pytest.mark.parametrize(
+    ("pred", "gold", "expected"),
+    [
+        ("1e-3", "0.001", True),
+        ("0.001", "1E-3", True),
+        ("1.0e3", "1000", True),
+        ("1e3", "1,000", True),
+        ("2.50e+2", "250", True),
+        ("+5", "5", True),
+        ("1.500", "1.5", True),
+        ("-0", "0", True),
+        (".5", r"\frac{1}{2}", True),
+        (r"1 \times 10^{-3}", "0.001", True),  # LaTeX form: math-verify evaluates it
+        ("1e-3", "0.01", False),
+        ("1e3", "100", False),
+        ("1.0e3", "1001", False),
+        ("+5", "-5", False),
+        ("1,000", "100", False),
+        ("1e-7", "0", False),  # no float rounding to zero
+        ("1e100", "1e101", False),
+    ],
+)
+def test_math_equal_numeric_normalisation(pred, gold, expected):
+    assert math_equal(pred, gold) is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1e-3", "0.001"), ("0.0010", "0.001"), ("1.0E3", "1000"), ("+1,000", "1000"), ("-0.0", "0"),
+     ("1e100", "1E+100"), ("1,2", "1,2"), ("12,34", "12,34"), ("e5", "e5"), ("x+1", "x+1")],
+)
+def test_normalize_answer_canonical_numbers(text, expected):
+    assert normalize_answer(text) == expected

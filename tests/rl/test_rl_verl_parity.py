@@ -6,6 +6,8 @@ requirements-extras.txt. Without it these tests skip with the import error as th
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -132,3 +134,64 @@ def test_gspo_token_matches_verl_with_per_token_advantages(agg):
     )
     torch.testing.assert_close(ours, ref, **TOL)
     torch.testing.assert_close(g_ours, g_ref, **TOL)
+
+
+# ---------------------------------------------------------------- documented differences (design §8)
+
+
+def test_expected_difference_k3_output_is_not_clipped_at_10():
+    """verl clips k3's output to [-10, 10] (zero gradient beyond); ours does not: x = 5 gives
+    e^5 - 6 = 142.41 (gradient 1 - e^5 w.r.t. log pi), verl 10 (gradient 0). Below 10 they agree."""
+    ref_lp = torch.tensor([[5.0, 1.0]], dtype=torch.float64)
+    lp1 = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    lp2 = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    ours, theirs = kl_penalty(lp1, ref_lp, "k3"), verl_algos.kl_penalty(lp2, ref_lp, "k3")
+    ours.sum().backward()
+    theirs.sum().backward()
+    assert ours[0, 0].item() == pytest.approx(math.exp(5) - 6, rel=1e-12) and theirs[0, 0].item() == 10.0
+    assert lp1.grad[0, 0].item() == pytest.approx(1 - math.exp(5), rel=1e-12) and lp2.grad[0, 0].item() == 0.0
+    torch.testing.assert_close(ours[0, 1], theirs[0, 1])  # e - 2 = 0.718 < 10: same
+    torch.testing.assert_close(lp1.grad[0, 1], lp2.grad[0, 1])
+
+
+def test_expected_difference_k2_input_is_clamped_at_20():
+    """Ours clamps x = ref - log pi at +-20 before the square (value 200, zero gradient beyond);
+    verl does not (x = 30: 450, gradient -30). Inside +-20 they agree."""
+    ref_lp = torch.tensor([[30.0, -3.0]], dtype=torch.float64)
+    lp1 = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    lp2 = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    ours, theirs = kl_penalty(lp1, ref_lp, "k2"), verl_algos.kl_penalty(lp2, ref_lp, "k2")
+    ours.sum().backward()
+    theirs.sum().backward()
+    assert ours[0, 0].item() == 200.0 and theirs[0, 0].item() == 450.0
+    assert lp1.grad[0, 0].item() == 0.0 and lp2.grad[0, 0].item() == -30.0
+    torch.testing.assert_close(ours[0, 1], theirs[0, 1])
+    torch.testing.assert_close(lp1.grad[0, 1], lp2.grad[0, 1])
+
+
+@pytest.mark.parametrize("loss_mode", ["gspo", "gspo_token"])
+def test_expected_difference_gspo_log_ratio_clamp(loss_mode):
+    """Ours clamps each token's log-ratio at +-20 before the sequence mean; verl's gspo clamps
+    the sequence mean from above at 10 (and not below). One sequence, A = -1, seq-mean-token-mean:
+
+    - tokens [30, 0, 0, 0]: ours e^(20/4) = 148.41, verl e^(30/4) = 1808.04;
+    - tokens [12, 12, 12, 12]: ours e^12, verl e^10;
+    - tokens [-30, -30, 0, 0] with A = +1: ours -e^-10, verl -e^-15;
+    - tokens [2, 1, 0, -1]: both e^0.5 (inside both clamps: identical value and gradient).
+    """
+    cases = [([30.0, 0, 0, 0], -1.0, math.exp(5), math.exp(7.5)),
+             ([12.0] * 4, -1.0, math.exp(12), math.exp(10)),
+             ([-30.0, -30.0, 0, 0], 1.0, -math.exp(-10), -math.exp(-15)),
+             ([2.0, 1.0, 0.0, -1.0], -1.0, math.exp(0.5), math.exp(0.5))]
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    for row, a, v_ours, v_verl in cases:
+        adv = torch.full((1, 4), a, dtype=torch.float64)
+        lp = torch.tensor([row], dtype=torch.float64)
+        (ours, g_ours, _), (ref, g_ref, _) = _ours_and_verl(
+            loss_mode, verl_algos.compute_policy_loss_gspo, "seq-mean-token-mean", dict(clip_ratio_low=0.2, clip_ratio_high=0.28),
+            _actor_config(0.2, 0.28), old, lp, adv, mask)
+        # (verl divides seq-mean-token-mean by length + 1e-8: relative 2.5e-9)
+        assert ours.item() == pytest.approx(v_ours, rel=1e-12) and ref.item() == pytest.approx(v_verl, rel=1e-7)
+        if v_ours == v_verl:
+            torch.testing.assert_close(g_ours, g_ref, **TOL)

@@ -26,17 +26,31 @@ response_mask, loss_agg_mode, config, rollout_is_weights) -> (loss, metrics)``),
 :func:`echotrain.rl.compute_policy_loss`:
 
 ====================== ============= ==============================================================
-verl name              echotrain     exact?
+verl name              echotrain     compared with verl
 ====================== ============= ==============================================================
-``echotrain_vanilla``  ``vanilla``   yes (token PPO clip, DAPO clip-higher, dual-clip)
-``echotrain_gspo``     ``gspo``      yes (GSPO with the gradient through s_i, arXiv 2507.18071 Eq. 5-7)
-``echotrain_gspo_token`` ``gspo_token`` yes (verl's own ``gspo`` is this form)
+``echotrain_vanilla``  ``vanilla``   equals verl's ``vanilla`` (token PPO clip, DAPO clip-higher,
+                                     dual-clip ``clip_ratio_c``) up to the documented differences
+``echotrain_gspo``     ``gspo``      GSPO with the gradient through s_i (arXiv 2507.18071 Eq. 5-7);
+                                     verl has no such loss (same value as verl's ``gspo``)
+``echotrain_gspo_token`` ``gspo_token`` equals verl's ``gspo`` (the GSPO-token form) up to the
+                                     documented log-ratio clamp difference
 ``echotrain_echo``     ``echo``      R is the micro-batch's (see below)
 ====================== ============= ==============================================================
 
+Documented differences from verl (design/objectives.md §8, each an explicit expectation in
+tests/integrations/test_verl_adapter.py and tests/rl/test_rl_verl_parity.py; the upstream run
+of ``scripts/verl_upstream_tests.py`` is recorded in docs/design/objectives.md): our token
+log-ratios are clamped at +-``log_ratio_clamp`` (20) with zero gradient beyond, where verl's
+``vanilla`` clamps at +-20 the same way but verl's ``gspo`` clamps only the sequence mean from
+above at 10; ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` raises (verl divides by
+the padded width); ECHO's R is per micro-batch; ``rollout_is_weights`` are refused.
+
 Config mapping: the token clip comes from verl's actor config (``clip_ratio_low`` /
-``clip_ratio_high``, falling back to ``clip_ratio``; ``clip_ratio_c`` for dual-clip, verl's
-default 3.0, as verl's own losses apply it); ECHO's batch band and the other echotrain-only knobs
+``clip_ratio_high``, falling back to ``clip_ratio``); ``clip_ratio_c`` (dual-clip, verl's default
+3.0) is applied where verl's own counterpart applies it -- ``echotrain_vanilla`` and
+``echotrain_echo`` (a token-PPO loss) -- and never to ``echotrain_gspo`` /
+``echotrain_gspo_token``, because verl's ``gspo`` has no dual-clip (:data:`DUAL_CLIP_LOSSES`);
+ECHO's batch band and the other echotrain-only knobs
 (``batch_clip_low/high``, ``batch_ratio``, ``detach_kappa``, ``log_ratio_clamp``) come from the
 ``config`` given to :func:`register_with_verl` (ECHO band default
 :data:`echotrain.rl.ECHO_DEFAULT_BATCH_BAND`). ``seq-mean-token-sum-norm`` uses verl's
@@ -86,6 +100,7 @@ from echotrain.rl import (
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "DUAL_CLIP_LOSSES",
     "POLICY_LOSS_NAMES",
     "balanced_advantage_scale",
     "make_verl_adv_estimator",
@@ -100,6 +115,9 @@ POLICY_LOSS_NAMES: dict[str, str] = {
     "echotrain_gspo_token": "gspo_token",
     "echotrain_echo": "echo",
 }
+#: echotrain loss_modes that take verl's dual-clip ``clip_ratio_c``, as verl's token-level
+#: ``vanilla`` does; verl's ``gspo`` has none, so the GSPO forms never get it through verl.
+DUAL_CLIP_LOSSES: frozenset[str] = frozenset({"vanilla", "echo"})
 #: verl advantage-estimator name -> what it computes.
 ADV_ESTIMATORS: dict[str, str] = {
     "echotrain_grpo_balanced": "GRPO advantages (std-normalised unless algorithm.norm_adv_by_std_in_grpo=False) "
@@ -126,14 +144,15 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _loss_config(verl_config: Any, base: PolicyLossConfig) -> PolicyLossConfig:
-    """echotrain's PolicyLossConfig for one call: token clip from verl, the rest from ``base``."""
+def _loss_config(verl_config: Any, base: PolicyLossConfig, loss_mode: str) -> PolicyLossConfig:
+    """echotrain's PolicyLossConfig for one call: token clip from verl, the rest from ``base``;
+    dual-clip only for :data:`DUAL_CLIP_LOSSES`, as verl applies it."""
     clip = _get(verl_config, "clip_ratio", 0.2)
     values = {k: getattr(base, k) for k in _ECHOTRAIN_KNOBS}
     values.update(
         clip_ratio_low=float(_get(verl_config, "clip_ratio_low", clip)),
         clip_ratio_high=float(_get(verl_config, "clip_ratio_high", clip)),
-        clip_ratio_c=float(_get(verl_config, "clip_ratio_c", 3.0)),
+        clip_ratio_c=float(_get(verl_config, "clip_ratio_c", 3.0)) if loss_mode in DUAL_CLIP_LOSSES else None,
     )
     return PolicyLossConfig(**values)
 
@@ -189,7 +208,7 @@ def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str
         if loss_agg_mode not in _SHARED_AGG_MODES:
             raise ValueError(f"loss_agg_mode {loss_agg_mode!r} is not supported by echotrain losses; valid: "
                              f"{list(_SHARED_AGG_MODES)} (and BA via echotrain_grpo_balanced advantages)")
-        cfg = _loss_config(config, base) if config is not None else base
+        cfg = _loss_config(config, base, loss_mode) if config is not None else base
         info = dict(_get(config, "global_batch_info", {}) or {})
         dp_size = int(info.get("dp_size") or 1)
         if loss_agg_mode == "seq-mean-token-sum-norm":

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from echotrain.optim import quant
+from echotrain.optim.finite import first_nonfinite_grad, nonfinite_grad_message
 
 __all__ = ["AdamW4bit", "adamw4bit_tensor_update_"]
 
@@ -122,6 +123,7 @@ def adamw4bit_tensor_update_(
     *,
     v_kind: str,
     block_size: int,
+    m_seed: Tensor | None = None,
 ) -> None:
     """One AdamW step for one parameter with 4-bit m (and 4-bit or factored v), in place.
 
@@ -145,6 +147,10 @@ def adamw4bit_tensor_update_(
         lr, beta1, beta2, eps, weight_decay: AdamW hyperparameters (floats or 0-d tensors).
         v_kind: 'rank1' | 'block' | 'factor'.
         block_size: B128 block size.
+        m_seed: None for round-to-nearest m codes (the paper's rule), or a 0-d int64 seed for
+            stochastically rounded m codes (``m_rounding="stochastic"``, ours): element k of
+            the padded piece uses ``quant.hash_uniform(k, m_seed)`` (see
+            :func:`echotrain.optim.quant.quantize_de_stochastic`).
     Source: AdamW (Loshchilov & Hutter 2019, Alg. 2) with the quantizers of arXiv 2309.01507.
     """
     n = p.numel()
@@ -193,7 +199,14 @@ def adamw4bit_tensor_update_(
     # (multiplying by a per-block reciprocal instead of dividing every element: same codes up to
     # float rounding at exact midpoints, and a division per element is the costliest op here)
     m_scales = [mi.abs().amax(dim=1) for mi in new_m]
-    m_code = [quant._de_code_f(mi * (1 / si.clamp(min=_TINY))[:, None]).view(-1) for mi, si in zip(new_m, m_scales)]
+    if m_seed is None:
+        m_code = [quant._de_code_f(mi * (1 / si.clamp(min=_TINY))[:, None]).view(-1) for mi, si in zip(new_m, m_scales)]
+    else:
+        m_code = []
+        for i, (mi, si) in enumerate(zip(new_m, m_scales)):
+            index = torch.arange(i * half, (i + 1) * half, device=mi.device, dtype=torch.int64).view(bh, block_size)
+            u = quant.hash_uniform(index, m_seed)
+            m_code.append(quant._de_code_sr_f(mi * (1 / si.clamp(min=_TINY))[:, None], u).view(-1))
     m_codes.copy_((m_code[0] * 16 + m_code[1]).to(torch.uint8))
     m_scale.copy_(torch.cat(m_scales))
 
@@ -250,13 +263,30 @@ class AdamW4bit(torch.optim.Optimizer):
             Triton on CUDA) -- on CPU it measured 5-15x faster than eager -- else eager; a
             failed compilation warns and falls back to eager. ``ECHOTRAIN_OPTIM_COMPILE=0/1``
             overrides the ``None`` default.
-        check_finite: raise ``FloatingPointError`` when a step produces NaN/Inf in m (from a
-            NaN/Inf gradient) instead of silently carrying on (default True; costs a reduction
-            over the block scales).
+        m_rounding: (ours) how the new m is rounded to its 4-bit codes: ``"nearest"`` (default,
+            the paper's rule) or ``"stochastic"`` (unbiased stochastic rounding between the two
+            neighbouring DE codes). With nearest rounding and beta1 = 0.9 a code rarely moves
+            by itself (0.9 x a code rounds back to it), so m of coordinates whose gradient
+            fades or flips stays stuck at a stale value relative to its block's absmax; on a
+            dense least-squares problem this, not v's quantizer, is what makes 4-bit AdamW
+            converge slower than fp32 (docs/design/optimizers.md, "4-bit quality on dense
+            problems"). No extra state: the uniforms are a counter-based hash of (``seed``,
+            parameter index, piece, step, element), so runs are reproducible and a resumed run
+            draws the same ones.
+        seed: (ours) seed of the stochastic-rounding uniforms (default 0).
+        check_finite: before writing anything, check every gradient of the step
+            (:mod:`echotrain.optim.finite`: NaN, Inf, or |g| whose square overflows float32);
+            on a bad one raise ``FloatingPointError`` naming the parameter (param group, index,
+            shape) with every parameter and every state tensor unchanged, so the caller can skip
+            the step and go on (default True; one max-abs reduction per gradient, one sync).
+            ``False``: no check (a bad gradient then corrupts the parameter and its state).
+        skip_nonfinite: with ``check_finite``, skip such a step instead of raising: nothing is
+            written and :attr:`skipped_steps` is incremented (default False).
 
     Raises:
         ValueError: invalid hyperparameters (negative lr/eps/weight_decay, betas outside [0, 1),
-            block_size not a positive even number, sparse gradients at step time).
+            block_size not a positive even number, m_rounding not "nearest"/"stochastic",
+            sparse gradients at step time).
 
     State per parameter (plain tensors): ``step`` (float32, 0-d); small tensors: ``exp_avg``,
     ``exp_avg_sq`` (float32); others: ``exp_avg_codes`` (uint8), ``exp_avg_scale`` (float32),
@@ -280,6 +310,9 @@ class AdamW4bit(torch.optim.Optimizer):
         chunk_numel: int | None = 2**18,
         compile: bool | None = None,
         check_finite: bool = True,
+        skip_nonfinite: bool = False,
+        m_rounding: str = "nearest",
+        seed: int = 0,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -290,6 +323,7 @@ class AdamW4bit(torch.optim.Optimizer):
             block_size=block_size,
             min_quantize_numel=min_quantize_numel,
             chunk_numel=chunk_numel,
+            m_rounding=m_rounding,
         )
         _check_hparams(defaults, "defaults")
         super().__init__(params, defaults)
@@ -297,6 +331,10 @@ class AdamW4bit(torch.optim.Optimizer):
             _check_hparams(group, f"param_groups[{i}]")
         self.compile = compile  # None: decided per device at the first step
         self.check_finite = check_finite
+        self.skip_nonfinite = skip_nonfinite
+        #: steps skipped because of a bad gradient (``skip_nonfinite=True``)
+        self.skipped_steps = 0
+        self.seed = int(seed)
         self._compiled = None
 
     # ---------------------------------------------------------------- state layout
@@ -329,13 +367,25 @@ class AdamW4bit(torch.optim.Optimizer):
         """Perform one optimization step (``closure`` re-evaluates the loss, as in torch.optim).
 
         Raises:
-            ValueError: a sparse gradient.
-            FloatingPointError: (``check_finite``) the new m of a parameter is NaN/Inf.
+            ValueError: a sparse gradient (nothing is written).
+            FloatingPointError: (``check_finite`` without ``skip_nonfinite``) a gradient holds
+                NaN/Inf; raised before anything is written (see :mod:`echotrain.optim.finite`).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError(f"AdamW4bit does not support sparse gradients (param_groups[{gi}] param {pi})")
+        if self.check_finite:
+            hit = first_nonfinite_grad(self.param_groups)
+            if hit is not None:
+                if self.skip_nonfinite:
+                    self.skipped_steps += 1
+                    return loss
+                raise FloatingPointError(nonfinite_grad_message("AdamW4bit", hit))
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             lr = group["lr"]
@@ -343,8 +393,6 @@ class AdamW4bit(torch.optim.Optimizer):
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise ValueError(f"AdamW4bit does not support sparse gradients (param_groups[{gi}] param {pi})")
                 state = self.state[p]
                 if not state:
                     state.update(self._init_state(p, group))
@@ -352,18 +400,14 @@ class AdamW4bit(torch.optim.Optimizer):
                 if "exp_avg" in state:
                     small.append((p, state))
                     continue
-                self._update_quantized(p, state, group, lr, beta1, beta2)
-                if self.check_finite and not torch.isfinite(state["exp_avg_scale"]).all():
-                    raise FloatingPointError(
-                        f"AdamW4bit: non-finite m after step {int(state['step'])} for param_groups[{gi}] "
-                        f"param {pi} (shape {tuple(p.shape)}): the gradient has NaN/Inf values"
-                    )
+                self._update_quantized(p, state, group, lr, beta1, beta2, index=(gi, pi))
             if small:
                 self._update_small(small, group, lr, beta1, beta2)
         return loss
 
-    def _update_quantized(self, p, state, group, lr, beta1, beta2) -> None:
+    def _update_quantized(self, p, state, group, lr, beta1, beta2, index=(0, 0)) -> None:
         kind = _v_kind(p, group)
+        stochastic = group["m_rounding"] == "stochastic"
         pieces = _pieces(p.shape, kind, group["block_size"], group["chunk_numel"])
         qshape = _squeezed_shape(p.shape) or (1,)
         target = p if p.is_contiguous() else p.contiguous()
@@ -373,7 +417,7 @@ class AdamW4bit(torch.optim.Optimizer):
             self.compile = _compile_available(p.device)
         if self.compile:  # 0-d tensors, so that a new lr or step does not recompile
             hp = tuple(torch.tensor(x, dtype=torch.float32, device=p.device) for x in hp)
-        for piece in pieces:
+        for k, piece in enumerate(pieces):
             whole = len(pieces) == 1
             sl = lambda key, rng: state[key][rng[0] : rng[1]] if key in state else None  # noqa: E731
             args = (
@@ -386,11 +430,14 @@ class AdamW4bit(torch.optim.Optimizer):
                 None if kind != "factor" else state["exp_avg_sq_row"][piece.v_row[0] : piece.v_row[1]].view(piece.shape[:-1]),
                 None if kind != "factor" else state["exp_avg_sq_col"][piece.v_col[0] : piece.v_col[1]].view(piece.shape[:-2] + piece.shape[-1:]),
             )
-            self._update_piece(args, hp, kind, group["block_size"])
+            seed = None
+            if stochastic:  # one stream per (seed, parameter, piece, step): reproducible and resume-exact
+                seed = torch.tensor(_mix(self.seed, *index, k, int(state["step"])), dtype=torch.int64, device=p.device)
+            self._update_piece(args, hp, kind, group["block_size"], seed)
         if target is not p:
             p.copy_(target)
 
-    def _update_piece(self, args, hp, kind: str, block_size: int) -> None:
+    def _update_piece(self, args, hp, kind: str, block_size: int, m_seed: Tensor | None = None) -> None:
         if self.compile:
             if self._compiled is None:
                 self._compiled = torch.compile(adamw4bit_tensor_update_, fullgraph=True, dynamic=False)
@@ -398,7 +445,7 @@ class AdamW4bit(torch.optim.Optimizer):
                 # One kernel per (shape, dtype, v_kind): a model has more distinct shapes than
                 # dynamo's default recompile limit (8), past which it silently runs eager.
                 with torch._dynamo.config.patch(recompile_limit=max(256, torch._dynamo.config.recompile_limit)):
-                    self._compiled(*args, *hp, v_kind=kind, block_size=block_size)
+                    self._compiled(*args, *hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
                 return
             except Exception as err:
                 if not _is_compile_error(err):
@@ -406,7 +453,7 @@ class AdamW4bit(torch.optim.Optimizer):
                 warnings.warn(f"AdamW4bit: torch.compile failed ({type(err).__name__}: {err}); using eager", stacklevel=4)
                 self.compile = False
                 hp = tuple(float(x) for x in hp)
-        adamw4bit_tensor_update_(*args, *hp, v_kind=kind, block_size=block_size)
+        adamw4bit_tensor_update_(*args, *hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
 
     def _update_small(self, small, group, lr, beta1, beta2) -> None:
         """float32 AdamW for the small tensors of one group, vectorised with ``_foreach`` ops."""
@@ -472,6 +519,14 @@ class AdamW4bit(torch.optim.Optimizer):
                 self.state[p][key] = value.to(device="cpu" if key == "step" else p.device, copy=True)
 
 
+def _mix(*values: int) -> int:
+    """A 31-bit seed from a few small ints (for the stochastic-rounding hash)."""
+    h = 0x12345
+    for v in values:
+        h = (h * 1_000_003 + int(v) + 0x9E37) % 2_147_483_629
+    return h
+
+
 def _check_hparams(group: dict[str, Any], where: str) -> None:
     lr = group["lr"]
     lr_value = float(lr) if not isinstance(lr, Tensor) or lr.numel() == 1 else None
@@ -490,6 +545,8 @@ def _check_hparams(group: dict[str, Any], where: str) -> None:
     chunk = group["chunk_numel"]
     if chunk is not None and (not isinstance(chunk, int) or chunk <= 0):
         raise ValueError(f"{where}: chunk_numel must be a positive int or None, got {chunk!r}")
+    if group.get("m_rounding", "nearest") not in ("nearest", "stochastic"):
+        raise ValueError(f"{where}: m_rounding must be 'nearest' or 'stochastic', got {group['m_rounding']!r}")
     if not isinstance(group["min_quantize_numel"], int) or group["min_quantize_numel"] < 0:
         raise ValueError(f"{where}: min_quantize_numel must be an int >= 0, got {group['min_quantize_numel']!r}")
 

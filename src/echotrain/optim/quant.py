@@ -203,6 +203,48 @@ def _de_value(code: Tensor) -> Tensor:
     return torch.where(c < 0, -mag, mag)
 
 
+def _de_code_sr_f(x: Tensor, u: Tensor) -> Tensor:
+    """Stochastically rounded :data:`DE_MAP_4BIT` code of ``x`` (float32), given uniforms ``u``.
+
+    With ``lo <= x < hi`` the two neighbouring map values, the code of ``hi`` is taken with
+    probability ``(x - lo) / (hi - lo)`` (``u < p``), else the code of ``lo``, so the dequantized
+    value is unbiased: E[value] = x for x in [map[0], 1]. Values below the map's smallest entry
+    (-0.8875; the map has no -1) go to code 0, as with nearest rounding. Exactly 0 stays code 7
+    (p = 0), so a coordinate whose m is 0 keeps m = 0.
+    Source: stochastic rounding (Gupta et al., ICML 2015, arXiv 1502.02551) on the DE map of
+    arXiv 2309.01507.
+    """
+    code = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for value in DE_MAP_4BIT[1:]:
+        code = code + (x >= value).float()  # floor code: map values <= x, minus 1
+    lo = _de_value(code)
+    hi = _de_value((code + 1).clamp(max=15))
+    gap = hi - lo
+    p = torch.where(gap > 0, (x - lo) / torch.where(gap > 0, gap, 1.0), 0.0).clamp(0.0, 1.0)
+    return code + (u < p).float()
+
+
+_M32 = 0xFFFFFFFF
+
+
+def hash_uniform(index: Tensor, seed: Tensor | int) -> Tensor:
+    """Counter-based uniforms in [0, 1) (float32, 24 random bits) from int64 ``index`` and ``seed``.
+
+    A 32-bit integer mix (xor-shift / multiply rounds, multipliers below 2^31 so that every
+    product fits in int64) of ``index + seed * 0x9E3779B9``: the same (index, seed) always give
+    the same value, with no generator state, and it fuses into a compiled kernel (a CPU
+    generator's ``torch.rand`` costs more than the whole 4-bit update). Not for cryptography;
+    enough to decorrelate stochastic-rounding decisions across elements and steps.
+    """
+    x = (index + seed * 0x9E3779B9) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    x = x ^ (x >> 16)
+    return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
 def _linear_code_f(x: Tensor) -> Tensor:
     """Nearest :data:`LINEAR_MAP_4BIT` code (float32): ``clamp(ceil(16 x - 1/2) - 1, 0, 15)``."""
     return (torch.ceil(x * 16 - 0.5) - 1).clamp(0, 15)
@@ -230,6 +272,22 @@ def quantize_nearest(x: Tensor, qmap: Sequence[float] | Tensor) -> Tensor:
 def quantize_de(x: Tensor) -> Tensor:
     """Nearest :data:`DE_MAP_4BIT` code (uint8), the fast symmetric form used by the optimizer."""
     return _de_code_f(x.float()).to(torch.uint8)
+
+
+def quantize_de_stochastic(x: Tensor, u: Tensor) -> Tensor:
+    """Stochastically rounded :data:`DE_MAP_4BIT` code (uint8) of normalised ``x`` in [-1, 1].
+
+    Args:
+        x: normalised values, any shape.
+        u: uniforms in [0, 1) of the shape of ``x`` (e.g. ``torch.rand``), float32.
+    Returns:
+        uint8 codes; ``E[DE_MAP_4BIT[code]] = x`` for ``x >= DE_MAP_4BIT[0]``.
+    Raises:
+        ValueError: ``u`` and ``x`` differ in shape.
+    """
+    if u.shape != x.shape:
+        raise ValueError(f"quantize_de_stochastic: u has shape {tuple(u.shape)}, x has {tuple(x.shape)}")
+    return _de_code_sr_f(x.float(), u.float()).to(torch.uint8)
 
 
 def quantize_linear_zero_free(x: Tensor) -> Tensor:

@@ -29,8 +29,16 @@ it twice, once at ``w`` and once at ``w + e``, and zeroes the gradients before e
             return loss
         loss = opt.step(closure)
 
-Gradient clipping belongs at the end of the closure: in the first pass it rescales g as a whole,
-which leaves e unchanged (only the direction of g enters e); in the second it clips g_sam.
+Gradient clipping: pass ``max_grad_norm``; SAM clips g_sam (the second pass's gradient) to it
+after unscaling (with a ``grad_scaler``) and before the base update. Clipping the first pass's g
+would rescale it as a whole, which leaves e unchanged (only the direction of g enters e), so only
+g_sam is clipped. Without a scaler, clipping at the end of the closure is the same thing; with a
+scaler it is not possible there (the gradients are still scaled, and ``unscale_`` may only be
+called once per optimizer and step), hence the argument.
+
+Non-finite gradients (the rule of :mod:`echotrain.optim.finite`): without a scaler, a NaN/Inf
+gradient in either pass raises ``FloatingPointError`` naming the parameter, with the weights back
+at w and the base optimizer's state untouched; with a scaler the step is skipped instead.
 
 Note: davda54/sam's ``step(closure)`` expects the first backward to be done *before* ``step``
 and calls the closure once; ours calls it for both passes, like ``torch.optim.LBFGS`` calls its
@@ -45,6 +53,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+
+from echotrain.optim.finite import first_nonfinite_grad, nonfinite_grad_message
 
 Closure = Callable[[], torch.Tensor]
 
@@ -107,6 +117,9 @@ class SAM(torch.optim.Optimizer):
         eps: added to the gradient norm, > 0; keeps a zero gradient from giving NaN.
         model: if given, the running statistics of its BatchNorm modules are frozen during the
             second forward pass of :meth:`step` (see :func:`frozen_running_stats`).
+        max_grad_norm: clip the global L2 norm of the SAM gradient g_sam to this value in
+            :meth:`step`, after unscaling when a ``grad_scaler`` is given (None or 0: no
+            clipping). See the module docstring for why only g_sam.
         **base_kwargs: passed to ``base_optimizer`` when it is a class or a name (``lr``,
             ``momentum``, ``weight_decay`` ...).
 
@@ -116,7 +129,7 @@ class SAM(torch.optim.Optimizer):
 
     Raises:
         ValueError: ``rho`` (or a param group's ``rho``) negative or not finite; ``eps`` not
-            positive; ``params`` given together with an optimizer instance that does not hold
+            positive; ``max_grad_norm`` negative or not finite; ``params`` given together with an optimizer instance that does not hold
             exactly those parameters; ``base_kwargs`` given with an instance.
     """
 
@@ -128,8 +141,11 @@ class SAM(torch.optim.Optimizer):
         adaptive: bool = False,
         eps: float = 1e-12,
         model: nn.Module | None = None,
+        max_grad_norm: float | None = None,
         **base_kwargs: Any,
     ) -> None:
+        if max_grad_norm is not None and not (0.0 <= max_grad_norm < float("inf")):
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or a finite number >= 0")
         if not (rho >= 0.0 and rho < float("inf")):
             raise ValueError(f"rho={rho!r} must be finite and >= 0")
         if not eps > 0.0:
@@ -169,6 +185,7 @@ class SAM(torch.optim.Optimizer):
         self.defaults.update(base.defaults)
         self.model = model
         self.eps = eps
+        self.max_grad_norm = max_grad_norm or None
         # w before the perturbation, kept outside `state` so it never reaches a checkpoint.
         self._saved_w: dict[torch.Tensor, torch.Tensor] = {}
 
@@ -176,23 +193,28 @@ class SAM(torch.optim.Optimizer):
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm || T(w) g || over all params with a gradient (a 0-d fp32 tensor).
+        """Global L2 norm || T(w) g || over all params with a gradient (a 0-d tensor).
 
         T(w) = |w| in groups with ``adaptive=True``, the identity otherwise. 0 if no gradient.
+        Computed in the gradients' dtype when they all share one of float32/float64, in float32
+        for bfloat16/float16, and in float64 when the dtypes are mixed (so a float64 model gets
+        a float64-exact perturbation).
         """
-        norms = []
-        device = None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                device = device or p.grad.device
-                g = p.grad.float()
-                if group["adaptive"]:
-                    g = g * p.detach().float().abs()
-                norms.append(torch.linalg.vector_norm(g).to(device))
-        if not norms:
+        grads = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
             return torch.zeros((), dtype=torch.float32)
+        dtypes = {p.grad.dtype for _, p in grads}
+        if len(dtypes) > 1:
+            dtype = torch.float64
+        else:
+            dtype = torch.float64 if dtypes == {torch.float64} else torch.float32
+        device = grads[0][1].grad.device
+        norms = []
+        for group, p in grads:
+            g = p.grad.to(dtype)
+            if group["adaptive"]:
+                g = g * p.detach().to(dtype).abs()
+            norms.append(torch.linalg.vector_norm(g).to(device))
         return torch.linalg.vector_norm(torch.stack(norms))
 
     @torch.no_grad()
@@ -214,19 +236,20 @@ class SAM(torch.optim.Optimizer):
             raise RuntimeError("first_step called twice without second_step(): the weights are still perturbed")
         norm = self.grad_norm()
         if not torch.isfinite(norm):
+            hit = first_nonfinite_grad(self.param_groups)
+            where = nonfinite_grad_message("SAM first_step", hit) if hit else "SAM first_step"
             raise FloatingPointError(
-                f"SAM first_step: the gradient norm is {norm.item()} (NaN/Inf gradients); "
-                "pass grad_scaler= to step() to skip such steps"
+                f"{where}; the gradient norm is {norm.item()}; pass grad_scaler= to step() to skip such steps"
             )
         for group in self.param_groups:
-            scale = group["rho"] / (norm + self.eps)
+            scale = group["rho"] / (norm + self.eps)  # in the norm's dtype (see grad_norm)
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 self._saved_w[p] = p.detach().clone()
-                e = p.grad * scale.to(device=p.device, dtype=p.grad.dtype)
+                e = p.grad.to(scale.dtype) * scale.to(device=p.device)
                 if group["adaptive"]:
-                    e = e * p.detach().square()
+                    e = e * p.detach().to(scale.dtype).square()
                 p.add_(e.to(p.dtype))
         if zero_grad:
             self.zero_grad()
@@ -241,11 +264,26 @@ class SAM(torch.optim.Optimizer):
 
     @torch.no_grad()
     def second_step(self, zero_grad: bool = False) -> None:
-        """Restore w and step the base optimizer with the gradient now in ``.grad`` (g_sam)."""
+        """Restore w and step the base optimizer with the gradient now in ``.grad`` (g_sam).
+
+        Raises:
+            FloatingPointError: a gradient is NaN/Inf (:mod:`echotrain.optim.finite`); w is
+                restored and the base optimizer has not stepped.
+        """
         self.restore()
+        hit = first_nonfinite_grad(self.param_groups)
+        if hit is not None:
+            raise FloatingPointError(nonfinite_grad_message("SAM second_step (gradient at w + e)", hit))
         self.base_optimizer.step()
         if zero_grad:
             self.zero_grad()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self) -> None:
+        """Clip the global L2 norm of ``.grad`` to ``max_grad_norm`` (no-op when it is None)."""
+        if self.max_grad_norm:
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
 
     # --- the whole step ---------------------------------------------------------------------
 
@@ -261,14 +299,16 @@ class SAM(torch.optim.Optimizer):
             grad_scaler: a ``torch.amp.GradScaler``: the gradients of each pass are unscaled;
                 an inf/NaN in the first pass skips the step (weights untouched), one in the
                 second pass skips the base update (weights restored). Call
-                ``grad_scaler.update()`` after this, as usual.
+                ``grad_scaler.update()`` after this, as usual (the scale is reduced once).
+                ``max_grad_norm`` then clips the unscaled g_sam.
 
         Returns:
             the closure's loss at w (first pass).
 
         Raises:
             ValueError: ``closure`` is None.
-            FloatingPointError: NaN/Inf gradient norm in the first pass without a scaler.
+            FloatingPointError: without a scaler, a NaN/Inf gradient in either pass (weights
+                back at w, base optimizer not stepped).
             Whatever the closure raises; if it raises in the second pass, w is restored first.
         """
         if closure is None:
@@ -289,12 +329,18 @@ class SAM(torch.optim.Optimizer):
             self.restore()  # never leave the weights at w + e (the next step could not start)
             raise
         if grad_scaler is None:
-            self.second_step()
+            self.restore()
+            hit = first_nonfinite_grad(self.param_groups)
+            if hit is not None:
+                raise FloatingPointError(nonfinite_grad_message("SAM step (gradient at w + e)", hit))
+            self.clip_grad_norm_()
+            self.base_optimizer.step()
         else:
             # The scaler allows one unscale_ per optimizer per update(); the second pass is
             # unscaled and checked through the base optimizer, which has its own record.
             grad_scaler.unscale_(self.base_optimizer)
             self.restore()
+            self.clip_grad_norm_()  # on unscaled gradients; an inf makes them NaN, and step skips
             grad_scaler.step(self.base_optimizer)
         return loss
 

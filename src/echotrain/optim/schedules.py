@@ -31,6 +31,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from echotrain.optim.finite import first_nonfinite_grad, nonfinite_grad_message
 from echotrain.optim.sam import SAM, Closure
 
 SAM_START_UNITS: tuple[str, ...] = ("step", "epoch", "fraction")
@@ -95,7 +96,9 @@ class LateSAM(SAM):
             (default True, as in the paper's code, which steps a separate, fresh SGD+SAM
             optimizer from the switch on). For SGD this restarts the momentum buffer; for
             Adam-type optimizers it also resets the second moment and the bias-correction count.
-        rho, adaptive, eps, model, **base_kwargs: as for :class:`SAM`.
+        rho, adaptive, eps, model, max_grad_norm, **base_kwargs: as for :class:`SAM`;
+            ``max_grad_norm`` also clips the base optimizer's gradient before the switch (after
+            unscaling with a ``grad_scaler``).
 
     The step counter (:attr:`steps_taken`) is saved in ``state_dict()`` under ``"late_sam"``,
     so a resumed run switches at the same step.
@@ -117,10 +120,12 @@ class LateSAM(SAM):
         adaptive: bool = False,
         eps: float = 1e-12,
         model: nn.Module | None = None,
+        max_grad_norm: float | None = None,
         **base_kwargs: Any,
     ) -> None:
         self.sam_start_step = resolve_sam_start(sam_start, sam_start_unit, total_steps, steps_per_epoch)
-        super().__init__(params, base_optimizer, rho=rho, adaptive=adaptive, eps=eps, model=model, **base_kwargs)
+        super().__init__(params, base_optimizer, rho=rho, adaptive=adaptive, eps=eps, model=model,
+                         max_grad_norm=max_grad_norm, **base_kwargs)
         self.restart_momentum = restart_momentum
         self.steps_taken = 0
         self.momentum_restarted = False
@@ -143,6 +148,8 @@ class LateSAM(SAM):
 
         Raises:
             ValueError: no closure at a SAM step.
+            FloatingPointError: without a scaler, a NaN/Inf gradient (nothing written; see
+                :mod:`echotrain.optim.finite` and :meth:`SAM.step`).
         """
         if not self.sam_active():
             loss = None
@@ -151,8 +158,14 @@ class LateSAM(SAM):
                 with torch.enable_grad():
                     loss = closure()
             if grad_scaler is None:
+                hit = first_nonfinite_grad(self.param_groups)
+                if hit is not None:
+                    raise FloatingPointError(nonfinite_grad_message("LateSAM (before the switch)", hit))
+                self.clip_grad_norm_()
                 self.base_optimizer.step()
             else:
+                grad_scaler.unscale_(self.base_optimizer)
+                self.clip_grad_norm_()
                 grad_scaler.step(self.base_optimizer)
             self.steps_taken += 1
             return loss

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import logging
 import re
+from decimal import Decimal, InvalidOperation
 
-__all__ = ["math_equal", "normalize_answer"]
+__all__ = ["canonical_number", "math_equal", "normalize_answer"]
 
-_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+# a plain decimal number: sign, digits (optionally in thousands groups), fraction, exponent
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d*)(?:\.\d*)?(?:[eE][-+]?\d+)?")
+_MAX_EXPONENT = 50  # |exponent| beyond this: not expanded into digits (kept as canonical 1E+N)
 _WRAPPERS = re.compile(r"^\$+|\$+$")
 
 
@@ -34,9 +37,12 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 def normalize_answer(text: str) -> str:
     """Light, format-only normalisation before parsing.
 
-    Strips whitespace, surrounding ``$`` and a trailing period, and removes thousands
-    separators from plain numbers (``1,000`` -> ``1000``; ``1,2`` is left alone because it is a
-    tuple, not a number).
+    Strips whitespace, surrounding ``$`` and a trailing period. A plain decimal number is then
+    rewritten in one canonical form (:func:`canonical_number`): thousands separators removed
+    (``1,000`` -> ``1000``; ``1,2`` is left alone: a tuple, not a number), scientific notation
+    expanded (``1e-3`` -> ``0.001``, ``1.0E3`` -> ``1000``), trailing fractional zeros and a
+    leading ``+`` dropped (``18.0`` -> ``18``, ``+5`` -> ``5``, ``-0`` -> ``0``). LaTeX forms
+    (``1 \\times 10^{-3}``) are left to math-verify, which evaluates them.
     """
     s, prev = text, None
     while s != prev:  # "$1,000$." -> "1,000"
@@ -44,9 +50,34 @@ def normalize_answer(text: str) -> str:
         s = _WRAPPERS.sub("", s.strip()).strip()
         if s.endswith(".") and not s.endswith(".."):
             s = s[:-1]
-    if _THOUSANDS.fullmatch(s):
-        s = s.replace(",", "")
-    return s
+    return canonical_number(s) or s
+
+
+def canonical_number(text: str) -> str | None:
+    """The canonical decimal form of a plain number, or None when ``text`` is not one.
+
+    A plain number is an optional sign, digits (optionally grouped by commas in threes: ``1,000``,
+    ``-12,345.5``), an optional fraction and an optional exponent (``e``/``E``). The canonical
+    form has no sign for non-negative values, no exponent, no trailing fractional zeros and no
+    thousands separators, so every spelling of one value gives one string: ``1e-3``, ``0.0010``,
+    ``.001`` -> ``0.001``; ``1.0e3``, ``+1,000``, ``1000.`` -> ``1000``. Values with an exponent
+    beyond +-50 keep the form ``1E+100`` (no 100-digit strings). Exact (``decimal``), no float
+    rounding.
+    """
+    if not _PLAIN_NUMBER.fullmatch(text) or not any(c.isdigit() for c in text.split("e")[0].split("E")[0]):
+        return None
+    try:
+        value = Decimal(text.replace(",", ""))
+    except InvalidOperation:
+        return None
+    if not value.is_finite():
+        return None
+    if value.is_zero():
+        return "0"
+    value = value.normalize()
+    if abs(value.adjusted()) > _MAX_EXPONENT:
+        return str(value)
+    return format(value, "f")
 
 
 def _parse(text: str):

@@ -88,8 +88,14 @@ class BalancedStats:
 
     @property
     def num_groups(self) -> torch.Tensor:
-        """Number of groups with at least one response (0-d float64)."""
-        return (self.num_responses > 0).sum().to(torch.float64)
+        """Number of groups in the mean over groups: those with G > 0 (0-d float64).
+
+        With ``count_zero_adv=True`` (G counts every response) that is every group with a
+        response; with ``count_zero_adv=False`` a group whose advantages are all 0 has G = 0 and
+        is left out of the mean too, so the loss equals BA on the batch with its zero-advantage
+        responses removed (as DAPO's dynamic sampling would) -- design/objectives.md §5.
+        """
+        return (self.group_size > 0).sum().to(torch.float64)
 
     def coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token weights ``(c_pos, c_neg)``, each ``(n,)`` float64.

@@ -34,8 +34,11 @@ MATH_SYSTEM_PROMPTS = {
 }
 
 
-def load_jsonl(path: str | Path, *, split: str = "test") -> list[dict[str, Any]]:
+def load_jsonl(path: str | Path, *, split: str = "test", line_numbers: bool = False) -> list[Any]:
     """Rows of a JSONL file, or of ``<path>/<split>.jsonl`` when ``path`` is a folder.
+
+    With ``line_numbers=True`` each item is ``(lineno, row)``, ``lineno`` 1-based in the file
+    (blank lines are skipped but counted), so callers can name the line of a malformed row.
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -52,9 +55,10 @@ def load_jsonl(path: str | Path, *, split: str = "test") -> list[dict[str, Any]]
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{p}:{lineno}: invalid JSON ({exc})") from exc
+            rows.append((lineno, row) if line_numbers else row)
     if not rows:
         raise ValueError(f"{p} holds no rows")
     return rows

@@ -2,6 +2,7 @@
 
     echotrain train [--config FILE.yaml] [--resume [RUN_DIR]] [key=value ...]
     echotrain eval [--model NAME|PATH|RUN_DIR|CHECKPOINT] [--task NAME] [--prompts P] [--n N] [--k 1,4]
+    echotrain eval --suite math --data-dir DIR [--limit N] [--n N --k 1,4]   (echotrain.evalsuite)
 
 Configuration errors (unknown keys, bad values) are reported before any model is loaded, with
 the key and the valid choices, and exit with status 2.
@@ -118,18 +119,29 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=64, help="number of task prompts (default 64)")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
     parser.add_argument("--k", default="1", help="comma-separated k values for unbiased pass@k, each <= n (default 1)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="response length cap (default 48)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="response length cap (default 48 with --task, 1024 with --suite/--benchmark)")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 = greedy (default 0.7)")
     parser.add_argument("--seed", type=int, default=1234, help="seed for prompt choice and sampling (default 1234)")
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores (default)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    from echotrain.evalsuite.cli import add_suite_arguments
+
+    add_suite_arguments(parser)  # --suite, --benchmark, --data-dir, --limit, --top-p, --batch-size, --out
     parser.set_defaults(func=run_eval, accepts_extra=False)
 
 
 def run_eval(args: argparse.Namespace) -> int:
     """Entry point of ``echotrain eval``."""
     import yaml
+
+    from echotrain.evalsuite.cli import run_suite_command, wants_suite
+
+    if wants_suite(args):
+        return run_suite_command(args)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 48
 
     try:
         ks = [int(k) for k in str(args.k).split(",") if k.strip()]

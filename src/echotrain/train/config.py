@@ -542,6 +542,40 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(str(exc)) from None
     need(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda") or cfg.device == "mps",
          "device", "valid: auto, cpu, cuda, cuda:N, mps")
+    _check_learning_signal(cfg)
+
+
+def _check_learning_signal(cfg: TrainConfig) -> None:
+    """Refuse settings under which every advantage, hence every policy-gradient term, is exactly 0.
+
+    - ``num_generations=1`` with an estimator that centres rewards within each prompt's group
+      (probed on groups of one, so a new estimator is covered by its own behaviour): a group of
+      one response always has advantage 0. All of ours centre by group (``batch_std`` is Lite
+      PPO's group mean with the batch std, arXiv 2508.08221), so G=1 is refused for each.
+    - ``top_k=1``: greedy sampling makes the G responses of a prompt identical, so every group
+      has zero reward variance and advantage 0 (the KL term, if any, is 0 with 0 gradient at the
+      reference too).
+
+    Raises:
+        ConfigError: naming the key, the value and why.
+    """
+    import torch
+
+    from echotrain.rl import compute_advantages
+
+    if cfg.num_generations == 1:
+        probe = compute_advantages(torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), method=cfg.adv_estimator)
+        if not probe.any():
+            raise ConfigError(
+                f"num_generations=1: adv_estimator={cfg.adv_estimator!r} centres rewards within each prompt's group, "
+                "so a group of one response has advantage exactly 0 and the run would train nothing; use "
+                "num_generations >= 2"
+            )
+    if cfg.top_k == 1:
+        raise ConfigError(
+            "top_k=1: greedy rollouts make the num_generations responses of a prompt identical, so every group has "
+            "zero reward variance and every advantage is exactly 0 (nothing to learn); use top_k=0 (off) or >= 2"
+        )
 
 
 def format_help() -> str:

@@ -125,15 +125,62 @@ def render_prompts(tokenizer: Any, prompts: Sequence[Any]) -> list[str]:
     return out
 
 
+def bos_to_prepend(tokenizer: Any) -> int | None:
+    """The BOS id the tokenizer's own post-processor puts in front of a text, or None.
+
+    Probed on a one-character text: ``tokenizer(x, add_special_tokens=True)`` starts with
+    ``bos_token_id`` while ``add_special_tokens=False`` does not (Llama/SmolLM-style
+    post-processors). None for tokenizers that add no BOS (Qwen, GPT-2), whose models never saw
+    one.
+    """
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    with_special = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    without = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    return int(bos) if with_special[:1] == [bos] and without[:1] != [bos] else None
+
+
+def encode_prompts(tokenizer: Any, texts: Sequence[str], pad_token_id: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of rendered prompts, left-padded, with exactly one BOS where the model expects one.
+
+    The text is tokenized without special tokens (a chat template often writes BOS itself), and
+    the tokenizer's BOS (:func:`bos_to_prepend`) is put in front unless the ids already start
+    with it: one BOS, never zero and never two, for string and chat-templated prompts alike, so
+    the rollouts, the log-prob passes (which reuse these ids) and ``echotrain eval`` all see
+    what ``tokenizer(text)`` gives the model in training.
+
+    Returns:
+        ``(input_ids, attention_mask)``, both ``(len(texts), P)`` int64, left-padded with
+        ``pad_token_id`` (default: the tokenizer's pad id, else its eos id, else 0).
+    """
+    bos = bos_to_prepend(tokenizer)
+    rows = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    if bos is not None:
+        rows = [r if r[:1] == [bos] else [bos] + r for r in rows]
+    pad = pad_token_id if pad_token_id is not None else tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            attn[i, width - len(r):] = 1
+    return ids, attn
+
+
 def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_generations: int, *,
                       max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       batch_size: int = 0, group_offset: int = 0, share_prefix: bool = True,
                       do_sample: bool = True) -> RolloutBatch:
     """Sample ``num_generations`` completions of each prompt.
 
-    Each prompt is repeated G times (rows ``g*G .. g*G+G-1`` belong to group ``group_offset + g``)
-    and all rows are generated in one ``generate`` call (or chunks of ``batch_size`` rows), with
-    the KV cache. Sampling uses torch's global RNG, so a run is reproducible given its RNG state.
+    Each prompt is repeated G times (rows ``g*G .. g*G+G-1`` belong to group ``group_offset + g``),
+    encoded by :func:`encode_prompts` (exactly one BOS where the tokenizer adds one), and all rows
+    are generated in one ``generate`` call (or chunks of ``batch_size`` rows), with the KV cache. Sampling uses torch's global RNG, so a run is reproducible given its RNG state.
 
     Args:
         prompts: B prompts, each a chat message list or a string.
@@ -160,13 +207,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
     eos = eos_ids_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     device = next(model.parameters()).device
-    old_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    finally:
-        tokenizer.padding_side = old_side
-    ids, attn = enc["input_ids"], enc["attention_mask"]
+    ids, attn = encode_prompts(tokenizer, texts, pad_id)
     chunk = batch_size or len(texts)
     responses = []
     was_training = model.training

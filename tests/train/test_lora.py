@@ -61,6 +61,13 @@ def test_only_adapters_change_and_reference_is_the_base_model(lora_run, tiny_tok
     m = batch.response_mask.bool()
     torch.testing.assert_close(got[m], want[m], rtol=0, atol=1e-6)
     assert float((tuned[m] - want[m]).abs().max()) > 1e-3  # adapters on: a different policy
+    # the peft wrapper keeps the shared-prompt forward (its kwargs reach the base model)
+    from echotrain.train.rollout import _supports_shared_prefix
+
+    assert _supports_shared_prefix(trainer.model)
+    with torch.no_grad():
+        plain, _ = forward_log_probs(trainer.model, *args, share_prefix=False)
+    torch.testing.assert_close(tuned[m], plain[m], rtol=0, atol=1e-5)
 
 
 def test_lora_checkpoint_holds_adapters_and_resume_is_exact(lora_run):

@@ -274,7 +274,11 @@ def concat_rollouts(batches: Sequence[RolloutBatch], pad_token_id: int) -> Rollo
 
 
 def _accepts(model: Any, name: str) -> bool:
-    """Whether ``model.forward`` takes keyword ``name`` explicitly."""
+    """Whether ``model.forward`` takes keyword ``name`` explicitly. A peft model (LoRA) passes
+    its keyword arguments through to the wrapped model, so that model's forward is inspected."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        model = get_base()
     try:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

@@ -2,7 +2,7 @@
 ``python -m torch.distributed.run --standalone --nproc_per_node 2 dist_worker.py OUT_DIR``.
 
 Runs, in one process group: ``group`` (rollout_rng=group, compared with one process), ``lora`` (the same with
-LoRA adapters),
+LoRA adapters), ``uneven`` (3 groups: a rank with no rows in a mini-batch),
 ``stream`` (per-rank RNG streams), ``killed`` (stream, killed after step 2's metrics, so the
 step-1 checkpoint is the last) and ``killed`` resumed. Not a test module (no ``test_`` prefix).
 """
@@ -43,6 +43,8 @@ def main(out: Path) -> None:
     run(out, "group", rollout_rng="group")
     run(out, "stream", rollout_rng="stream")
     run(out, "lora", rollout_rng="group", lora_r=4, lora_alpha=8)
+    # 3 groups, mini-batches of 2 and 1 groups: rank 1 has no rows in one of them
+    run(out, "uneven", rollout_rng="group", prompts_per_step=3, steps=2)
 
     def kill_at_2(step, record):
         if step == 2:

@@ -79,6 +79,17 @@ def test_two_processes_equal_one_process(two_process_runs, tmp_path, tiny_tokeni
     assert samples == read_jsonl(tmp_path / "one" / "samples.jsonl")
 
 
+def test_a_rank_without_rows_still_gives_the_one_process_run(two_process_runs, tmp_path, tiny_tokenizer,
+                                                            make_tiny_model, digit_task):
+    _, one = one_process(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "one", rollout_rng="group",
+                         prompts_per_step=3, steps=2)
+    two = read_jsonl(two_process_runs / "uneven" / "metrics.jsonl")
+    assert [r["groups/kept"] for r in two] == [3, 3]
+    for a, b in zip(one, two, strict=True):
+        for k, v in strip(a).items():
+            assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
 def test_two_processes_equal_one_process_with_lora(two_process_runs, tmp_path, tiny_tokenizer, make_tiny_model,
                                                    digit_task):
     pytest.importorskip("peft")

@@ -378,6 +378,8 @@ class Trainer:
         lps, ents = [], []
         mine = self.dist.shard(len(batch))
         for idx in torch.arange(mine.start, mine.stop).split(self.cfg.micro_batch_size):
+            if not len(idx):  # this rank has no rows (fewer groups than processes)
+                continue
             lp, ent = self._log_probs(model, batch.select(idx), with_entropy=with_entropy)
             lps.append(lp.cpu())
             if ent is not None:
@@ -417,6 +419,8 @@ class Trainer:
             rows, batch = rows[local], batch.select(local)
         mbs = []
         for idx in torch.arange(len(rows)).split(cfg.micro_batch_size):
+            if not len(idx):  # no rows on this rank in this mini-batch: it still joins the collectives
+                continue
             r = rows[idx]
             mbs.append({
                 "rows": batch.select(idx),

@@ -100,7 +100,13 @@ def run_train(args: argparse.Namespace) -> int:
     # torchrun: the processes on this machine share its cores
     torch.set_num_threads(cfg.num_threads or max(1, _cores() // local_world_size()))
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, task=task, resume=args.resume is not None)
+    from echotrain.train.dist import WorldSizeMismatch
+
+    try:
+        trainer = Trainer(cfg, task=task, resume=args.resume is not None)
+    except WorldSizeMismatch as exc:
+        print(f"echotrain train: error: {exc}", file=sys.stderr)
+        return 2
     print(f"echotrain: run directory {trainer.run_dir} (config.yaml, metrics.jsonl, samples.jsonl, plots/, "
           f"checkpoints/); {torch.get_num_threads()} threads, device {trainer.device}", file=sys.stderr)
     trainer.train()

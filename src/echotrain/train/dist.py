@@ -39,6 +39,10 @@ BACKENDS = ("auto", "gloo", "nccl")
 TRAFFIC = {"all_reduce_bytes": 0, "gather_bytes": 0, "broadcast_bytes": 0, "seconds": 0.0}
 
 
+class WorldSizeMismatch(RuntimeError):
+    """A checkpoint written by a run of another number of processes (resume refused)."""
+
+
 def env_world_size() -> int:
     """``WORLD_SIZE`` from the launcher's environment (1 when not launched by torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1") or 1)

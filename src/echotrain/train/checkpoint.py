@@ -81,8 +81,11 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any, data_state: dict[str, Any], keep_last: int = 1,
-                    extra: dict[str, Any] | None = None) -> Path:
+                    extra: dict[str, Any] | None = None, model_state: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint of ``step`` atomically, then delete all but the last ``keep_last``.
+
+    ``model_state`` replaces ``model.state_dict()`` (e.g. LoRA: the adapter weights only);
+    ``extra`` holds trainer data (e.g. ``world_size`` and every data-parallel rank's RNG states).
 
     Returns:
         The checkpoint path.
@@ -92,7 +95,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     path = Path(run_dir) / "checkpoints" / f"step_{step:08d}.pt"
     state = {
         "step": step,
-        "model": model.state_dict(),
+        "model": model.state_dict() if model_state is None else model_state,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rng_state(),

@@ -125,11 +125,16 @@ def run_train(args: argparse.Namespace) -> int:
 
     from echotrain.train.trainer import Trainer
 
-    torch.set_num_threads(cfg.num_threads or _cores())
+    from echotrain.train.dist import local_world_size
+
+    # torchrun: the processes on this machine share its cores
+    torch.set_num_threads(cfg.num_threads or max(1, _cores() // local_world_size()))
     t0 = time.perf_counter()
+    from echotrain.train.dist import WorldSizeMismatch
+
     try:
         trainer = Trainer(cfg, task=task, resume=args.resume is not None)
-    except OSError as exc:  # e.g. a hub id that passed the checks but does not exist there
+    except (OSError, WorldSizeMismatch) as exc:  # a hub id that passed the checks but does not exist; -nproc change
         if getattr(args, "debug", False):
             raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)

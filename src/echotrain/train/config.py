@@ -203,9 +203,32 @@ class TrainConfig:
     plots: bool = _f(True, "Write PNG plots of the main curves to <output_dir>/plots at the end (and at each checkpoint).",
                      group="outputs")
     progress: bool = _f(True, "Show a progress bar and the closing summary table in the terminal.", group="outputs")
-    tensorboard: bool = _f(False, "Also log to TensorBoard (needs the tensorboard package).", group="outputs")
-    wandb: bool = _f(False, "Also log to Weights & Biases (needs wandb and a login).", group="outputs")
-    wandb_project: str = _f("echotrain", "W&B project name.", group="outputs")
+    report_to: str = _f("", "Experiment trackers besides metrics.jsonl, comma-separated: tensorboard (<output_dir>/"
+                        "tensorboard), wandb (offline unless WANDB_MODE is set; <output_dir>/wandb), trackio (local). "
+                        "Each needs its extra: pip install 'echotrain[tensorboard]' etc. Empty/none: none. "
+                        "(Replaces the old tensorboard=true / wandb=true keys, still accepted.)", group="outputs")
+    wandb_project: str = _f("echotrain", "Project name for report_to=wandb and trackio.", group="outputs")
+
+    # ---- parallelism and LoRA ---------------------------------------------------------------
+    dist_backend: str = _f("auto", "torch.distributed backend when launched by torchrun --nproc_per_node N: auto (nccl on "
+                           "CUDA, gloo on CPU), gloo or nccl. Ignored in a single process. See docs/distributed.md.",
+                           ("auto", "gloo", "nccl"), group="parallel")
+    rollout_rng: str = _f("stream", "Sampling randomness of rollouts. stream: the process's RNG in one batched generate "
+                          "call (each data-parallel rank has its own stream, so results depend on the number of "
+                          "processes). group: each prompt group sampled under its own seed (run seed, draw, group), "
+                          "one generate call per group: the run is the same for any number of processes.",
+                          ("stream", "group"), group="parallel")
+    lora_r: int = _f(0, "LoRA rank (peft; Hu et al. 2021, arXiv 2106.09685); 0 = full fine-tuning. With LoRA the KL "
+                     "reference is the same model with adapters disabled (no copy) and checkpoints hold the adapters. "
+                     "Needs pip install 'echotrain[lora]'.", group="parallel")
+    lora_alpha: float = _f(16.0, "LoRA alpha (the update is alpha / r * B A).", group="parallel")
+    lora_dropout: float = _f(0.0, "LoRA dropout. Must be 0 here: the trainer runs the policy without dropout (old "
+                             "log-probs, ECHO's pre-pass and the update must see the same function).", group="parallel")
+    lora_target_modules: str = _f("all-linear", "Modules that get adapters: all-linear (every linear layer but the "
+                                  "output head) or comma-separated name suffixes, e.g. q_proj,k_proj,v_proj,o_proj.",
+                                  group="parallel")
+    lora_merge_final: bool = _f(True, "LoRA: save final_model with the adapters merged into the weights (loads with "
+                                "plain transformers); false saves the peft adapter folder only.", group="parallel")
 
     # ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -330,7 +353,7 @@ def _coerce(key: str, value: Any) -> Any:
 
 def _check_keys(values: dict[str, Any], where: str) -> None:
     for key in values:
-        if key not in FIELDS:
+        if key not in FIELDS and key not in LEGACY_REPORT_KEYS:
             raise ConfigError(f"unknown key {key!r} in {where}" + _suggest(key))
 
 
@@ -373,7 +396,7 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
             except yaml.YAMLError:
                 raise ConfigError(f"{key}={value!r}: not a valid YAML value (quote strings with ':' or '#')") from None
             continue
-        if key not in FIELDS:
+        if key not in FIELDS and key not in LEGACY_REPORT_KEYS:
             raise ConfigError(f"unknown key {key!r}" + _suggest(key))
         out[key] = value
     return out
@@ -408,6 +431,33 @@ def _safe_load_file(p: Path, what: str) -> Any:
         raise ConfigError(f"{what} {str(p)!r}: cannot read it ({exc})") from None
 
 
+#: boolean keys replaced by ``report_to`` (accepted: true adds the backend, false is dropped)
+LEGACY_REPORT_KEYS = ("tensorboard", "wandb")
+
+
+def _legacy_keys(values: dict[str, Any] | None) -> dict[str, Any]:
+    """Map the old ``tensorboard=``/``wandb=`` booleans onto ``report_to`` (a config.yaml saved
+    before ``report_to`` existed still resumes).
+
+    Raises:
+        ConfigError: a value that is not a boolean.
+    """
+    values = dict(values or {})
+    extra = []
+    for key in LEGACY_REPORT_KEYS:
+        if key in values:
+            v = values.pop(key)
+            on = v if isinstance(v, bool) else str(v).strip().lower()
+            if on in (True, "1", "true", "yes", "on"):
+                extra.append(key)
+            elif on not in (False, "0", "false", "no", "off", "", "none"):
+                raise ConfigError(f"{key}={v!r}: this key was replaced by report_to (e.g. report_to={key})")
+    if extra:
+        current = [v.strip() for v in str(values.get("report_to") or "").split(",") if v.strip()]
+        values["report_to"] = ",".join(dict.fromkeys(current + extra))
+    return values
+
+
 def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
                    base: dict[str, Any] | None = None) -> TrainConfig:
     """Build and validate a config: defaults -> ``base`` -> preset -> YAML -> overrides.
@@ -418,7 +468,8 @@ def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[st
     Raises:
         ConfigError: unknown key, value of the wrong type, or invalid value (see :func:`validate`).
     """
-    yaml_values, overrides = dict(yaml_values or {}), dict(overrides or {})
+    yaml_values, overrides = _legacy_keys(yaml_values), _legacy_keys(overrides)
+    base = _legacy_keys(base) if base is not None else None
     _check_keys(yaml_values, "config file")
     _check_keys(overrides, "command line")
     values: dict[str, Any] = {}
@@ -504,6 +555,27 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
     need(cfg.sam_rho >= 0, "sam_rho", "must be >= 0")
     need(0 <= cfg.sam_start <= 1, "sam_start", "must be a fraction of the run's optimizer updates in [0, 1]")
+    need(cfg.lora_r >= 0, "lora_r", "must be >= 0 (0 = full fine-tuning)")
+    need(cfg.lora_alpha > 0, "lora_alpha", "must be > 0")
+    need(cfg.lora_dropout == 0, "lora_dropout", "must be 0: the trainer runs the policy without dropout (the old "
+         "log-probs, ECHO's pre-pass and the with-grad pass must be the same function)")
+    if cfg.lora_r > 0:
+        from echotrain.train.lora import parse_target_modules
+
+        try:
+            parse_target_modules(cfg.lora_target_modules)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise ConfigError("lora_r > 0 needs the peft package: pip install 'echotrain[lora]'")
+    from echotrain.train.sinks import check_available, parse_report_to
+
+    try:
+        check_available(parse_report_to(cfg.report_to))
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(str(exc)) from None
     need(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda") or cfg.device == "mps",
          "device", "valid: auto, cpu, cuda, cuda:N, mps")
     _check_learning_signal(cfg)

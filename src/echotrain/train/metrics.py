@@ -1,4 +1,4 @@
-"""Run outputs: metrics.jsonl, samples.jsonl, optional TensorBoard / W&B, the summary table.
+"""Run outputs: metrics.jsonl, samples.jsonl, tracker sinks (``report_to``), the summary table.
 
 ``samples.jsonl`` has ``log_samples`` rows per step taken round-robin over the step's prompt
 groups (``group``: the prompt's index in the step), each with ``question``, ``answer``,
@@ -67,43 +67,31 @@ def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
 
 
 class MetricsLogger:
-    """Appends step records to ``metrics.jsonl`` (flushed each step) and mirrors them to
-    TensorBoard / W&B when asked for and installed."""
+    """Appends step records to ``metrics.jsonl`` (flushed each step) and mirrors them to the
+    tracker sinks named in ``report_to`` (:mod:`echotrain.train.sinks`: tensorboard, wandb,
+    trackio; comma-separated).
 
-    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = False, wandb: bool = False,
-                 wandb_project: str = "echotrain", config: dict[str, Any] | None = None):
+    Raises:
+        ValueError: unknown sink name. ImportError: a sink's library is missing (names the extra).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, report_to: str | list[str] = "", project: str = "echotrain",
+                 config: dict[str, Any] | None = None):
+        from echotrain.train.sinks import build_sinks, parse_report_to
+
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "samples.jsonl"
-        self._tb = None
-        self._wandb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-            except ImportError:
-                print("echotrain: tensorboard=true but tensorboard is not installed; skipping", file=sys.stderr)
-        if wandb:
-            try:
-                import wandb as _wandb
-
-                self._wandb = _wandb.init(project=wandb_project, dir=str(self.run_dir), config=config or {})
-            except ImportError:
-                print("echotrain: wandb=true but wandb is not installed; skipping", file=sys.stderr)
+        names = parse_report_to(",".join(report_to) if isinstance(report_to, list) else report_to)
+        self.sinks = build_sinks(names, self.run_dir, config, project)
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append one step record."""
+        """Append one step record (and send it to every sink)."""
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
         step = int(record["step"])
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        for sink in self.sinks:
+            sink.log(record, step)
 
     def log_eval(self, record: dict[str, Any]) -> None:
         """Append one evaluation record to eval.jsonl."""
@@ -117,10 +105,25 @@ class MetricsLogger:
                 fh.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        """Close every sink."""
+        for sink in self.sinks:
+            sink.close()
+
+
+class NullLogger:
+    """The logger of data-parallel ranks other than 0: writes nothing."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Discard."""
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """Discard."""
+
+    def log_samples(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Discard."""
+
+    def close(self) -> None:
+        """Nothing to close."""
 
 
 SUMMARY_KEYS = ("reward/mean", "accuracy", "format_rate", "response_length/mean", "entropy", "ppo_kl",

@@ -274,7 +274,11 @@ def concat_rollouts(batches: Sequence[RolloutBatch], pad_token_id: int) -> Rollo
 
 
 def _accepts(model: Any, name: str) -> bool:
-    """Whether ``model.forward`` takes keyword ``name`` explicitly."""
+    """Whether ``model.forward`` takes keyword ``name`` explicitly. A peft model (LoRA) passes
+    its keyword arguments through to the wrapped model, so that model's forward is inspected."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        model = get_base()
     try:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -362,3 +366,42 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
             lp = logp_all.detach()
             entropy = F.pad(-(lp.exp() * lp).sum(-1), (0, T_full - T))
     return F.pad(log_prob, (0, T_full - T)), entropy
+
+
+def group_seed(seed: int, draw: int, group: int) -> int:
+    """Seed of one prompt group's sampling (``rollout_rng=group``): a function of the run seed,
+    the prompt draw counter and the group's index in the draw only, so the sampled tokens do not
+    depend on how the groups are split across processes or generate calls."""
+    return (seed * 1_000_003 + 7919 * draw + 104_729 * group + 17) % (2**63 - 1)
+
+
+def generate_rollouts_per_group(model: Any, tokenizer: Any, prompts: Sequence[Any], num_generations: int, *,
+                                seeds: Sequence[int], group_offset: int = 0, pad_token_id: int,
+                                **kwargs: Any) -> RolloutBatch:
+    """:func:`generate_rollouts` one prompt group at a time, each under its own seed (the global
+    RNGs are forked, so they are left untouched).
+
+    Args:
+        prompts: B prompts; ``seeds``: B ints, one per group.
+        group_offset: group id of ``prompts[0]``.
+        pad_token_id: padding of the concatenated batch.
+        **kwargs: the sampling arguments of :func:`generate_rollouts`.
+
+    Returns:
+        A :class:`RolloutBatch` with N = B * G rows; row block g is bit-identical to generating
+        ``prompts[g]`` alone under ``torch.manual_seed(seeds[g])``.
+
+    Raises:
+        ValueError: ``len(seeds) != len(prompts)``.
+    """
+    if len(seeds) != len(prompts):
+        raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+    device = next(model.parameters()).device
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    parts = []
+    for g, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(int(seed))
+            parts.append(generate_rollouts(model, tokenizer, [prompt], num_generations,
+                                           group_offset=group_offset + g, **kwargs))
+    return concat_rollouts(parts, pad_token_id)

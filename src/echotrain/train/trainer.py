@@ -53,8 +53,12 @@ from echotrain.train.checkpoint import (
     set_rng_state,
 )
 from echotrain.train.config import TrainConfig, save_config
-from echotrain.train.metrics import MetricsLogger, peak_memory_mb, print_summary, read_jsonl, truncate_jsonl
-from echotrain.train.rollout import RolloutBatch, concat_rollouts, forward_log_probs, generate_rollouts
+from echotrain.train.dist import WorldSizeMismatch, init_distributed, rank_seed
+from echotrain.train.lora import apply_lora, is_lora, load_model_state, model_state, reference_policy, save_final_model
+from echotrain.train.metrics import (MetricsLogger, NullLogger, peak_memory_mb, print_summary, read_jsonl,
+                                     truncate_jsonl)
+from echotrain.train.rollout import (RolloutBatch, concat_rollouts, forward_log_probs, generate_rollouts,
+                                     generate_rollouts_per_group, group_seed)
 
 StepCallback = Callable[[int, dict], None]
 
@@ -127,14 +131,20 @@ class Trainer:
 
     Raises:
         FileNotFoundError: ``resume`` without a checkpoint in the run directory.
+        echotrain.train.dist.WorldSizeMismatch: ``resume`` of a checkpoint written by another
+            number of processes.
     """
 
     def __init__(self, cfg: TrainConfig, *, model: Any = None, tokenizer: Any = None, task: Any = None,
                  reward_fn: Any = None, resume: bool = False, callbacks: Sequence[StepCallback] = (),
                  eval_task: Any = None):
         self.cfg = cfg
-        self.run_dir = Path(cfg.output_dir or default_run_dir(cfg))
         self.device = resolve_device(cfg.device)
+        # data parallelism (torchrun): rank, world size, sharding and collectives (train/dist.py)
+        self.dist = init_distributed(cfg.dist_backend, self.device)
+        if self.dist.enabled and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", self.dist.local_rank)
+        self.run_dir = Path(self.dist.broadcast(str(cfg.output_dir or default_run_dir(cfg))))
         self.callbacks = list(callbacks)
         seed_everything(cfg.seed)
         dtype = getattr(torch, cfg.dtype)
@@ -143,6 +153,10 @@ class Trainer:
 
             model, tokenizer = load_policy(cfg.model, dtype=dtype, device=str(self.device))
         self.model = model.to(self.device)
+        if cfg.lora_r > 0:
+            self.model = apply_lora(self.model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                    target_modules=cfg.lora_target_modules)
+        self.dist.broadcast_params(self.model)  # every rank starts from rank 0's weights (and adapters)
         # no dropout: the ECHO pre-pass and the with-grad pass must see the same function
         self.model.eval()
         if cfg.gradient_checkpointing:
@@ -179,7 +193,7 @@ class Trainer:
                 reward_fn = RewardFunction(task)
         self.reward_fn = reward_fn
         self.ref_model = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and not is_lora(self.model):  # LoRA: the reference is the model with adapters off
             self.ref_model = copy.deepcopy(self.model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
@@ -190,14 +204,20 @@ class Trainer:
         self.loss_config = cfg.policy_loss_config()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.start_step = 0
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.dist.barrier()
+        if cfg.rollout_rng == "stream" and self.dist.rank > 0:  # each rank samples its own stream
+            seed_everything(rank_seed(cfg.seed, self.dist.rank))
         if resume:
             self._resume()
-        # the run directory actually used, so the saved config reruns / resumes into it
-        save_config(dataclasses.replace(cfg, output_dir=str(self.run_dir)), self.run_dir / "config.yaml")
-        self._write_run_info()
-        self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
-                                    wandb_project=cfg.wandb_project, config=cfg.to_dict())
+        self.logger: Any = NullLogger()
+        if self.dist.is_main:  # rank 0 alone writes the run directory
+            # the run directory actually used, so the saved config reruns / resumes into it
+            save_config(dataclasses.replace(cfg, output_dir=str(self.run_dir)), self.run_dir / "config.yaml")
+            self._write_run_info()
+            self.logger = MetricsLogger(self.run_dir, report_to=cfg.report_to, project=cfg.wandb_project,
+                                        config=cfg.to_dict())
 
     def _write_run_info(self) -> None:
         """``run_info.json``: what ``auto`` / ``0`` / empty config values resolved to in this run
@@ -216,6 +236,9 @@ class Trainer:
             "model_class": type(self.model).__name__,
             "task": self.cfg.task,
             "task_class": type(self.task).__name__,
+            "world_size": self.dist.world_size,
+            "dist_backend": self.dist.backend,
+            "lora": is_lora(self.model),
             "versions": {"echotrain": echotrain.__version__, "torch": torch.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version()},
         }
@@ -250,13 +273,22 @@ class Trainer:
             extra = f"; damaged: {', '.join(map(str, damaged))}" if damaged else ""
             raise FileNotFoundError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}{extra}")
         state = load_checkpoint(path, map_location=self.device)
-        self.model.load_state_dict(state["model"])
+        saved_world = int(state.get("extra", {}).get("world_size", 1))
+        if saved_world != self.dist.world_size:
+            raise WorldSizeMismatch(
+                f"--resume: {path} was written by a run of {saved_world} process(es) and this run has "
+                f"{self.dist.world_size}; resume with the same number (torchrun --nproc_per_node {saved_world}): "
+                "each rank's RNG stream is part of the checkpoint, so another world size cannot continue it exactly")
+        load_model_state(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.prompts.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
+        rngs = state.get("extra", {}).get("rng_ranks")
+        set_rng_state(rngs[self.dist.rank] if rngs else state["rng"])
         self.start_step = int(state["step"])
+        if not self.dist.is_main:
+            return
         truncate_jsonl(self.run_dir / "metrics.jsonl", self.start_step)
         truncate_jsonl(self.run_dir / "samples.jsonl", self.start_step)
         truncate_jsonl(self.run_dir / "eval.jsonl", self.start_step)
@@ -264,22 +296,46 @@ class Trainer:
     # ------------------------------------------------------------------ 1-2. rollout and reward
     def _rollout_round(self, group_offset: int) -> tuple[RolloutBatch, list[Any], list[str], torch.Tensor, dict]:
         cfg = self.cfg
+        draw = self.prompts.draws
         examples = self.prompts.next(cfg.prompts_per_step)
-        t0 = time.perf_counter()
-        batch = generate_rollouts(
-            self.model, self.tokenizer, [ex.messages for ex in examples], cfg.num_generations,
-            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            batch_size=cfg.rollout_batch_size, group_offset=group_offset)
-        self._t_gen += time.perf_counter() - t0
-        t0 = time.perf_counter()
+        mine = self.dist.shard(len(examples))  # this rank's whole prompt groups (all of them in one process)
+        local = [examples[i] for i in mine]
         rows = [ex for ex in examples for _ in range(cfg.num_generations)]
-        texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-                 for ids, mask in zip(batch.response_ids, batch.response_mask)]
-        rewards, info = self.reward_fn(texts, rows)
-        self._n_reward_timeouts += int(info.get("n_timeouts", 0))
-        self._n_reward_exceptions += int(info.get("n_exceptions", 0))
-        self._t_score += time.perf_counter() - t0
-        return batch, rows, texts, rewards.float(), info
+        part = None
+        if local:
+            t0 = time.perf_counter()
+            sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                            top_k=cfg.top_k, batch_size=cfg.rollout_batch_size)
+            if cfg.rollout_rng == "group":
+                batch = generate_rollouts_per_group(
+                    self.model, self.tokenizer, [ex.messages for ex in local], cfg.num_generations,
+                    seeds=[group_seed(cfg.seed, draw, g) for g in mine], group_offset=group_offset + mine.start,
+                    pad_token_id=self.pad_id, **sampling)
+            else:
+                batch = generate_rollouts(self.model, self.tokenizer, [ex.messages for ex in local],
+                                          cfg.num_generations, group_offset=group_offset + mine.start, **sampling)
+            self._t_gen += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                     for ids, mask in zip(batch.response_ids, batch.response_mask)]
+            local_rows = [ex for ex in local for _ in range(cfg.num_generations)]
+            rewards, info = self.reward_fn(texts, local_rows)
+            self._t_score += time.perf_counter() - t0
+            part = (batch, texts, rewards.float(), {k: info[k] for k in ("correct", "format_ok") if k in info},
+                    (int(info.get("n_timeouts", 0)), int(info.get("n_exceptions", 0))))
+        if not self.dist.enabled:
+            self._n_reward_timeouts += part[4][0]
+            self._n_reward_exceptions += part[4][1]
+        if not self.dist.enabled:
+            return part[0], rows, part[1], part[2], part[3]
+        # every rank gets the whole round (as one process would have it): rank order = group order
+        parts = [p for p in self.dist.gather(part) if p is not None]
+        self._n_reward_timeouts += sum(p[4][0] for p in parts)  # every rank's, so rank 0 logs them all
+        self._n_reward_exceptions += sum(p[4][1] for p in parts)
+        batch = concat_rollouts([p[0] for p in parts], self.pad_id)
+        texts = [t for p in parts for t in p[1]]
+        info = {k: torch.cat([torch.as_tensor(p[3][k]) for p in parts]) for k in parts[0][3]}
+        return batch, rows, texts, torch.cat([p[2] for p in parts]), info
 
     def collect(self) -> dict[str, Any]:
         """Steps 1-2: rollouts and rewards for one step, with DAPO dynamic sampling if enabled.
@@ -344,14 +400,33 @@ class Trainer:
     @torch.no_grad()
     def _log_probs_batched(self, model: Any, batch: RolloutBatch,
                            with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """No-grad log-probs (and entropy) of all rows, in micro-batches; (N, T) float32 on CPU."""
+        """No-grad log-probs (and entropy) of all rows, in micro-batches; (N, T) float32 on CPU.
+
+        With several processes each rank computes its contiguous share of the rows and all
+        ranks receive all of them."""
         lps, ents = [], []
-        for idx in torch.arange(len(batch)).split(self.cfg.micro_batch_size):
+        mine = self.dist.shard(len(batch))
+        for idx in torch.arange(mine.start, mine.stop).split(self.cfg.micro_batch_size):
+            if not len(idx):  # this rank has no rows (fewer groups than processes)
+                continue
             lp, ent = self._log_probs(model, batch.select(idx), with_entropy=with_entropy)
             lps.append(lp.cpu())
             if ent is not None:
                 ents.append(ent.cpu())
+        if self.dist.enabled:
+            parts = self.dist.gather((lps, ents))
+            lps, ents = [t for p in parts for t in p[0]], [t for p in parts for t in p[1]]
         return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+    def _ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """Reference-policy log-probs for the KL term (None when ``kl_coef`` is 0): the initial
+        model's copy, or with LoRA the same model with its adapters disabled."""
+        if self.cfg.kl_coef <= 0:
+            return None
+        if self.ref_model is not None:
+            return self._log_probs_batched(self.ref_model, batch)[0]
+        with reference_policy(self.model) as ref:
+            return self._log_probs_batched(ref, batch)[0]
 
     # ------------------------------------------------------------------ 5. one optimizer step
     def update_mini_batch(self, data: dict[str, Any], rows: torch.Tensor, on_policy: bool = False) -> dict[str, float]:
@@ -367,8 +442,14 @@ class Trainer:
         cfg = self.cfg
         batch: RolloutBatch = data["batch"].select(rows)
         _, batch.group_index = torch.unique(batch.group_index, return_inverse=True)
+        if self.dist.enabled:  # this rank's whole groups of the mini-batch (step-wide group ids kept)
+            mine = self.dist.shard(int(batch.group_index.max()) + 1 if len(batch) else 0)
+            local = ((batch.group_index >= mine.start) & (batch.group_index < mine.stop)).nonzero().squeeze(-1)
+            rows, batch = rows[local], batch.select(local)
         mbs = []
         for idx in torch.arange(len(rows)).split(cfg.micro_batch_size):
+            if not len(idx):  # no rows on this rank in this mini-batch: it still joins the collectives
+                continue
             r = rows[idx]
             mbs.append({
                 "rows": batch.select(idx),
@@ -385,8 +466,10 @@ class Trainer:
                     mb["log_prob"] = (mb["old_log_prob"].clone() if on_policy
                                       else self._log_probs(self.model, mb["rows"])[0].cpu())
         stat_mbs = [{k: v for k, v in mb.items() if k not in ("rows", "ref_log_prob")} for mb in mbs]
+        # all-reduced over ranks when torch.distributed is initialised; dp_size=1 because
+        # dist.all_reduce_grads sums the ranks' gradients (each rank's loss is its share of the step's)
         stats = compute_step_stats(stat_mbs, loss_mode=cfg.loss_mode, loss_agg_mode=cfg.loss_agg_mode,
-                                   config=self.loss_config)
+                                   config=self.loss_config, dp_size=1)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         first: dict[str, float] = {}
@@ -404,7 +487,7 @@ class Trainer:
                 loss, m = compute_policy_loss(
                     cfg.loss_mode, mb["old_log_prob"].to(log_prob.device), log_prob, advantages,
                     mask, cfg.loss_agg_mode, self.loss_config, group_index=group_index, step=stats)
-                if self.ref_model is not None:
+                if mb["ref_log_prob"] is not None:  # kl_coef > 0 (a reference copy, or LoRA adapters off)
                     kl_mat = kl_penalty(log_prob, mb["ref_log_prob"].to(log_prob.device), cfg.kl_penalty)
                     # aggregated exactly like the policy loss, with the step's normalisers
                     kl_loss = step_agg_loss(kl_mat, mask, stats, self.loss_config, advantages=advantages,
@@ -421,8 +504,16 @@ class Trainer:
                     else:
                         sums[k] = sums.get(k, 0.0) + float(v) * n_tok
                 weight += n_tok
+            self.dist.all_reduce_grads(params)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             if not first:  # SAM calls this twice; the metrics are those at w, not at w + e
+                if self.dist.enabled:  # token-weighted over the whole step, as in one process
+                    parts = self.dist.gather((sums, weight, batch_metrics))
+                    sums, weight = {}, sum(p[1] for p in parts)
+                    for p in parts:
+                        for k, v in p[0].items():
+                            sums[k] = sums.get(k, 0.0) + v
+                        batch_metrics = batch_metrics or p[2]
                 first.update({k: v / weight for k, v in sums.items()} if weight > 0 else {k: 0.0 for k in sums})
                 first.update(batch_metrics)
                 first["grad_norm"] = float(grad_norm)
@@ -466,7 +557,7 @@ class Trainer:
 
         # 4. old log-probs (rollout policy), reference log-probs, entropy
         old_log_prob, entropy = self._log_probs_batched(self.model, batch, with_entropy=True)
-        ref_log_prob = self._log_probs_batched(self.ref_model, batch)[0] if self.ref_model is not None else None
+        ref_log_prob = self._ref_log_probs(batch)
         data.update(old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask,
                     ref_log_prob=ref_log_prob)
 
@@ -474,7 +565,8 @@ class Trainer:
         n_groups = int(batch.group_index.max()) + 1
         updates = []
         for _epoch in range(cfg.ppo_epochs):
-            group_perm = torch.randperm(n_groups)
+            # rank 0 draws the mini-batch split; every rank uses it
+            group_perm = self.dist.broadcast(torch.randperm(n_groups) if self.dist.is_main else None)
             for groups in group_perm.tensor_split(min(cfg.num_mini_batches, n_groups)):
                 rows = torch.isin(batch.group_index, groups).nonzero().squeeze(-1)
                 updates.append(self.update_mini_batch(data, rows, on_policy=not updates))
@@ -551,27 +643,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def save(self, step: int) -> Path:
-        """Checkpoint after ``step`` (atomic, keep-last-k)."""
-        return save_checkpoint(self.run_dir, step, model=self.model, optimizer=self.optimizer,
-                               scheduler=self.scheduler, data_state=self.prompts.state_dict(),
-                               keep_last=self.cfg.keep_last)
+        """Checkpoint after ``step`` (atomic, keep-last-k), written by rank 0 with every rank's RNG
+        state. With LoRA the model part is the adapters only. Returns the path (on every rank)."""
+        from echotrain.train.checkpoint import rng_state
+
+        rngs = self.dist.gather(rng_state())
+        path = self.run_dir / "checkpoints" / f"step_{step:08d}.pt"
+        if self.dist.is_main:
+            extra = {"world_size": self.dist.world_size, "rng_ranks": rngs if self.dist.enabled else None}
+            path = save_checkpoint(self.run_dir, step, model=self.model, optimizer=self.optimizer,
+                                   scheduler=self.scheduler, data_state=self.prompts.state_dict(),
+                                   keep_last=self.cfg.keep_last, extra=extra, model_state=model_state(self.model))
+        self.dist.barrier()
+        return path
 
     def train(self) -> list[dict[str, Any]]:
         """Run steps ``start_step+1 .. cfg.steps``; returns all metrics records of the run."""
         cfg = self.cfg
         t0 = time.perf_counter()
         bar = None
-        if cfg.progress:
+        main = self.dist.is_main
+        if cfg.progress and main:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"echotrain {cfg.preset}", unit="step",
                        dynamic_ncols=True)
         try:
-            if cfg.eval_prompts and self.start_step == 0:
+            if cfg.eval_prompts and self.start_step == 0 and main:
                 self.evaluate(0)
             for step in range(self.start_step + 1, cfg.steps + 1):
                 record = self.train_step(step)
-                if cfg.eval_prompts and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+                if main and cfg.eval_prompts and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
                     record.update(self.evaluate(step))
                 self.logger.log(record)
                 self.logger.log_samples(self._samples)
@@ -583,17 +685,20 @@ class Trainer:
                     cb(step, record)
                 if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                     self.save(step)
-                    if cfg.plots and step != cfg.steps:
+                    if cfg.plots and step != cfg.steps and main:
                         self.write_plots()
         finally:
             if bar is not None:
                 bar.close()
             self.logger.close()
+        self.dist.barrier()
         records = read_jsonl(self.run_dir / "metrics.jsonl")
+        if not main:
+            return records
         if cfg.plots:
             self.write_plots(records)
         if cfg.save_final_model and hasattr(self.model, "save_pretrained"):
-            self.model.save_pretrained(self.run_dir / "final_model")
+            save_final_model(self.model, self.run_dir / "final_model", merged=cfg.lora_merge_final)
             if hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(self.run_dir / "final_model")
         self.train_seconds = time.perf_counter() - t0

@@ -1,0 +1,173 @@
+"""report_to= tracker sinks: the registry, the config (legacy keys), missing-library errors, and
+what each installed backend wrote, read back from its files after a tiny training run."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import struct
+
+import pytest
+
+from echotrain.train.config import ConfigError, resolve_config
+from echotrain.train.metrics import MetricsLogger, read_jsonl
+from echotrain.train.sinks import SINKS, Sink, parse_report_to, register_sink
+from echotrain.train.trainer import Trainer
+
+BASE = dict(steps=2, prompts_per_step=2, num_generations=4, max_new_tokens=6, micro_batch_size=8,
+            num_mini_batches=1, lr=1e-2, device="cpu", progress=False, plots=False, save_final_model=False,
+            eval_prompts=0, save_every=0)
+KEYS = ("reward/mean", "accuracy", "ppo_kl", "grad_norm", "entropy", "echo/R_batch")
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def test_parse_report_to_and_unknown_name():
+    assert parse_report_to("") == [] and parse_report_to("none") == []
+    assert parse_report_to(" TensorBoard, wandb ,tensorboard") == ["tensorboard", "wandb"]
+    with pytest.raises(ValueError, match="unknown backend 'mlflow'; valid: tensorboard, wandb, trackio"):
+        parse_report_to("tensorboard,mlflow")
+    with pytest.raises(ConfigError, match="unknown backend 'mlflow'"):
+        resolve_config(overrides={"report_to": "mlflow"})
+
+
+def test_legacy_boolean_keys_map_to_report_to():
+    if installed("tensorboard"):
+        assert resolve_config(overrides={"tensorboard": "true"}).report_to == "tensorboard"
+    # an old config.yaml (tensorboard: false, wandb: false) still resumes
+    cfg = resolve_config(base={**resolve_config().to_dict(), "tensorboard": False, "wandb": False})
+    assert cfg.report_to == ""
+    with pytest.raises(ConfigError, match="replaced by report_to"):
+        resolve_config(overrides={"wandb": "maybe"})
+
+
+def test_missing_library_names_the_extra(monkeypatch):
+    @register_sink("fake_missing", extra="fakeextra", module="echotrain_no_such_module")
+    class Missing(Sink):
+        pass
+
+    try:
+        with pytest.raises(ConfigError, match=r"report_to=fake_missing needs the echotrain_no_such_module package: "
+                                              r"pip install 'echotrain\[fakeextra\]'"):
+            resolve_config(overrides={"report_to": "fake_missing"})
+        with pytest.raises(ImportError, match=r"echotrain\[fakeextra\]"):
+            MetricsLogger("/nonexistent", report_to="fake_missing")
+    finally:
+        SINKS.pop("fake_missing")
+    if not installed("trackio"):
+        with pytest.raises(ConfigError, match=r"pip install 'echotrain\[trackio\]'"):
+            resolve_config(overrides={"report_to": "trackio"})
+
+
+def test_a_new_backend_is_one_class(tmp_path):
+    seen = []
+
+    @register_sink("memory", extra="none", module="json")
+    class MemorySink(Sink):
+        def log(self, record, step):
+            seen.append((step, record["reward/mean"]))
+
+        def close(self):
+            seen.append("closed")
+
+    try:
+        logger = MetricsLogger(tmp_path, report_to="memory")
+        logger.log({"step": 1, "reward/mean": 0.25})
+        logger.log({"step": 2, "reward/mean": 0.5})
+        logger.close()
+    finally:
+        SINKS.pop("memory")
+    assert seen == [(1, 0.25), (2, 0.5), "closed"]
+    assert [r["reward/mean"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0.25, 0.5]
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory):
+    """A 2-step run with every installed sink on; returns (run_dir, metrics records)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import DigitTask, make_model, make_tokenizer
+
+    names = [n for n in ("tensorboard", "wandb", "trackio") if installed(SINKS[n].module)]
+    if not names:
+        pytest.skip("no tracker library installed")
+    out = tmp_path_factory.mktemp("tracked")
+    import os
+
+    os.environ["TRACKIO_DIR"] = str(out / "trackio")  # trackio's local store, not the user's cache
+    tok = make_tokenizer()
+    cfg = resolve_config(overrides={**BASE, "output_dir": str(out / "run"), "report_to": ",".join(names)})
+    records = Trainer(cfg, model=make_model(tok), tokenizer=tok, task=DigitTask()).train()
+    return out / "run", records
+
+
+def test_tensorboard_scalars_read_back(tracked_run):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, records = tracked_run
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    for key in KEYS:
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == [1, 2]
+        assert [e.value for e in events] == pytest.approx([r[key] for r in records], rel=1e-6, abs=1e-7)
+
+
+def _wandb_records(path):
+    """Records of a W&B offline run file (LevelDB-log framing of protobuf Records: 7-byte file
+    header, 32 KiB blocks, 7-byte chunk headers crc32/length/type with FULL=1 FIRST=2 MIDDLE=3 LAST=4)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    pos, block, buf = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            buf = b""
+            yield rec
+
+
+def test_wandb_offline_history_read_back(tracked_run):
+    pytest.importorskip("wandb")
+    run_dir, records = tracked_run
+    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history = []
+    for rec in _wandb_records(path):
+        if rec.WhichOneof("record_type") == "history":
+            history.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
+    assert [h["_step"] for h in history] == [1, 2]
+    for h, r in zip(history, records):
+        for key in KEYS:
+            assert h[key] == pytest.approx(r[key], rel=1e-12), key
+
+
+def test_trackio_read_back(tracked_run):
+    """Not run on the development machine (trackio 0.43 would downgrade pillow there): reads
+    trackio's local SQLite store (``$TRACKIO_DIR/<project>.db``, table ``metrics``)."""
+    pytest.importorskip("trackio")
+    import os
+    import sqlite3
+
+    run_dir, records = tracked_run
+    db = sqlite3.connect(os.path.join(os.environ["TRACKIO_DIR"], "echotrain.db"))
+    rows = db.execute("SELECT step, metrics FROM metrics WHERE run_name = ? ORDER BY step", (run_dir.name,)).fetchall()
+    assert [int(r[0]) for r in rows] == [1, 2]
+    assert [json.loads(r[1])["reward/mean"] for r in rows] == pytest.approx([r["reward/mean"] for r in records])

@@ -153,6 +153,13 @@ class TrainConfig:
                                    "responses sharing it (exact: same log-probs and gradients; ~3x less compute when "
                                    "prompts are longer than responses). Needs a model with past_key_values.",
                                    group="update")
+    reuse_on_policy_log_probs: bool = _f(True, "Take the old log-probs (and entropy) of the first mini-batch of the first "
+                                         "epoch from its own with-grad forward, detached, instead of a separate "
+                                         "no-grad pass: no update has happened yet, so they are the same numbers "
+                                         "(bit-identical with one mini-batch; the later mini-batches still get theirs "
+                                         "from the pass before any update). Saves 1/num_mini_batches of that pass. "
+                                         "Off with several processes and with SAM (its second pass runs at w + e).",
+                                         group="update")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (transformers' "
                                       "gradient_checkpointing_enable, non-reentrant): less memory, ~30% more update "
                                       "time; same gradients.", group="update")

@@ -429,11 +429,15 @@ class Trainer:
             return self._log_probs_batched(ref, batch)[0]
 
     # ------------------------------------------------------------------ 5. one optimizer step
-    def update_mini_batch(self, data: dict[str, Any], rows: torch.Tensor, on_policy: bool = False) -> dict[str, float]:
+    def update_mini_batch(self, data: dict[str, Any], rows: torch.Tensor, on_policy: bool = False,
+                          fill_old: bool = False) -> dict[str, float]:
         """One optimizer step on the sequences ``rows`` of the step's data, exactly micro-batched.
 
         ``on_policy``: no optimizer step has happened since the old log-probs were computed (the
         first mini-batch of the first epoch), so the ECHO pre-pass is the old log-probs themselves.
+        ``fill_old`` (on-policy only, ``reuse_on_policy_log_probs``): ``data["old_log_prob"]`` and
+        ``data["entropy"]`` of ``rows`` are not computed yet; the with-grad forward supplies them
+        (detached), and the step statistics use ratio 1 (old = current = 0 placeholders).
 
         Returns this optimizer step's metrics (token-weighted over micro-batches). With SAM the
         forward/backward passes run twice (closure at w and at w + e) and the metrics are those
@@ -452,6 +456,7 @@ class Trainer:
                 continue
             r = rows[idx]
             mbs.append({
+                "r": r,
                 "rows": batch.select(idx),
                 "old_log_prob": data["old_log_prob"][r],
                 "advantages": data["advantages"][r],
@@ -459,13 +464,15 @@ class Trainer:
                 "group_index": batch.group_index[idx],
                 "ref_log_prob": data["ref_log_prob"][r] if data["ref_log_prob"] is not None else None,
             })
+        if fill_old and not on_policy:
+            raise ValueError("fill_old needs an on-policy update")
         if needs_log_prob_prepass(cfg.loss_mode, self.loss_config):
             with torch.no_grad():
                 for mb in mbs:
                     # same parameters as the old-log-prob pass: reuse it (saves one forward)
                     mb["log_prob"] = (mb["old_log_prob"].clone() if on_policy
                                       else self._log_probs(self.model, mb["rows"])[0].cpu())
-        stat_mbs = [{k: v for k, v in mb.items() if k not in ("rows", "ref_log_prob")} for mb in mbs]
+        stat_mbs = [{k: v for k, v in mb.items() if k not in ("r", "rows", "ref_log_prob")} for mb in mbs]
         # all-reduced over ranks when torch.distributed is initialised; dp_size=1 because
         # dist.all_reduce_grads sums the ranks' gradients (each rank's loss is its share of the step's)
         stats = compute_step_stats(stat_mbs, loss_mode=cfg.loss_mode, loss_agg_mode=cfg.loss_agg_mode,
@@ -481,7 +488,11 @@ class Trainer:
             batch_metrics: dict[str, float] = {}
             total = torch.zeros(())
             for mb in mbs:
-                log_prob, _ = self._log_probs(self.model, mb["rows"], grad=True)
+                log_prob, ent = self._log_probs(self.model, mb["rows"], grad=True, with_entropy=fill_old)
+                if fill_old:  # on-policy: the old log-probs are these, and no update has happened yet
+                    mb["old_log_prob"] = log_prob.detach().cpu()
+                    data["old_log_prob"][mb["r"]] = mb["old_log_prob"]
+                    data["entropy"][mb["r"]] = ent.cpu()
                 mask = mb["response_mask"].to(log_prob.device)
                 advantages, group_index = mb["advantages"].to(log_prob.device), mb["group_index"].to(log_prob.device)
                 loss, m = compute_policy_loss(
@@ -555,21 +566,38 @@ class Trainer:
         adv = compute_advantages(rewards, batch.group_index, method=cfg.adv_estimator)
         advantages = adv.unsqueeze(-1) * response_mask
 
-        # 4. old log-probs (rollout policy), reference log-probs, entropy
-        old_log_prob, entropy = self._log_probs_batched(self.model, batch, with_entropy=True)
+        # the mini-batches of whole groups, per PPO epoch (rank 0 draws the split; every rank uses it)
+        n_groups = int(batch.group_index.max()) + 1
+        splits = []
+        for _epoch in range(cfg.ppo_epochs):
+            group_perm = self.dist.broadcast(torch.randperm(n_groups) if self.dist.is_main else None)
+            splits += [torch.isin(batch.group_index, groups).nonzero().squeeze(-1)
+                       for groups in group_perm.tensor_split(min(cfg.num_mini_batches, n_groups))]
+
+        # 4. old log-probs (rollout policy), reference log-probs, entropy; the first update's own
+        # rows can take theirs from its with-grad forward (nothing has changed the policy yet)
+        reuse = cfg.reuse_on_policy_log_probs and not self.dist.enabled and not isinstance(self.optimizer, SAM)
+        if reuse and len(splits[0]) < len(batch):
+            rest = torch.ones(len(batch), dtype=torch.bool)
+            rest[splits[0]] = False
+            rest = rest.nonzero().squeeze(-1)
+            lp_rest, ent_rest = self._log_probs_batched(self.model, batch.select(rest), with_entropy=True)
+            old_log_prob = torch.zeros(len(batch), lp_rest.shape[1], dtype=lp_rest.dtype)
+            entropy = torch.zeros_like(old_log_prob)
+            old_log_prob[rest], entropy[rest] = lp_rest, ent_rest
+        elif reuse:
+            old_log_prob = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+            entropy = torch.zeros_like(old_log_prob)
+        else:
+            old_log_prob, entropy = self._log_probs_batched(self.model, batch, with_entropy=True)
         ref_log_prob = self._ref_log_probs(batch)
         data.update(old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask,
-                    ref_log_prob=ref_log_prob)
+                    ref_log_prob=ref_log_prob, entropy=entropy)
 
-        # 5. update: PPO epochs x mini-batches of whole groups, one optimizer step each
-        n_groups = int(batch.group_index.max()) + 1
+        # 5. update: one optimizer step per mini-batch
         updates = []
-        for _epoch in range(cfg.ppo_epochs):
-            # rank 0 draws the mini-batch split; every rank uses it
-            group_perm = self.dist.broadcast(torch.randperm(n_groups) if self.dist.is_main else None)
-            for groups in group_perm.tensor_split(min(cfg.num_mini_batches, n_groups)):
-                rows = torch.isin(batch.group_index, groups).nonzero().squeeze(-1)
-                updates.append(self.update_mini_batch(data, rows, on_policy=not updates))
+        for rows in splits:
+            updates.append(self.update_mini_batch(data, rows, on_policy=not updates, fill_old=reuse and not updates))
         t_update = time.perf_counter() - t_update
 
         # 6. metrics

@@ -16,6 +16,9 @@
 - ``time/generation``, ``time/scoring``, ``time/update``, ``time/step`` (wall seconds),
   ``time/step_cpu`` (CPU seconds of this process, all threads; tells load from other processes),
   ``throughput/tokens_per_s`` (valid response tokens / step time), ``memory/peak_mb``
+
+At the end of a run ``stability.json`` holds the stability flags
+(:mod:`echotrain.train.stability`: NaN, length collapse, entropy collapse, grad-norm explosion).
 """
 
 from __future__ import annotations
@@ -136,8 +139,9 @@ def summary_rows(records: list[dict[str, Any]], head: int = 3) -> list[tuple[str
 
 
 def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wall_s: float,
-                  evals: list[dict[str, Any]] | None = None) -> None:
-    """The closing table in the terminal (rich); ``evals`` (eval.jsonl) adds start/end rows."""
+                  evals: list[dict[str, Any]] | None = None, stability: dict[str, Any] | None = None) -> None:
+    """The closing table in the terminal (rich); ``evals`` (eval.jsonl) adds start/end rows;
+    ``stability`` (:func:`echotrain.train.stability.stability_flags`) adds the flags line."""
     from rich.console import Console
     from rich.table import Table
 
@@ -159,4 +163,8 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
             # first/last columns: the evaluations at the first and last evaluated steps
             table.add_row(f"{key} (greedy)", f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{min(vals):.4g}",
                           f"{max(vals):.4g}")
+    if stability is not None:
+        from echotrain.train.stability import format_flags
+
+        table.caption = f"stability flags: {format_flags(stability)} (rules in stability.json)"
     Console(stderr=True).print(table)

@@ -560,6 +560,7 @@ class Trainer:
                 bar.close()
             self.logger.close()
         records = read_jsonl(self.run_dir / "metrics.jsonl")
+        stability = self.write_stability(records)
         if cfg.plots:
             self.write_plots(records)
         if cfg.save_final_model and hasattr(self.model, "save_pretrained"):
@@ -568,8 +569,18 @@ class Trainer:
                 self.tokenizer.save_pretrained(self.run_dir / "final_model")
         if cfg.progress:
             print_summary(records, self.run_dir, time.perf_counter() - t0,
-                          evals=read_jsonl(self.run_dir / "eval.jsonl"))
+                          evals=read_jsonl(self.run_dir / "eval.jsonl"), stability=stability)
         return records
+
+    def write_stability(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """``stability.json``: the run's stability flags (:func:`echotrain.train.stability.stability_flags`)."""
+        from echotrain.train.stability import stability_flags
+
+        result = stability_flags(records)
+        tmp = self.run_dir / "stability.json.tmp"
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / "stability.json")
+        return result
 
     def write_plots(self, records: list[dict[str, Any]] | None = None) -> list[Path]:
         from echotrain.train.plots import plot_metrics

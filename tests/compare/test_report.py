@@ -19,6 +19,7 @@ def make_run(root, arm, seed, acc, steps=6, length=20.0, grad=1.0, time_step=0.5
              "entropy": 1.0, "grad_norm": grad(s) if callable(grad) else grad, "time/step": time_step,
              "memory/peak_mb": mem, "pg_loss": 0.0} for s in range(1, steps + 1)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (d / "stability.json").write_text("{}")  # finished (the trainer's last file)
     (d / "eval.jsonl").write_text("".join(json.dumps({"step": s, "eval/accuracy": a})
                                           + "\n" for s, a in zip((0, 2, 4, 6), acc)))
     return d
@@ -79,6 +80,16 @@ def test_report_numbers(comparison):
     md = path.read_text()
     assert "| echo | 3 |" in md and "**holds**" in md and "![eval_accuracy](plots/eval_accuracy.png)" in md
     assert (comparison / "report" / "plots" / "eval_accuracy.png").stat().st_size > 1000
+
+
+def test_unfinished_cells_are_left_out_unless_asked(comparison):
+    (comparison / "cells" / "echo__s2" / "stability.json").unlink()
+    write_report([comparison])
+    s = json.loads((comparison / "report" / "summary.json").read_text())
+    assert s["arms"]["echo"]["n"] == 2 and s["unfinished_cells"] == ["echo__s2"]
+    assert "Unfinished cells (not included): echo__s2" in (comparison / "report" / "report.md").read_text()
+    write_report([comparison], include_partial=True)
+    assert json.loads((comparison / "report" / "summary.json").read_text())["arms"]["echo"]["n"] == 3
 
 
 def test_report_of_plain_run_directories(comparison, tmp_path):

@@ -46,6 +46,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric", default=None, help="report: curve for final/AUC/threshold (default eval/accuracy)")
     parser.add_argument("--threshold", type=float, default=None, help="report: threshold for steps-to-threshold")
     parser.add_argument("--title", default=None, help="report: title")
+    parser.add_argument("--include-partial", action="store_true", help="report: also aggregate unfinished cells "
+                        "(curves then stop at the shortest run of an arm)")
     parser.set_defaults(func=run_compare, accepts_extra=False)
 
 
@@ -63,7 +65,7 @@ def run_compare(args: argparse.Namespace) -> int:
             return 2
         try:
             path = write_report(args.rest, out_dir=args.out, baseline=args.baseline, metric=args.metric,
-                                threshold=args.threshold, title=args.title)
+                                threshold=args.threshold, title=args.title, include_partial=args.include_partial)
         except (FileNotFoundError, ValueError) as exc:
             print(f"echotrain compare report: error: {exc}", file=sys.stderr)
             return 2

@@ -91,23 +91,30 @@ def load_run(path: str | os.PathLike, thresholds: StabilityThresholds | None = N
     return run
 
 
-def collect_runs(dirs: Sequence[str | os.PathLike]) -> tuple[list[Path], dict[str, Any]]:
+def collect_runs(dirs: Sequence[str | os.PathLike], include_partial: bool = False) -> tuple[list[Path], dict[str, Any]]:
     """Expand comparison directories into their cells; returns (run dirs, comparison settings from
-    the first ``compare.yaml`` found: baseline, report, verdict, arms order)."""
+    the first ``compare.yaml`` found: baseline, report, verdict, arms order; ``unfinished``: the
+    cells skipped because they have no ``stability.json`` yet, unless ``include_partial``)."""
     runs: list[Path] = []
     settings: dict[str, Any] = {}
+    unfinished: list[str] = []
     for d in map(Path, dirs):
         if (d / "compare.yaml").is_file():
             spec = yaml.safe_load((d / "compare.yaml").read_text()) or {}
             if not settings:
                 settings = spec
             cells = d / "cells"
-            runs += sorted(c for c in cells.iterdir() if (c / "metrics.jsonl").is_file()) if cells.is_dir() else []
+            found = sorted(c for c in cells.iterdir() if (c / "metrics.jsonl").is_file()) if cells.is_dir() else []
+            for c in found:
+                if include_partial or (c / "stability.json").is_file():
+                    runs.append(c)
+                else:
+                    unfinished.append(c.name)
         elif (d / "metrics.jsonl").is_file():
             runs.append(d)
         else:
             raise FileNotFoundError(f"{d}: neither a run directory (metrics.jsonl) nor a comparison (compare.yaml)")
-    return runs, settings
+    return runs, {**settings, "unfinished": unfinished}
 
 
 def seed_statistics(run: Run, metric: str = "eval/accuracy", threshold: float | None = None) -> dict[str, Any]:
@@ -267,6 +274,8 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
     lines = [f"# {title}", "",
              f"Statistic curve: `{metric}`; mean ± std over seeds [95% percentile-bootstrap interval of the mean]. "
              f"AUC = trapezoid area under the curve / step span (the mean level over the run).", ""]
+    if summary.get("unfinished_cells"):
+        lines += [f"Unfinished cells (not included): {', '.join(summary['unfinished_cells'])}.", ""]
     lines += ["## Summary", "",
               f"| arm | seeds | final {metric} | AUC | steps to {th} (reached) | worst grad norm (max) | "
               f"steps/s{' / ' + b if b else ''} | peak mem{' / ' + b if b else ''} | flags (runs) |",
@@ -319,7 +328,7 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
 
 def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None,
                  baseline: str | None = None, metric: str | None = None, threshold: float | None = None,
-                 title: str | None = None, plots: bool = True) -> Path:
+                 title: str | None = None, plots: bool = True, include_partial: bool = False) -> Path:
     """Aggregate run / comparison directories and write the report; returns the report.md path.
 
     Explicit arguments override the comparison's ``compare.yaml`` settings. Default ``out_dir``:
@@ -329,7 +338,7 @@ def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike |
         FileNotFoundError: a directory that is neither a run nor a comparison.
         ValueError: no runs found.
     """
-    paths, settings = collect_runs(dirs)
+    paths, settings = collect_runs(dirs, include_partial)
     if not paths:
         raise ValueError(f"no run directories with metrics.jsonl under {list(map(str, dirs))}")
     rep = settings.get("report") or {}
@@ -351,6 +360,8 @@ def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike |
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     (out / "curves.json").write_text(json.dumps(curves) + "\n")
     written = plot_curves(curves, out / "plots") if plots else []
+    summary["unfinished_cells"] = settings["unfinished"]
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     md = render_markdown(summary, written, out, title or f"Comparison: {settings.get('name', 'runs')}")
     (out / "report.md").write_text(md)
     return out / "report.md"

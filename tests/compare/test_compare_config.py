@@ -79,6 +79,8 @@ def test_cli_dry_run_and_errors(tmp_path, capsys):
     assert "[3] echo_detach" in out and "new" in out
     assert (tmp_path / "cmp" / "compare.yaml").is_file()
     assert (tmp_path / "cmp" / "commands.sh").read_text().count("echotrain train --config") == 4
+    assert main(["compare", str(cfg), "--dry-run", "seeds=1"]) == 0  # key=value after an option
+    assert "[1] echo_detach" in capsys.readouterr().out
     assert main(["compare", str(cfg), "lr=-1", "--dry-run"]) == 2
     assert "lr=-1.0: must be > 0" in capsys.readouterr().err
     assert main(["compare", str(cfg), "task=nope", "--dry-run"]) == 2

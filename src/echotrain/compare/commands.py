@@ -48,7 +48,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--title", default=None, help="report: title")
     parser.add_argument("--include-partial", action="store_true", help="report: also aggregate unfinished cells "
                         "(curves then stop at the shortest run of an arm)")
-    parser.set_defaults(func=run_compare, accepts_extra=False)
+    parser.set_defaults(func=run_compare, accepts_extra=True)
 
 
 def _sigterm(_signum, _frame):  # let run_cells stop its children
@@ -59,6 +59,12 @@ def run_compare(args: argparse.Namespace) -> int:
     """Entry point of ``echotrain compare``."""
     from echotrain.compare.report import write_report
 
+    extra = list(getattr(args, "extra", []) or [])  # positionals given after an option
+    bad = [t for t in extra if t.startswith("-")]
+    if bad:
+        print(f"echotrain compare: error: unrecognized option {bad[0]!r}; see echotrain compare --help", file=sys.stderr)
+        return 2
+    args.rest = list(args.rest) + extra
     if args.config == "report":
         if not args.rest:
             print("echotrain compare report: error: give one or more run or comparison directories", file=sys.stderr)

@@ -46,6 +46,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric", default=None, help="report: curve for final/AUC/threshold (default eval/accuracy)")
     parser.add_argument("--threshold", type=float, default=None, help="report: threshold for steps-to-threshold")
     parser.add_argument("--title", default=None, help="report: title")
+    parser.add_argument("--notes", default=None, metavar="FILE.md", help="report: Markdown inserted under the title")
     parser.add_argument("--include-partial", action="store_true", help="report: also aggregate unfinished cells "
                         "(curves then stop at the shortest run of an arm)")
     parser.set_defaults(func=run_compare, accepts_extra=True)
@@ -71,7 +72,7 @@ def run_compare(args: argparse.Namespace) -> int:
             return 2
         try:
             path = write_report(args.rest, out_dir=args.out, baseline=args.baseline, metric=args.metric,
-                                threshold=args.threshold, title=args.title, include_partial=args.include_partial)
+                                threshold=args.threshold, title=args.title, include_partial=args.include_partial, notes=args.notes)
         except (FileNotFoundError, ValueError) as exc:
             print(f"echotrain compare report: error: {exc}", file=sys.stderr)
             return 2
@@ -101,6 +102,8 @@ def run_compare(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"echotrain compare: error: {exc}", file=sys.stderr)
         return 2
+    spec.raw["command"] = " ".join(["echotrain compare", args.config, *args.rest] +
+                                   ([f"--threads {args.threads}"] if args.threads != 1 else []))
     write_plan(spec, cells)
     if args.dry_run:
         for i, c in enumerate(cells):

@@ -46,7 +46,7 @@ from echotrain.compare.stats import CLAIM_DIRECTIONS
 from echotrain.train.config import FIELDS, ConfigError, TrainConfig, resolve_config
 
 TOP_KEYS = ("name", "output_dir", "seeds", "baseline", "base", "arms", "sweep", "report", "verdict", "suite",
-            "description")
+            "description", "command")  # description, command: informational (the report shows them)
 REPORT_KEYS = ("metric", "threshold", "stability", "higher_is_better")
 STATISTICS = ("auc", "final", "steps_to_threshold", "worst_grad_norm", "any_flag")
 CLAIM_KEYS = ("claim", "arm", "baseline", "statistic", "direction", "margin")

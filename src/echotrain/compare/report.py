@@ -274,6 +274,27 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
     lines = [f"# {title}", "",
              f"Statistic curve: `{metric}`; mean ± std over seeds [95% percentile-bootstrap interval of the mean]. "
              f"AUC = trapezoid area under the curve / step span (the mean level over the run).", ""]
+    if summary.get("notes"):
+        lines += [summary["notes"].rstrip(), ""]
+    st = summary.get("setting") or {}
+    if st:
+        lines += ["## Setting", ""]
+        if st.get("command"):
+            lines += ["```", st["command"], "```", ""]
+        if st.get("description"):
+            lines += [" ".join(str(st["description"]).split()), ""]
+        if st.get("seeds") is not None:
+            lines += [f"Seeds: {st['seeds']}.", ""]
+        if st.get("base"):
+            lines += ["Every cell: " + ", ".join(f"`{k}={v}`" for k, v in st["base"].items()) + ".", ""]
+        if st.get("arms"):
+            lines += ["| arm | settings |", "|---|---|"]
+            lines += [f"| {a} | {', '.join(f'`{k}={v}`' for k, v in (vals or {}).items()) or '(base)'} |"
+                      for a, vals in st["arms"].items()]
+            lines.append("")
+        if st.get("sweep"):
+            sw = st["sweep"]
+            lines += [f"Sweep `{sw['name']}`: {', '.join(map(str, sw['values']))} (sets {', '.join(sw['keys'])}).", ""]
     if summary.get("unfinished_cells"):
         lines += [f"Unfinished cells (not included): {', '.join(summary['unfinished_cells'])}.", ""]
     lines += ["## Summary", "",
@@ -328,10 +349,12 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
 
 def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None,
                  baseline: str | None = None, metric: str | None = None, threshold: float | None = None,
-                 title: str | None = None, plots: bool = True, include_partial: bool = False) -> Path:
+                 title: str | None = None, plots: bool = True, include_partial: bool = False,
+                 notes: str | os.PathLike | None = None) -> Path:
     """Aggregate run / comparison directories and write the report; returns the report.md path.
 
-    Explicit arguments override the comparison's ``compare.yaml`` settings. Default ``out_dir``:
+    Explicit arguments override the comparison's ``compare.yaml`` settings; ``notes``: a Markdown
+    file inserted under the title (e.g. the written verdict). Default ``out_dir``:
     ``<first comparison dir>/report`` (or ``./compare-report``).
 
     Raises:
@@ -361,6 +384,10 @@ def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike |
     (out / "curves.json").write_text(json.dumps(curves) + "\n")
     written = plot_curves(curves, out / "plots") if plots else []
     summary["unfinished_cells"] = settings["unfinished"]
+    summary["setting"] = {k: settings[k] for k in ("command", "description", "seeds", "base", "arms", "sweep")
+                          if settings.get(k) is not None}
+    if notes:
+        summary["notes"] = Path(notes).read_text()
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     md = render_markdown(summary, written, out, title or f"Comparison: {settings.get('name', 'runs')}")
     (out / "report.md").write_text(md)

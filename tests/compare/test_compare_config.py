@@ -18,14 +18,14 @@ def spec(tmp_path, tokens=(), **changes):
 
 def test_cells_layer_base_arm_and_command_line(tmp_path):
     cells = expand_cells(spec(tmp_path, ["steps=7", "seeds=[3,5]"]))
-    assert [(c.arm, c.seed) for c in cells] == [("grpo", 3), ("grpo", 5), ("echo_detach", 3), ("echo_detach", 5)]
-    grpo, echo = cells[0].config, cells[2].config
+    assert [(c.arm, c.seed) for c in cells] == [("grpo", 3), ("echo_detach", 3), ("grpo", 5), ("echo_detach", 5)]
+    grpo, echo = cells[0].config, cells[1].config
     assert grpo.loss_mode == "vanilla" and grpo.kl_coef == 0.04 and grpo.lr == 1e-4  # preset, then base
     assert echo.loss_mode == "echo" and echo.detach_kappa is True and echo.lr == 2e-4  # the arm over base
     assert grpo.steps == echo.steps == 7  # key=value over everything
     assert grpo.num_threads == 1 and grpo.progress is False
-    assert cells[1].run_dir == tmp_path / "cmp" / "cells" / "grpo__s5"
-    assert cells[1].config.output_dir == str(cells[1].run_dir) and cells[1].config.seed == 5
+    assert cells[2].run_dir == tmp_path / "cmp" / "cells" / "grpo__s5"
+    assert cells[2].config.output_dir == str(cells[2].run_dir) and cells[2].config.seed == 5
 
 
 def test_sweep_expands_every_arm(tmp_path):
@@ -80,7 +80,7 @@ def test_cli_dry_run_and_errors(tmp_path, capsys):
     assert (tmp_path / "cmp" / "compare.yaml").is_file()
     assert (tmp_path / "cmp" / "commands.sh").read_text().count("echotrain train --config") == 4
     assert main(["compare", str(cfg), "--dry-run", "seeds=1"]) == 0  # key=value after an option
-    assert "[1] echo_detach" in capsys.readouterr().out
+    assert "[1] echo_detach" in capsys.readouterr().out  # seed-major order
     assert main(["compare", str(cfg), "lr=-1", "--dry-run"]) == 2
     assert "lr=-1.0: must be > 0" in capsys.readouterr().err
     assert main(["compare", str(cfg), "task=nope", "--dry-run"]) == 2

@@ -268,7 +268,8 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
 
 
 def expand_cells(spec: CompareSpec, threads: int = 1) -> list[Cell]:
-    """Every cell of ``spec``, resolved and validated (nothing runs).
+    """Every cell of ``spec``, resolved and validated (nothing runs), seed-major (all arms of the
+    first seed, then the next seed), so a study stopped early still has every arm.
 
     ``threads`` sets ``num_threads`` for each cell unless ``base`` / the arm sets it; cells run
     with ``progress=false`` unless set (their log goes to ``train.log``).
@@ -278,10 +279,11 @@ def expand_cells(spec: CompareSpec, threads: int = 1) -> list[Cell]:
     """
     cells = []
     sweep_values = [(spec.sweep["name"], v) for v in spec.sweep["values"]] if spec.sweep else [(None, None)]
-    for arm, arm_vals in spec.arms.items():
-        for sname, svalue in sweep_values:
-            label = arm_label(arm, sname, svalue)
-            for seed in spec.seeds:
+    # seed-major: every arm's first seed first, so a study stopped early still covers every arm
+    for seed in spec.seeds:
+        for arm, arm_vals in spec.arms.items():
+            for sname, svalue in sweep_values:
+                label = arm_label(arm, sname, svalue)
                 values = {"num_threads": threads, "progress": False, **spec.base, **arm_vals}
                 if sname is not None:
                     values.update({k: svalue for k in spec.sweep["keys"]})
@@ -293,5 +295,6 @@ def expand_cells(spec: CompareSpec, threads: int = 1) -> list[Cell]:
                 except ConfigError as exc:
                     raise ConfigError(f"arm {label!r} seed {seed}: {exc}") from None
                 cells.append(Cell(arm=label, base_arm=arm, seed=seed,
-                                  sweep={"name": sname, "value": svalue} if sname else {}, config=cfg, run_dir=run_dir))
+                                  sweep={"name": sname, "value": svalue} if sname else {}, config=cfg,
+                                  run_dir=run_dir))
     return cells

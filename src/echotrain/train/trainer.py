@@ -122,8 +122,9 @@ class Trainer:
             RNG states, data position); metrics lines after it are dropped and recomputed.
         callbacks: ``fn(step, record)`` called after each step's metrics are written (before its
             checkpoint); tests use one to simulate a kill.
-        eval_task: task for the start/end greedy evaluation (``cfg.eval_prompts``); default: the
-            task built with ``seed + 1`` when it takes a seed, else the training task.
+        eval_task: task for the start/end greedy evaluation (``cfg.eval_prompts``); default:
+            ``task.eval_task()`` when the task has one (its held-out split), else the task built
+            with ``seed + 1`` when it takes a seed, else the training task.
 
     Raises:
         FileNotFoundError: ``resume`` without a checkpoint in the run directory.
@@ -150,6 +151,8 @@ class Trainer:
             from echotrain.tasks import get_task
 
             task = get_task(cfg.task, **cfg.task_options)
+        if eval_task is None and cfg.eval_prompts > 0 and callable(getattr(task, "eval_task", None)):
+            eval_task = task.eval_task()  # the task's own held-out split (e.g. the testbed task)
         if eval_task is None and cfg.eval_prompts > 0:
             eval_task = task
             if "seed" in getattr(task, "__dict__", {}):  # other questions than the training ones

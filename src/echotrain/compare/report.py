@@ -6,7 +6,7 @@ baseline, threshold and verdict rule. A run's arm is its ``cell.json`` label, el
 
 Outputs in ``out_dir``: ``report.md``, ``summary.json`` (per-seed statistics, per-arm summary,
 paired comparisons, verdicts, stability flags), ``curves.json`` (per-arm mean / std / 95%
-bootstrap interval per step of every metric) and ``plots/<metric>.png`` (all arms' mean curves
+bootstrap interval per step of every metric, 5 significant digits) and ``plots/<metric>.png`` (all arms' mean curves
 with shaded 95% bands). The statistics are :mod:`echotrain.compare.stats`.
 """
 
@@ -347,6 +347,17 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
     return "\n".join(lines) + "\n"
 
 
+def _round(obj: Any, digits: int = 5) -> Any:
+    """Floats to ``digits`` significant digits (curves.json stays small enough to commit)."""
+    if isinstance(obj, float):
+        return float(f"{obj:.{digits}g}") if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _round(v, digits) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_round(v, digits) for v in obj]
+    return obj
+
+
 def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None,
                  baseline: str | None = None, metric: str | None = None, threshold: float | None = None,
                  title: str | None = None, plots: bool = True, include_partial: bool = False,
@@ -381,7 +392,7 @@ def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike |
     out = Path(out_dir) if out_dir else (first_cmp / "report" if first_cmp else Path("compare-report"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    (out / "curves.json").write_text(json.dumps(curves) + "\n")
+    (out / "curves.json").write_text(json.dumps(_round(curves)) + "\n")
     written = plot_curves(curves, out / "plots") if plots else []
     summary["unfinished_cells"] = settings["unfinished"]
     summary["setting"] = {k: settings[k] for k in ("command", "description", "seeds", "base", "arms", "sweep")

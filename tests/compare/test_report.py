@@ -92,6 +92,15 @@ def test_unfinished_cells_are_left_out_unless_asked(comparison):
     assert json.loads((comparison / "report" / "summary.json").read_text())["arms"]["echo"]["n"] == 3
 
 
+def test_max_step_reads_a_common_horizon(comparison):
+    write_report([comparison], max_step=4)
+    s = json.loads((comparison / "report" / "summary.json").read_text())
+    # grpo seed 0 up to step 4: (0, .2, .2) at 0, 2, 4 -> AUC (0.2 + 0.4) / 4 = 0.15, final 0.2
+    run = next(r for r in s["runs"] if r["arm"] == "grpo" and r["seed"] == 0)
+    assert run["auc"] == pytest.approx(0.15) and run["final"] == pytest.approx(0.2) and run["steps"] == 4
+    assert s["max_step"] == 4
+
+
 def test_report_of_plain_run_directories(comparison, tmp_path):
     dirs = [comparison / "cells" / n for n in ("grpo__s0", "grpo__s1", "echo__s0")]
     path = write_report(dirs, out_dir=tmp_path / "out", baseline="grpo", threshold=0.2)

@@ -46,6 +46,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric", default=None, help="report: curve for final/AUC/threshold (default eval/accuracy)")
     parser.add_argument("--threshold", type=float, default=None, help="report: threshold for steps-to-threshold")
     parser.add_argument("--title", default=None, help="report: title")
+    parser.add_argument("--max-step", type=int, default=None, help="report: read every run up to this step only")
     parser.add_argument("--notes", default=None, metavar="FILE.md", help="report: Markdown inserted under the title")
     parser.add_argument("--include-partial", action="store_true", help="report: also aggregate unfinished cells "
                         "(curves then stop at the shortest run of an arm)")
@@ -72,7 +73,8 @@ def run_compare(args: argparse.Namespace) -> int:
             return 2
         try:
             path = write_report(args.rest, out_dir=args.out, baseline=args.baseline, metric=args.metric,
-                                threshold=args.threshold, title=args.title, include_partial=args.include_partial, notes=args.notes)
+                                threshold=args.threshold, title=args.title, include_partial=args.include_partial, notes=args.notes,
+                                max_step=args.max_step)
         except (FileNotFoundError, ValueError) as exc:
             print(f"echotrain compare report: error: {exc}", file=sys.stderr)
             return 2

@@ -18,6 +18,7 @@ A comparison file (``configs/compare/*.yaml``) is a mapping::
       metric: eval/accuracy             # curve of the AUC / final / threshold statistics
       threshold: 0.4                    # for steps-to-threshold
       stability: {length_ratio: 0.5}    # StabilityThresholds overrides
+      max_step: 80                      # read runs up to this step only (a common horizon)
     verdict:                            # the rule, written before the runs
       - claim: "echo beats grpo on AUC of held-out greedy accuracy"
         arm: echo
@@ -47,7 +48,7 @@ from echotrain.train.config import FIELDS, ConfigError, TrainConfig, resolve_con
 
 TOP_KEYS = ("name", "output_dir", "seeds", "baseline", "base", "arms", "sweep", "report", "verdict", "suite",
             "description", "command")  # description, command: informational (the report shows them)
-REPORT_KEYS = ("metric", "threshold", "stability", "higher_is_better")
+REPORT_KEYS = ("metric", "threshold", "stability", "max_step")
 STATISTICS = ("auc", "final", "steps_to_threshold", "worst_grad_norm", "any_flag")
 CLAIM_KEYS = ("claim", "arm", "baseline", "statistic", "direction", "margin")
 #: keys compare sets per cell; not allowed in base / arms / sweep

@@ -73,8 +73,11 @@ class Run:
         return [float(s) for s, _ in pts], [v for _, v in pts]
 
 
-def load_run(path: str | os.PathLike, thresholds: StabilityThresholds | None = None) -> Run:
-    """Load a run directory.
+def load_run(path: str | os.PathLike, thresholds: StabilityThresholds | None = None,
+             max_step: int | None = None) -> Run:
+    """Load a run directory; with ``max_step`` only its steps <= max_step (a common horizon for
+    runs of different lengths; with a constant learning rate a longer run's first N steps are the
+    N-step run, since nothing before step N depends on the total).
 
     Raises:
         FileNotFoundError: no ``config.yaml`` / ``metrics.jsonl`` in ``path``.
@@ -84,9 +87,12 @@ def load_run(path: str | os.PathLike, thresholds: StabilityThresholds | None = N
         raise FileNotFoundError(f"{p}: not a run directory (needs config.yaml and metrics.jsonl)")
     cfg = yaml.safe_load((p / "config.yaml").read_text()) or {}
     info = json.loads((p / "cell.json").read_text()) if (p / "cell.json").is_file() else {}
-    records = read_jsonl(p / "metrics.jsonl")
+    records, evals = read_jsonl(p / "metrics.jsonl"), read_jsonl(p / "eval.jsonl")
+    if max_step is not None:
+        records = [r for r in records if r.get("step", 0) <= max_step]
+        evals = [r for r in evals if r.get("step", 0) <= max_step]
     run = Run(path=p, arm=str(info.get("arm") or cfg.get("preset") or p.name), seed=int(info.get("seed", cfg.get("seed", 0))),
-              config=cfg, records=records, evals=read_jsonl(p / "eval.jsonl"))
+              config=cfg, records=records, evals=evals)
     run.stability = stability_flags(records, thresholds)
     return run
 
@@ -295,6 +301,8 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
         if st.get("sweep"):
             sw = st["sweep"]
             lines += [f"Sweep `{sw['name']}`: {', '.join(map(str, sw['values']))} (sets {', '.join(sw['keys'])}).", ""]
+    if summary.get("max_step") is not None:
+        lines += [f"Every run is read up to step {summary['max_step']} (`max_step`).", ""]
     if summary.get("unfinished_cells"):
         lines += [f"Unfinished cells (not included): {', '.join(summary['unfinished_cells'])}.", ""]
     lines += ["## Summary", "",
@@ -361,11 +369,12 @@ def _round(obj: Any, digits: int = 5) -> Any:
 def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None,
                  baseline: str | None = None, metric: str | None = None, threshold: float | None = None,
                  title: str | None = None, plots: bool = True, include_partial: bool = False,
-                 notes: str | os.PathLike | None = None) -> Path:
+                 notes: str | os.PathLike | None = None, max_step: int | None = None) -> Path:
     """Aggregate run / comparison directories and write the report; returns the report.md path.
 
     Explicit arguments override the comparison's ``compare.yaml`` settings; ``notes``: a Markdown
-    file inserted under the title (e.g. the written verdict). Default ``out_dir``:
+    file inserted under the title (e.g. the written verdict); ``max_step``: read every run up to
+    that step only (see :func:`load_run`). Default ``out_dir``:
     ``<first comparison dir>/report`` (or ``./compare-report``).
 
     Raises:
@@ -377,7 +386,8 @@ def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike |
         raise ValueError(f"no run directories with metrics.jsonl under {list(map(str, dirs))}")
     rep = settings.get("report") or {}
     thresholds = StabilityThresholds(**(rep.get("stability") or {}))
-    runs = [load_run(p, thresholds) for p in paths]
+    max_step = max_step if max_step is not None else rep.get("max_step")
+    runs = [load_run(p, thresholds, max_step) for p in paths]
     baseline = baseline or settings.get("baseline")
     metric = metric or rep.get("metric") or "eval/accuracy"
     threshold = threshold if threshold is not None else rep.get("threshold")
@@ -395,6 +405,7 @@ def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike |
     (out / "curves.json").write_text(json.dumps(_round(curves)) + "\n")
     written = plot_curves(curves, out / "plots") if plots else []
     summary["unfinished_cells"] = settings["unfinished"]
+    summary["max_step"] = max_step
     summary["setting"] = {k: settings[k] for k in ("command", "description", "seeds", "base", "arms", "sweep")
                           if settings.get(k) is not None}
     if notes:

@@ -473,6 +473,8 @@ def validate(cfg: TrainConfig) -> None:
          "must be > 1 (dual-clip constant; Dual-clip PPO 1912.09729) or none to disable")
     need(0 <= cfg.batch_clip_low < 1, "batch_clip_low", "must be in [0, 1)")
     need(cfg.batch_clip_high >= 0, "batch_clip_high", "must be >= 0")
+    need(cfg.model != "testbed" or cfg.task == "testbed", "task",
+         "model=testbed speaks bare arithmetic with a byte tokenizer (no chat template): use task=testbed")
     need(cfg.echo_token_cap >= 1, "echo_token_cap", "must be >= 1 (cap c on the rescaled token ratio rho~; "
          "c < 1 would truncate on-policy tokens)")
     need(cfg.norm_constant >= 0, "norm_constant", "must be >= 0 (0 = max_new_tokens)")

@@ -119,8 +119,9 @@ class TrainConfig:
                                 "issue-12 study (docs/design/objectives.md §4).", group="objective")
     echo_token_clip: str = _f("ppo", "ECHO token-level term on top of the batch clip: ppo (PPO/DAPO token clip with "
                               "clip_ratio_low/high; default), none (batch clip only), truncate (truncated importance "
-                              "weight min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). Open choice "
-                              "decided by the issue-12 study (docs/design/objectives.md §4).",
+                              "weight min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). clip_ratio_* "
+                              "apply only to ppo. Open choice decided by the issue-12 study "
+                              "(docs/design/objectives.md §4).",
                               ("ppo", "none", "truncate"), group="objective")
     echo_token_cap: float = _f(2.0, "ECHO echo_token_clip=truncate: cap c >= 1 on the rescaled token ratio rho~ "
                                "(truncated IS; 2.0 as in Yao et al. 2025's truncated importance sampling).",

@@ -215,3 +215,24 @@ def test_random_micro_batch_splits_are_exact_for_every_flag(batch_factory, batch
 def test_bad_flag_values_are_named(overrides, match):
     with pytest.raises(ValueError, match=match):
         PolicyLossConfig(**overrides)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("token_clip", ["ppo", "none", "truncate"])
+def test_pessimistic_loss_bounds_both_branches(batch_factory, seed, agg, token_clip):
+    """Per token l_pess = max(l(rho), l(kappa rho)) and the aggregation weights are >= 0, so the
+    pessimistic loss is >= the symmetric ECHO loss and >= the unrescaled one (vanilla for ppo)."""
+    batch = batch_factory(seed=seed, B=8, T=6, drift=[-0.1, 0.1][seed % 2], noise=0.3)
+    args = (batch["old_log_prob"], batch["log_prob"].detach(), batch["advantages"], batch["response_mask"], agg)
+    base = dict(norm_constant=9.0, echo_token_clip=token_clip, echo_token_cap=1.2)
+    kw = dict(group_index=batch["group_index"])
+    pess, m = compute_policy_loss("echo", *args, {**base, "echo_pessimistic": True}, **kw)
+    sym, _ = compute_policy_loss("echo", *args, base, **kw)
+    unscaled, _ = compute_policy_loss("echo", *args, {**base, "batch_clip_low": 0.99, "batch_clip_high": 100.0}, **kw)
+    assert m["echo/batch_clipped"] == 1.0
+    assert float(pess) >= max(float(sym), float(unscaled)) - 1e-12
+    assert float(pess) > float(sym) and 0 < m["pg_echo_unscaled_frac"] < 1  # both branches are taken somewhere
+    if token_clip == "ppo":
+        vanilla, _ = compute_policy_loss("vanilla", *args, {"norm_constant": 9.0}, **kw)
+        assert float(unscaled) == pytest.approx(float(vanilla), abs=1e-12)

@@ -275,7 +275,7 @@ def ensure_testbed(config: TestbedConfig | None = None, *, cache_dir: str | os.P
         if (final / "testbed.json").is_file() and not force:
             return final  # built by another process while we waited
         if log is not None:
-            log(f"building the testbed policy into {final} (one thread; about 2-4 minutes on a laptop core)")
+            log(f"building the testbed policy into {final} (one thread; ~3 minutes on an idle core, ~8 on a busy one)")
         model, report = build_testbed(cfg, log=log)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable like the models cache

@@ -210,7 +210,8 @@ def build_testbed(config: TestbedConfig | None = None, *, log: Any = None) -> tu
         model = LoopedTransformer(cfg.looped_config())
         model.train()
         opt = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+        warm = cfg.warmup_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         gen = torch.Generator().manual_seed(cfg.seed)
         acc, step = 0.0, 0
         while step < cfg.max_steps:

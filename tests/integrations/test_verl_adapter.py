@@ -221,3 +221,12 @@ def test_plugin_module_registers_in_a_fresh_verl_process():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(sorted(POLICY_LOSS_NAMES)) + " True"
+
+
+def test_echo_flags_pass_through_to_the_loss_config():
+    from echotrain.integrations.verl import _loss_config
+
+    base = PolicyLossConfig(echo_pessimistic=True, echo_token_clip="truncate", echo_token_cap=1.5, **BAND)
+    cfg = _loss_config(_actor(low=0.1, high=0.3), base)
+    assert (cfg.echo_pessimistic, cfg.echo_token_clip, cfg.echo_token_cap) == (True, "truncate", 1.5)
+    assert (cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.batch_clip_low) == (0.1, 0.3, 0.01)

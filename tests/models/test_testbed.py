@@ -84,3 +84,33 @@ def test_one_off_policy_rl_step_on_the_testbed(tmp_path):
     assert record["optimizer_steps"] == 2 and 1 <= record["response_length/max"] <= 6
     assert "pg_echo_unscaled_frac" in record and 0 <= record["eval/accuracy"] <= 1
     assert record["echo/R_batch_min"] == pytest.approx(1.0, abs=1e-6)  # first mini-batch is on-policy
+
+
+def test_concurrent_callers_build_once(tmp_path):
+    import threading
+
+    logs: list[str] = []
+    threads = [threading.Thread(target=ensure_testbed, args=(TINY,), kwargs=dict(cache_dir=tmp_path, log=logs.append))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(line.startswith("building") for line in logs) == 1
+    assert (tb.testbed_dir(TINY, tmp_path) / "model.pt").is_file()
+
+
+def test_cli_builds_with_overrides_and_load_policy_routes_testbed(tmp_path, capsys, monkeypatch):
+    from echotrain.cli import main
+    from echotrain.models import load_policy
+
+    overrides = [f"{k}={v}" for k, v in dict(train_examples=512, d_model=32, n_heads=2, n_layers=1, max_steps=6,
+                                               eval_every=3, eval_problems=16, batch_size=16, warmup_steps=2).items()]
+    assert main(["testbed", "--cache-dir", str(tmp_path), *overrides]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["path"] == str(tb.testbed_dir(TINY, tmp_path)) and out["steps"] == 6
+    with pytest.raises(SystemExit, match="d_model must be an int >= 1"):
+        main(["testbed", "--cache-dir", str(tmp_path), "d_model=0"])
+    seen = {}
+    monkeypatch.setattr(tb, "load_testbed", lambda **kw: seen.update(kw) or ("model", "tok"))
+    assert load_policy("testbed", cache_dir=tmp_path) == ("model", "tok") and seen["cache_dir"] == tmp_path

@@ -138,3 +138,9 @@ def test_echo_flags_reach_the_policy_loss_config_and_the_preset_keeps_its_defaul
     plc = PolicyLossConfig(**cfg.policy_loss_config())
     assert (plc.echo_pessimistic, plc.echo_token_clip, plc.echo_token_cap, plc.batch_ratio) == (True, "truncate", 1.5,
                                                                                                  "arith")
+
+
+def test_testbed_model_needs_the_testbed_task():
+    with pytest.raises(ConfigError, match="model=testbed .* use task=testbed"):
+        resolve_config(overrides=parse_overrides(["model=testbed"]))
+    assert resolve_config(overrides=parse_overrides(["model=testbed", "task=testbed"])).task == "testbed"

@@ -92,6 +92,15 @@ class ByteTokenizer:
         return {"input_ids": torch.tensor(input_ids, dtype=torch.long).reshape(len(ids), width),
                 "attention_mask": torch.tensor(mask, dtype=torch.long).reshape(len(ids), width)}
 
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> str:
+        """Not supported: byte-level policies take plain-text prompts.
+
+        Raises:
+            ValueError: always, naming the fix (a task whose prompts are strings, e.g. ``task=testbed``).
+        """
+        raise ValueError("ByteTokenizer has no chat template: this policy takes plain-text prompts; use a task whose "
+                         "prompts are strings (task=testbed for model=testbed)")
+
     def decode(self, ids: Sequence[int] | torch.Tensor, skip_special_tokens: bool = False) -> str:
         """Bytes back to text (invalid UTF-8 replaced); ``skip_special_tokens`` drops EOS and pad bytes."""
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)

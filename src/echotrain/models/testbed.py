@@ -210,7 +210,8 @@ def build_testbed(config: TestbedConfig | None = None, *, log: Any = None) -> tu
         model = LoopedTransformer(cfg.looped_config())
         model.train()
         opt = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+        warm = cfg.warmup_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         gen = torch.Generator().manual_seed(cfg.seed)
         acc, step = 0.0, 0
         while step < cfg.max_steps:
@@ -275,7 +276,7 @@ def ensure_testbed(config: TestbedConfig | None = None, *, cache_dir: str | os.P
         if (final / "testbed.json").is_file() and not force:
             return final  # built by another process while we waited
         if log is not None:
-            log(f"building the testbed policy into {final} (one thread; about 2-4 minutes on a laptop core)")
+            log(f"building the testbed policy into {final} (one thread; ~3 minutes on an idle core, ~8 on a busy one)")
         model, report = build_testbed(cfg, log=log)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable like the models cache

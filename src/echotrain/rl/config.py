@@ -63,7 +63,8 @@ class PolicyLossConfig:
     """ECHO token-level term on top of the batch clip: "ppo" (default: the PPO/DAPO token clip
     with clip_ratio_low/high and clip_ratio_c), "none" (batch clip only: J = rho~ A) or
     "truncate" (truncated importance weight, no PPO clip: value min(rho~, c) A, gradient
-    min(rho~, c) A grad log pi, c = echo_token_cap). Design §4; the study decides the default."""
+    min(rho~, c) A grad log pi, c = echo_token_cap). clip_ratio_low/high/c apply only to "ppo".
+    Design §4; the study decides the default."""
     echo_token_cap: float = 2.0
     """ECHO ``echo_token_clip="truncate"``: the cap c >= 1 on rho~ (truncated IS; 2.0 is the
     cap of truncated importance sampling in Yao et al. 2025, "Your efficient RL framework

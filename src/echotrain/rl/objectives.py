@@ -177,8 +177,9 @@ def echo_token_loss(
     - ``none``: l(x) = -x A (batch clip only);
     - ``truncate``: l(x) = -A (sg(min(x, c)) + sg(min(1, c / x)) (x - sg(x))), c =
       ``echo_token_cap``: value -A min(x, c), gradient -A min(x, c) d log x, i.e. the truncated
-      importance weight multiplies the score function and the gradient never vanishes (truncated IS, the convention of V-trace, arXiv
-      1802.01561, and of truncated IS in Yao et al. 2025), unlike a PPO clip.
+      importance weight multiplies the score function and the gradient never vanishes, unlike
+      a PPO clip (the truncated-IS convention of V-trace, arXiv 1802.01561, and of Yao et al.
+      2025's truncated importance sampling).
 
     With ``config.echo_pessimistic`` and the batch clip active (``clipped``), each token takes
     l = max(l(rho), l(rho~)) (the surrogate min(J(rho), J(rho~))): the batch factor applies only

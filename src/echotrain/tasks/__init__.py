@@ -18,6 +18,8 @@ Public API
                                           ``\\boxed{}``), ``None`` when absent (no fallback),
     ``score(completion, example) -> float`` 1.0 correct / 0.0 otherwise (binary by default),
     ``is_formatted(completion) -> bool``  whether an answer in the task's format is present.
+    Optional: ``eval_task() -> Task``     the task's held-out split; the trainer's fixed greedy
+                                          evaluation uses it when present (the ``testbed`` task).
     Score the batch through ``echotrain.rewards.RewardFunction(task)`` (timeouts, counted errors).
 
 ``get_task(name, **options) -> Task``; ``task_names() -> list[str]``; ``register_task(name)``.

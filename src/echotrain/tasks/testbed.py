@@ -108,7 +108,7 @@ class TestbedTask:
             raise IndexError(f"index {index} out of range for task testbed of size {self.size}")
         expr, answer = self._items[index]
         prompt = prompt_of(expr)
-        return Example(messages=prompt, question=prompt, answer=answer, task=self.name, index=index,  # type: ignore[arg-type]
+        return Example(messages=prompt, question=prompt, answer=answer, task=self.name, index=index,
                        metadata={"expression": expr, "split": self.split})
 
     def __iter__(self) -> Iterator[Example]:

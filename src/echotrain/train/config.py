@@ -119,8 +119,9 @@ class TrainConfig:
                                 "issue-12 study (docs/design/objectives.md §4).", group="objective")
     echo_token_clip: str = _f("ppo", "ECHO token-level term on top of the batch clip: ppo (PPO/DAPO token clip with "
                               "clip_ratio_low/high; default), none (batch clip only), truncate (truncated importance "
-                              "weight min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). Open choice "
-                              "decided by the issue-12 study (docs/design/objectives.md §4).",
+                              "weight min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). clip_ratio_* "
+                              "apply only to ppo. Open choice decided by the issue-12 study "
+                              "(docs/design/objectives.md §4).",
                               ("ppo", "none", "truncate"), group="objective")
     echo_token_cap: float = _f(2.0, "ECHO echo_token_clip=truncate: cap c >= 1 on the rescaled token ratio rho~ "
                                "(truncated IS; 2.0 as in Yao et al. 2025's truncated importance sampling).",
@@ -473,6 +474,8 @@ def validate(cfg: TrainConfig) -> None:
          "must be > 1 (dual-clip constant; Dual-clip PPO 1912.09729) or none to disable")
     need(0 <= cfg.batch_clip_low < 1, "batch_clip_low", "must be in [0, 1)")
     need(cfg.batch_clip_high >= 0, "batch_clip_high", "must be >= 0")
+    need(cfg.model != "testbed" or cfg.task == "testbed", "task",
+         "model=testbed speaks bare arithmetic with a byte tokenizer (no chat template): use task=testbed")
     need(cfg.echo_token_cap >= 1, "echo_token_cap", "must be >= 1 (cap c on the rescaled token ratio rho~; "
          "c < 1 would truncate on-policy tokens)")
     need(cfg.norm_constant >= 0, "norm_constant", "must be >= 0 (0 = max_new_tokens)")

@@ -62,3 +62,13 @@ def test_suite_hook_is_a_no_op_without_the_suite(cell, monkeypatch):
     assert runner.run_suite(cell, {"name": "math"}).startswith("skipped")
     cmd = runner.suite_command(cell, {"name": "math", "args": ["--limit", 5]})
     assert cmd[-7:] == ["eval", "--suite", "math", "--model", str(cell.run_dir), "--limit", "5"]
+
+
+def test_a_second_driver_is_refused(cell, tmp_path):
+    held = runner.lock_comparison(cell.run_dir.parents[1])
+    try:
+        with pytest.raises(runner.ComparisonBusy, match="another echotrain compare"):
+            runner.lock_comparison(cell.run_dir.parents[1])
+    finally:
+        held.close()
+    runner.lock_comparison(cell.run_dir.parents[1]).close()  # free again

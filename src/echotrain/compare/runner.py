@@ -168,12 +168,42 @@ def write_plan(spec: CompareSpec, cells: Sequence[Cell]) -> Path:
     return out / "compare.yaml"
 
 
+class ComparisonBusy(RuntimeError):
+    """Another ``echotrain compare`` holds the comparison directory's lock."""
+
+
+def lock_comparison(output_dir: Path):
+    """Take ``<output_dir>/.compare.lock`` (``fcntl.flock``, non-blocking) for this process's life;
+    returns the open lock file (keep a reference). Two local drivers on one comparison would run
+    the same cells into the same run directories.
+
+    Raises:
+        ComparisonBusy: another process holds the lock.
+    """
+    import fcntl
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    fh = open(output_dir / ".compare.lock", "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        raise ComparisonBusy(f"{output_dir} is being run by another echotrain compare (lock "
+                             f"{output_dir / '.compare.lock'}); wait for it or stop it") from None
+    return fh
+
+
 def run_cells(spec: CompareSpec, cells: Sequence[Cell], jobs: int = 1, nice: int = 0,
               log=print) -> dict[str, str]:
     """Run the cells that are not done, ``jobs`` at a time; returns ``{cell name: outcome}``
-    (``done before``, ``ok``, ``failed (exit N, see train.log)``)."""
+    (``done before``, ``ok``, ``failed (exit N, see train.log)``).
+
+    Raises:
+        ComparisonBusy: another local driver is running this comparison.
+    """
     if jobs < 1:
         raise ValueError(f"jobs={jobs!r} must be >= 1")
+    _lock = lock_comparison(spec.output_dir)  # noqa: F841 - held until return
     outcomes: dict[str, str] = {}
     queue: list[tuple[Cell, str]] = []
     for c in cells:

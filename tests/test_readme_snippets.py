@@ -33,6 +33,16 @@ NOT_RUN = {
     "python3 -m venv .venv": "installs into a fresh venv and runs the 8-minute default job; .ci/run does this on a clean clone",
     "python -m verl.trainer.main_ppo": "needs a full verl install (hydra, ray, vLLM) and a GPU; the plugin-check block is run",
 }
+# single commands of otherwise-run blocks that are not run here: prefix -> why
+NOT_RUN_COMMANDS = {
+    "echotrain testbed": "builds the real CPU testbed (3-8 min); tests/models/test_testbed.py builds a tiny one",
+    "echotrain train --config configs/testbed.yaml": "needs the real testbed cache (above); test_testbed.py runs an RL step on a tiny one",
+    "echotrain compare configs/compare/testbed.yaml --jobs": "runs 45 cells; tests/train/test_compare_runner.py runs the grid runner on a tiny model",
+    "echotrain compare configs/compare/echo_band.yaml": "runs 30 cells (see above)",
+    "echotrain compare configs/compare/testbed.yaml --cell": "one real testbed cell (see above)",
+    "echotrain compare report runs/compare/testbed": "needs a finished study; tests/compare aggregates hand-made run directories",
+}
+
 # small sizes for the tiny model (appended unless the line sets the key)
 TINY_TRAIN = dict(prompts_per_step="4", num_generations="2", max_new_tokens="4", micro_batch_size="8",
                   eval_prompts="2", num_threads="1", device="cpu", progress="false", plots="false", steps="2",
@@ -157,6 +167,8 @@ def test_bash_blocks(tmp_path, monkeypatch, tiny_model_dir, capsys):
         if lang != "bash" or _skip_reason(code):
             continue
         for cmd in _commands(code):
+            if any(cmd.startswith(prefix) for prefix in NOT_RUN_COMMANDS):
+                continue
             if cmd.startswith("echotrain "):
                 rc, out = _run_echotrain(cmd, tiny_model_dir, capsys)
                 if "needs network" in cmd:  # documented: a hub model offline is a clean exit 2 naming it

@@ -7,6 +7,7 @@ function ``register(parser: argparse.ArgumentParser) -> None`` that adds its opt
 
     echotrain train [--config FILE.yaml] [key=value ...]
     echotrain eval ...
+    echotrain compare CONFIG.yaml [key=value ...] | echotrain compare report DIR...
     echotrain experiment <name> ...
 """
 
@@ -21,6 +22,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("echotrain.train.commands:register_train", "RL-train a language model on a verifiable task"),
     "eval": ("echotrain.train.commands:register_eval", "accuracy / pass@k of a model or checkpoint on a task"),
+    "compare": ("echotrain.compare.commands:register", "multi-seed grid of objective arms, and its report"),
+    "testbed": ("echotrain.models.testbed:register", "build (or show) the cached CPU testbed policy (model=testbed)"),
 }
 
 # `echotrain experiment <name>`: reproductions of each method's central claim.

@@ -183,3 +183,12 @@ def test_config_errors(tmp_path):
                        gradient_accumulation_steps=2, steps_per_generation=3)
     with pytest.raises(ValueError, match="beta"):
         make_trainer(tmp_path, beta=0.1)
+
+
+def test_echo_flags_reach_the_policy_loss_config(tmp_path):
+    args = EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, echo_pessimistic=True,
+                          echo_token_clip="truncate", echo_token_cap=1.5)
+    plc = args.policy_loss_config()
+    assert (plc.echo_pessimistic, plc.echo_token_clip, plc.echo_token_cap) == (True, "truncate", 1.5)
+    with pytest.raises(ValueError, match="echo_token_clip='clip'"):
+        EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, echo_token_clip="clip")

@@ -332,3 +332,12 @@ def test_expected_difference_echo_R_is_per_micro_batch():
              for r in (slice(0, 6), slice(6, 12))]
     assert parts[0][1]["actor/echo/R_batch"] > 1.01 > 0.99 > parts[1][1]["actor/echo/R_batch"]
     assert abs(float(parts[0][0] + parts[1][0]) - float(whole)) > 1e-3
+
+
+def test_echo_flags_pass_through_to_the_loss_config():
+    from echotrain.integrations.verl import _loss_config
+
+    base = PolicyLossConfig(echo_pessimistic=True, echo_token_clip="truncate", echo_token_cap=1.5, **BAND)
+    cfg = _loss_config(_actor(low=0.1, high=0.3), base)
+    assert (cfg.echo_pessimistic, cfg.echo_token_clip, cfg.echo_token_cap) == (True, "truncate", 1.5)
+    assert (cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.batch_clip_low) == (0.1, 0.3, 0.01)

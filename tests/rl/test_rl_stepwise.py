@@ -145,6 +145,27 @@ def test_two_simulated_ranks_match_single_batch(batch_factory, loss_mode, name, 
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-10)
 
 
+ECHO_FLAG_CASES = [
+    ("geo-pessimistic-ppo", dict(batch_ratio="geo", echo_pessimistic=True)),
+    ("arith-pessimistic-none", dict(batch_ratio="arith", echo_pessimistic=True, echo_token_clip="none")),
+    ("geo-truncate", dict(batch_ratio="geo", echo_token_clip="truncate", echo_token_cap=1.1)),
+    ("arith-pessimistic-truncate", dict(batch_ratio="arith", echo_pessimistic=True, echo_token_clip="truncate",
+                                        echo_token_cap=1.1)),
+]
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "balanced"])
+@pytest.mark.parametrize("name,overrides", ECHO_FLAG_CASES, ids=[c[0] for c in ECHO_FLAG_CASES])
+def test_two_simulated_ranks_match_single_batch_for_echo_flags(batch_factory, name, overrides, agg):
+    """ECHO's open-choice flags (tests/rl/test_rl_echo_flags.py) stay exact across ranks too."""
+    cfg = _cfg(overrides)
+    batch = _drifted_batch(batch_factory, seed=5)
+    _, ref_grad, ref_metrics = _oracle_grad(batch, "echo", agg, cfg)
+    assert ref_metrics["echo/batch_clipped"] == 1.0
+    grad = _run_ranks(batch, "echo", agg, cfg)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-10)
+
+
 def test_dp_size_makes_ddp_average_exact(batch_factory):
     """DDP averages rank gradients: with dp_size=world the average is the global gradient."""
     cfg = _cfg({"batch_ratio": "geo"})

@@ -35,14 +35,15 @@ def make_tokenizer():
     return fast
 
 
-def make_model(tokenizer, seed: int = 0, hidden_size: int = 32, intermediate_size: int = 64):
+def make_model(tokenizer, seed: int = 0, hidden_size: int = 32, intermediate_size: int = 64,
+               max_position_embeddings: int = 256):
     """2-layer Llama, hidden 32 (MLP 64) unless given, random init with ``seed``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
                       num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                       eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg)

@@ -114,3 +114,33 @@ def test_cli_help_lists_every_key(capsys):
         assert f"{f.name}=" in out
     assert "--resume" in out and "--config" in out
     assert set(preset_names()) >= {"echo", "gspo+balanced"}
+
+
+@pytest.mark.parametrize("tokens,needles", [
+    (["echo_token_clip=clip"], ["echo_token_clip='clip'", "ppo", "none", "truncate"]),
+    (["echo_token_cap=0.5"], ["echo_token_cap=0.5", ">= 1"]),
+    (["echo_pessimistic=maybe"], ["echo_pessimistic", "bool"]),
+])
+def test_echo_flags_are_validated(tokens, needles):
+    with pytest.raises(ConfigError) as exc:
+        resolve_config(overrides=parse_overrides(["loss_mode=echo"] + tokens))
+    for n in needles:
+        assert n in str(exc.value), (n, str(exc.value))
+
+
+def test_echo_flags_reach_the_policy_loss_config_and_the_preset_keeps_its_defaults():
+    from echotrain.rl import PolicyLossConfig
+
+    cfg = resolve_config(overrides=parse_overrides(["preset=echo"]))
+    assert (cfg.echo_pessimistic, cfg.echo_token_clip, cfg.echo_token_cap) == (False, "ppo", 2.0)
+    cfg = resolve_config(overrides=parse_overrides(
+        ["preset=echo", "echo_pessimistic=true", "echo_token_clip=truncate", "echo_token_cap=1.5", "batch_ratio=arith"]))
+    plc = PolicyLossConfig(**cfg.policy_loss_config())
+    assert (plc.echo_pessimistic, plc.echo_token_clip, plc.echo_token_cap, plc.batch_ratio) == (True, "truncate", 1.5,
+                                                                                                 "arith")
+
+
+def test_testbed_model_needs_the_testbed_task():
+    with pytest.raises(ConfigError, match="model=testbed .* use task=testbed"):
+        resolve_config(overrides=parse_overrides(["model=testbed"]))
+    assert resolve_config(overrides=parse_overrides(["model=testbed", "task=testbed"])).task == "testbed"

@@ -65,7 +65,7 @@ from echotrain.rl import (
     compute_step_stats,
     needs_log_prob_prepass,
 )
-from echotrain.rl.config import BA_SCOPES, BATCH_RATIOS, ECHO_DEFAULT_BATCH_BAND
+from echotrain.rl.config import BA_SCOPES, BATCH_RATIOS, ECHO_DEFAULT_BATCH_BAND, ECHO_TOKEN_CLIPS
 
 __all__ = ["EchoGRPOConfig", "EchoGRPOTrainer"]
 
@@ -94,6 +94,11 @@ class EchoGRPOConfig(GRPOConfig):
         "ECHO batch ratio: geo = exp(mean log rho) (default, bounds the KL estimate) or arith = mean rho.")})
     detach_kappa: bool = field(default=False, metadata={"help": (
         "ECHO: treat kappa = clip(R)/R as a constant (no L/R baseline term in the gradient).")})
+    echo_pessimistic: bool = field(default=False, metadata={"help": (
+        "ECHO: apply kappa only where it lowers the surrogate (per-token min of the unrescaled and rescaled terms).")})
+    echo_token_clip: str = field(default="ppo", metadata={"help": (
+        "ECHO token term on top of the batch clip: ppo (token clip, default), none, truncate (min(rho~, cap)).")})
+    echo_token_cap: float = field(default=2.0, metadata={"help": "ECHO echo_token_clip=truncate: cap c >= 1 on rho~."})
     ba_scope: str = field(default="group", metadata={"help": "Balanced Aggregation: per prompt group or pooled batch."})
     ba_count_zero_adv: bool = field(default=True, metadata={"help": (
         "Balanced Aggregation: zero-advantage responses count in the group size G.")})
@@ -110,6 +115,8 @@ class EchoGRPOConfig(GRPOConfig):
             raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r} is not one of {list(AGG_MODES)}")
         if self.batch_ratio not in BATCH_RATIOS:
             raise ValueError(f"batch_ratio={self.batch_ratio!r} is not one of {list(BATCH_RATIOS)}")
+        if self.echo_token_clip not in ECHO_TOKEN_CLIPS:
+            raise ValueError(f"echo_token_clip={self.echo_token_clip!r} is not one of {list(ECHO_TOKEN_CLIPS)}")
         if self.ba_scope not in BA_SCOPES:
             raise ValueError(f"ba_scope={self.ba_scope!r} is not one of {list(BA_SCOPES)}")
         if self.steps_per_generation % self.gradient_accumulation_steps:
@@ -129,6 +136,9 @@ class EchoGRPOConfig(GRPOConfig):
             batch_clip_high=self.batch_clip_high,
             batch_ratio=self.batch_ratio,
             detach_kappa=self.detach_kappa,
+            echo_pessimistic=self.echo_pessimistic,
+            echo_token_clip=self.echo_token_clip,
+            echo_token_cap=self.echo_token_cap,
             norm_constant=float(self.norm_constant or self.max_completion_length),
             ba_scope=self.ba_scope,
             ba_count_zero_adv=self.ba_count_zero_adv,

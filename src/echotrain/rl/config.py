@@ -25,6 +25,8 @@ from echotrain.rl.validation import check_choice
 ECHO_DEFAULT_BATCH_BAND: tuple[float, float] = (0.01, 0.01)
 
 BATCH_RATIOS = ("geo", "arith")
+#: ECHO's token-level clip on top of the batch clip (design/objectives.md §4, "open choices").
+ECHO_TOKEN_CLIPS = ("ppo", "none", "truncate")
 BA_SCOPES = ("group", "batch")
 
 
@@ -52,6 +54,21 @@ class PolicyLossConfig:
     "arith" = mean rho (the abstract's "average importance sampling ratio")."""
     detach_kappa: bool = False
     """ECHO: True treats kappa = clip(R)/R as a constant (uniform rescaling, no baseline term)."""
+    echo_pessimistic: bool = False
+    """ECHO: apply the batch factor only where it lowers the surrogate: per token
+    J = min(J(rho), J(kappa rho)) (PPO's ``min``, one level up). False (default, provisional):
+    J = J(kappa rho) everywhere, so with R outside the band and every token moving the same way
+    the gradient can vanish. Design §4; the study (issue 12) decides the default."""
+    echo_token_clip: str = "ppo"
+    """ECHO token-level term on top of the batch clip: "ppo" (default: the PPO/DAPO token clip
+    with clip_ratio_low/high and clip_ratio_c), "none" (batch clip only: J = rho~ A) or
+    "truncate" (truncated importance weight, no PPO clip: value min(rho~, c) A, gradient
+    min(rho~, c) A grad log pi, c = echo_token_cap). clip_ratio_low/high/c apply only to "ppo".
+    Design §4; the study decides the default."""
+    echo_token_cap: float = 2.0
+    """ECHO ``echo_token_clip="truncate"``: the cap c >= 1 on rho~ (truncated IS; 2.0 is the
+    cap of truncated importance sampling in Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"). Unused by the other token clips."""
     norm_constant: float | None = None
     """Constant C of ``seq-mean-token-sum-norm`` (Dr. GRPO, arXiv 2503.20783), e.g. the maximum
     response length. Required by that mode; never the padded width of a batch."""
@@ -74,6 +91,12 @@ class PolicyLossConfig:
         if self.clip_ratio_c is not None and not (math.isfinite(self.clip_ratio_c) and self.clip_ratio_c > 1.0):
             raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO (or None to disable), got {self.clip_ratio_c}")
         check_choice("batch_ratio", self.batch_ratio, BATCH_RATIOS)
+        check_choice("echo_token_clip", self.echo_token_clip, ECHO_TOKEN_CLIPS)
+        if not isinstance(self.echo_pessimistic, bool):
+            raise ValueError(f"echo_pessimistic must be a bool, got {self.echo_pessimistic!r}")
+        c = self.echo_token_cap
+        if isinstance(c, bool) or not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 1):
+            raise ValueError(f"echo_token_cap must be a finite float >= 1 (the truncation cap on rho~), got {c!r}")
         check_choice("ba_scope", self.ba_scope, BA_SCOPES)
         if self.norm_constant is not None and not (math.isfinite(self.norm_constant) and self.norm_constant > 0):
             raise ValueError(f"norm_constant must be > 0, got {self.norm_constant}")

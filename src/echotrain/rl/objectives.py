@@ -15,7 +15,8 @@ Metrics (valid tokens only, local to the call): ``pg_clipfrac`` (share of tokens
 branch is active: rho > 1 + eps_high with A > 0, or rho < 1 - eps_low with A < 0), split into
 ``pg_clipfrac_high`` / ``pg_clipfrac_low``; ``pg_clipfrac_lower`` (dual-clip cap active, A < 0);
 ``ppo_kl`` = mean(old_log_prob - log_prob). ECHO adds ``echo/R_batch``, ``echo/kappa``,
-``echo/batch_clipped`` (the step's values).
+``echo/batch_clipped`` (the step's values), and, local to the call, ``pg_echo_unscaled_frac``
+(with ``echo_pessimistic``) and ``pg_echo_truncfrac`` (with ``echo_token_clip="truncate"``).
 """
 
 from __future__ import annotations
@@ -162,6 +163,61 @@ def batch_kappa(R: torch.Tensor, batch_clip_low: float, batch_clip_high: float) 
     if r < lo:
         return lo / R, True
     return torch.ones_like(R), False
+
+
+def echo_token_loss(
+    ratio: torch.Tensor, rho_tilde: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig, clipped: bool
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ECHO's per-token loss ``(B, T)`` from rho and rho~ = kappa rho (design §4, steps 4-5).
+
+    The token term l(x) of ``config.echo_token_clip``:
+
+    - ``ppo``: l(x) = -min(x A, clip(x, 1 - eps_low, 1 + eps_high) A) (dual-clip if
+      ``clip_ratio_c``), as :func:`ppo_clip_loss`;
+    - ``none``: l(x) = -x A (batch clip only);
+    - ``truncate``: l(x) = -A (sg(min(x, c)) + sg(min(1, c / x)) (x - sg(x))), c =
+      ``echo_token_cap``: value -A min(x, c), gradient -A min(x, c) d log x, i.e. the truncated
+      importance weight multiplies the score function and the gradient never vanishes, unlike
+      a PPO clip (the truncated-IS convention of V-trace, arXiv 1802.01561, and of Yao et al.
+      2025's truncated importance sampling).
+
+    With ``config.echo_pessimistic`` and the batch clip active (``clipped``), each token takes
+    l = max(l(rho), l(rho~)) (the surrogate min(J(rho), J(rho~))): the batch factor applies only
+    where it lowers the surrogate; on ties the unrescaled branch is taken. Otherwise l = l(rho~).
+
+    Args:
+        ratio: ``(B, T)`` rho (may carry gradient); rho_tilde: ``(B, T)`` kappa rho.
+        advantages: ``(B, T)`` A. config: the loss config. clipped: R is outside the band.
+
+    Returns:
+        ``(loss_mat (B, T), flags)``: bool ``(B, T)`` flags ``high``/``low``/``dual`` as
+        :func:`ppo_clip_loss` (all False for ``none``/``truncate``), ``truncated`` (x > c under
+        ``truncate``) and ``unscaled`` (the pessimistic min chose l(rho)), of the chosen branch.
+    """
+
+    def token_term(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        none = torch.zeros_like(x, dtype=torch.bool)
+        if config.echo_token_clip == "ppo":
+            loss, flags = ppo_clip_loss(x, advantages, config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c)
+            return loss, {**flags, "truncated": none}
+        if config.echo_token_clip == "none":
+            return -advantages * x, {"high": none, "low": none, "dual": none, "truncated": none}
+        # value -A min(x, c) exactly (so pessimistic ties between two truncated branches are exact ties);
+        # gradient -A min(1, c / x) dx = -A min(x, c) d log x (x - sg(x) is exactly 0 in value)
+        xd = x.detach()
+        truncated = xd > config.echo_token_cap
+        capped = torch.clamp(xd, max=config.echo_token_cap)
+        return -advantages * (capped + (capped / xd) * (x - xd)), {"high": none, "low": none, "dual": none,
+                                                                   "truncated": truncated}
+
+    loss_t, flags_t = token_term(rho_tilde)
+    if not (config.echo_pessimistic and clipped):
+        return loss_t, {**flags_t, "unscaled": torch.zeros_like(flags_t["high"])}
+    loss_u, flags_u = token_term(ratio)
+    unscaled = loss_u >= loss_t
+    loss = torch.where(unscaled, loss_u, loss_t)
+    flags = {k: torch.where(unscaled, flags_u[k], flags_t[k]) for k in flags_t}
+    return loss, {**flags, "unscaled": unscaled}
 
 
 def echo_token_ratios(
@@ -371,7 +427,11 @@ def compute_policy_loss_echo(
     Our formulation (design/objectives.md §4; the paper's equations are not public):
     R = exp(mean log rho) (``geo``) or mean rho (``arith``) over the step's N valid tokens;
     kappa = clip(R, 1 - eps_b_low, 1 + eps_b_high) / R; rho~ = kappa rho;
-    l_{i,t} = -min(rho~ A, clip(rho~, 1 - eps_low, 1 + eps_high) A), aggregated.
+    l_{i,t} = -min(rho~ A, clip(rho~, 1 - eps_low, 1 + eps_high) A), aggregated (defaults).
+    The open choices are flags (:func:`echo_token_loss`): ``echo_token_clip`` ("ppo" above,
+    "none": l = -rho~ A, "truncate": truncated weight min(rho~, c)) and ``echo_pessimistic``
+    (l = max(l(rho), l(rho~)) per token when the batch clip fires). The closed forms below are
+    for the defaults; with pessimism only the tokens whose l(rho~) is chosen carry the kappa term.
     When R clips, the gradient gains a baseline built from L = (1/N) sum rho A and R (token-mean,
     token clip inactive; both tested against autograd):
 
@@ -393,7 +453,8 @@ def compute_policy_loss_echo(
     geo = cfg.batch_ratio == "geo"
     if step is None:
         rho_t, R, kappa, clipped = _echo_rescale(log_ratio, mask, cfg, log_ratio_sum)
-        loss_mat, flags = ppo_clip_loss(rho_t, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
+        ratio = torch.exp(log_ratio) if cfg.echo_pessimistic and clipped else rho_t
+        loss_mat, flags = echo_token_loss(ratio, rho_t, adv, cfg, clipped)
         loss = weighted_sum(loss_mat, mask, w)
         r_val, k_val = float(R.detach()), float(kappa.detach())
     else:
@@ -401,12 +462,14 @@ def compute_policy_loss_echo(
         if echo is None:
             raise ValueError("step has no ECHO statistics: compute_step_stats(..., loss_mode='echo') is required")
         clipped = echo.clipped
-        if geo:
+        pessimistic = cfg.echo_pessimistic and clipped
+        if geo and not pessimistic:
             rho_t = torch.exp(log_ratio + math.log(echo.kappa)) if clipped else torch.exp(log_ratio)
+            ratio = rho_t
         else:
             ratio = torch.exp(log_ratio)
             rho_t = echo.kappa * ratio if clipped else ratio
-        loss_mat, flags = ppo_clip_loss(rho_t, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
+        loss_mat, flags = echo_token_loss(ratio, rho_t, adv, cfg, clipped)
         loss = weighted_sum(loss_mat, mask, w)
         if clipped and not cfg.detach_kappa:
             local_sum = log_ratio_sum if geo else torch.where(mask, ratio, 0).sum(dtype=torch.float64)
@@ -415,7 +478,21 @@ def compute_policy_loss_echo(
         r_val, k_val = echo.R, echo.kappa
     metrics = clip_metrics(flags, log_ratio, mask, log_ratio_sum)
     metrics.update({"echo/R_batch": r_val, "echo/kappa": k_val, "echo/batch_clipped": float(clipped)})
+    metrics.update(_echo_token_metrics(flags, mask, cfg))
     return loss * _dp(step), metrics
+
+
+def _echo_token_metrics(flags: dict[str, torch.Tensor], mask: torch.Tensor, cfg: PolicyLossConfig) -> dict[str, float]:
+    """Local shares of valid tokens (token-weighted like ``pg_clipfrac``, not step values like
+    ``echo/*``): ``pg_echo_unscaled_frac`` (the pessimistic min chose l(rho); only with
+    ``echo_pessimistic``) and ``pg_echo_truncfrac`` (rho~ > c; only with ``truncate``)."""
+    out: dict[str, float] = {}
+    n = mask.sum().clamp(min=1)
+    if cfg.echo_pessimistic:
+        out["pg_echo_unscaled_frac"] = float((flags["unscaled"] & mask).sum() / n)
+    if cfg.echo_token_clip == "truncate":
+        out["pg_echo_truncfrac"] = float((flags["truncated"] & mask).sum() / n)
+    return out
 
 
 def kappa_gradient_share(local_sum: torch.Tensor, R: float, num_tokens: float, R_bar: float, kind: str) -> torch.Tensor:

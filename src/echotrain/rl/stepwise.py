@@ -83,7 +83,7 @@ from echotrain.rl.objectives import (
     _seq_weights,
     batch_kappa,
     clamped_log_ratio,
-    ppo_clip_loss,
+    echo_token_loss,
 )
 from echotrain.rl.validation import check_choice, check_group_index, check_token_inputs
 
@@ -104,7 +104,8 @@ class EchoStats:
     kappa: float  # R_bar / R (1 inside the band)
     clipped: bool  # R outside the band
     num_tokens: float  # N, valid tokens of the step
-    grad_sum: float  # S = sum_{i,t} w_{i,t} rho_{i,t} dl/drho~ (0 unless clipped and kappa not detached)
+    grad_sum: float  # S = sum_{i,t} w_{i,t} rho_{i,t} dl/drho~ (0 unless clipped and kappa not detached);
+    # dl/drho~ of the configured token term (echo_token_clip), 0 where the pessimistic min chose rho
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ def compute_step_stats(
             ratio = torch.exp(clamped_log_ratio(lp, old, cfg.log_ratio_clamp, mask))
             x = (kappa * ratio).detach().requires_grad_(True)
             with torch.enable_grad():
-                loss_mat, _ = ppo_clip_loss(x, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
+                loss_mat, _ = echo_token_loss(ratio, x, adv, cfg, clipped)
                 w = _seq_weights(mask, adv, loss_agg_mode, cfg, gi, step)
                 (g,) = torch.autograd.grad(weighted_sum(loss_mat, mask, w), x)
             s += (g.to(torch.float64) * ratio.to(torch.float64)).sum()

@@ -18,6 +18,8 @@ Public API
                                           ``\\boxed{}``), ``None`` when absent (no fallback),
     ``score(completion, example) -> float`` 1.0 correct / 0.0 otherwise (binary by default),
     ``is_formatted(completion) -> bool``  whether an answer in the task's format is present.
+    Optional: ``eval_task() -> Task``     the task's held-out split; the trainer's fixed greedy
+                                          evaluation uses it when present (the ``testbed`` task).
     Score the batch through ``echotrain.rewards.RewardFunction(task)`` (timeouts, counted errors).
 
 ``get_task(name, **options) -> Task``; ``task_names() -> list[str]``; ``register_task(name)``.
@@ -34,6 +36,9 @@ Public API
     ``"math500"``           MATH-500 (``path=`` local JSONL, else ``HuggingFaceH4/MATH-500``).
     ``"jsonl"``             any prompt/answer JSONL (``path=``, ``prompt_field=``, ``answer_field=``;
                             ``echotrain.tasks.jsonl``), math-verify equivalence.
+    ``"testbed"``           bare ``81-88=`` -> ``-7`` arithmetic of the CPU testbed policy
+                            (``model=testbed``; ``echotrain.tasks.testbed``), exact integer match,
+                            with a held-out split its ``eval_task()`` returns.
     Unknown names raise ``KeyError`` listing the valid ones.
 """
 
@@ -43,6 +48,7 @@ from echotrain.tasks.base import Example, Task, get_task, register_task, task_na
 from echotrain.tasks.gym import DEFAULT_TASK, ReasoningGymTask
 from echotrain.tasks.math_sets import JsonlMathTask, load_gsm8k, load_math500
 from echotrain.tasks import jsonl as _jsonl  # noqa: F401  registers task=jsonl
+from echotrain.tasks.testbed import TestbedTask
 
 __all__ = [
     "DEFAULT_TASK",
@@ -50,6 +56,7 @@ __all__ = [
     "JsonlMathTask",
     "ReasoningGymTask",
     "Task",
+    "TestbedTask",
     "get_task",
     "load_gsm8k",
     "load_math500",

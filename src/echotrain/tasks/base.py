@@ -29,7 +29,8 @@ class Example:
 
     Attributes:
         messages: chat messages ``[{"role": "system"|"user"|"assistant", "content": str}]``:
-            system instruction, optional one-shot user/assistant exchange, the user question.
+            system instruction, optional one-shot user/assistant exchange, the user question;
+            or a plain ``str`` prompt, used as-is without a chat template (the ``testbed`` task).
         question: the bare question text.
         answer: the gold answer as text.
         task: the name of the task that made it.
@@ -37,7 +38,7 @@ class Example:
         metadata: what the task's scorer needs (reasoning-gym entry, dataset row fields).
     """
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, str]] | str
     question: str
     answer: str
     task: str

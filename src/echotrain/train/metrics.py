@@ -22,6 +22,9 @@ groups (``group``: the prompt's index in the step), each with ``question``, ``an
 - ``time/generation``, ``time/scoring``, ``time/update``, ``time/step`` (wall seconds),
   ``time/step_cpu`` (CPU seconds of this process, all threads; tells load from other processes),
   ``throughput/tokens_per_s`` (valid response tokens / step time), ``memory/peak_mb``
+
+At the end of a run ``stability.json`` holds the stability flags
+(:mod:`echotrain.train.stability`: NaN, length collapse, entropy collapse, grad-norm explosion).
 """
 
 from __future__ import annotations
@@ -145,11 +148,13 @@ def summary_rows(records: list[dict[str, Any]], head: int = 3) -> list[tuple[str
 
 
 def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wall_s: float,
-                  evals: list[dict[str, Any]] | None = None, steps_run: tuple[int, int] | None = None) -> None:
+                  evals: list[dict[str, Any]] | None = None, steps_run: tuple[int, int] | None = None,
+                  stability: dict[str, Any] | None = None) -> None:
     """The closing table in the terminal (rich); ``evals`` (eval.jsonl) adds start/end rows.
 
     ``wall_s`` is the training time of this invocation (model loading excluded) and
-    ``steps_run`` = (first, last) the steps it ran (a resumed run ran fewer than ``records`` hold).
+    ``steps_run`` = (first, last) the steps it ran (a resumed run ran fewer than ``records`` hold);
+    ``stability`` (:func:`echotrain.train.stability.stability_flags`) adds the flags line.
     """
     from rich.console import Console
     from rich.table import Table
@@ -176,4 +181,8 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
             # first/last columns: the evaluations at the first and last evaluated steps
             table.add_row(f"{key} (greedy)", f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{min(vals):.4g}",
                           f"{max(vals):.4g}")
+    if stability is not None:
+        from echotrain.train.stability import format_flags
+
+        table.caption = f"stability flags: {format_flags(stability)} (rules in stability.json)"
     Console(stderr=True).print(table)

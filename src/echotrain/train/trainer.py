@@ -126,8 +126,9 @@ class Trainer:
             RNG states, data position); metrics lines after it are dropped and recomputed.
         callbacks: ``fn(step, record)`` called after each step's metrics are written (before its
             checkpoint); tests use one to simulate a kill.
-        eval_task: task for the start/end greedy evaluation (``cfg.eval_prompts``); default: the
-            task built with ``seed + 1`` when it takes a seed, else the training task.
+        eval_task: task for the start/end greedy evaluation (``cfg.eval_prompts``); default:
+            ``task.eval_task()`` when the task has one (its held-out split), else the task built
+            with ``seed + 1`` when it takes a seed, else the training task.
 
     Raises:
         FileNotFoundError: ``resume`` without a checkpoint in the run directory.
@@ -172,6 +173,8 @@ class Trainer:
             from echotrain.tasks import get_task
 
             task = get_task(cfg.task, **cfg.task_options)
+        if eval_task is None and cfg.eval_prompts > 0 and callable(getattr(task, "eval_task", None)):
+            eval_task = task.eval_task()  # the task's own held-out split (e.g. the testbed task)
         if eval_task is None and cfg.eval_prompts > 0:
             eval_task = task
             if "seed" in getattr(task, "__dict__", {}):  # other questions than the training ones
@@ -723,6 +726,7 @@ class Trainer:
         records = read_jsonl(self.run_dir / "metrics.jsonl")
         if not main:
             return records
+        stability = self.write_stability(records)
         if cfg.plots:
             self.write_plots(records)
         if cfg.save_final_model and hasattr(self.model, "save_pretrained"):
@@ -732,8 +736,18 @@ class Trainer:
         self.train_seconds = time.perf_counter() - t0
         if cfg.progress:
             print_summary(records, self.run_dir, self.train_seconds, evals=read_jsonl(self.run_dir / "eval.jsonl"),
-                          steps_run=(self.start_step + 1, cfg.steps))
+                          steps_run=(self.start_step + 1, cfg.steps), stability=stability)
         return records
+
+    def write_stability(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """``stability.json``: the run's stability flags (:func:`echotrain.train.stability.stability_flags`)."""
+        from echotrain.train.stability import stability_flags
+
+        result = stability_flags(records)
+        tmp = self.run_dir / "stability.json.tmp"
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / "stability.json")
+        return result
 
     def write_plots(self, records: list[dict[str, Any]] | None = None) -> list[Path]:
         from echotrain.train.plots import plot_metrics

@@ -1,0 +1,137 @@
+"""``echotrain compare``: run a multi-seed grid of arms, or report on existing run directories.
+
+    echotrain compare CONFIG.yaml [key=value ...] [--jobs N] [--threads T] [--nice K]
+                      [--dry-run] [--cell I] [--no-report]
+    echotrain compare report DIR... [--out DIR] [--baseline ARM] [--metric KEY] [--threshold X]
+
+Every cell is validated (like ``echotrain train``) before any runs; configuration errors exit
+with status 2. ``--cell I`` runs only cell I (for a scheduler's job array); ``--dry-run`` lists the
+cells with their state and writes ``compare.yaml`` and ``commands.sh`` without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from echotrain.train.config import ConfigError
+
+EPILOG = """\
+CONFIG.yaml: name, output_dir, seeds (N or [list]), baseline, base {TrainConfig keys}, arms {name:
+{preset: ..., key: value}}, optional sweep {name, keys, values}, report {metric, threshold,
+stability}, verdict [claims], suite {name, args} (see echotrain.compare.config and
+configs/compare/*.yaml). key=value: seeds=, output_dir=, name=, baseline=, arms=a,b (subset),
+report.KEY=, or any TrainConfig key (applied to every cell, over the arms' values).
+"""
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``echotrain compare`` to ``parser``."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument("config", metavar="CONFIG.yaml|report", help="comparison file, or 'report' to aggregate DIRs")
+    parser.add_argument("rest", nargs="*", metavar="key=value|DIR", help="overrides (run) or directories (report)")
+    parser.add_argument("--jobs", type=int, default=1, help="cells run at a time locally (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per cell unless the config sets "
+                        "num_threads (default 1)")
+    parser.add_argument("--nice", type=int, default=0, help="niceness increment of the cell processes (default 0)")
+    parser.add_argument("--dry-run", action="store_true", help="validate, list cells and their state, write "
+                        "compare.yaml and commands.sh; run nothing")
+    parser.add_argument("--cell", type=int, default=None, metavar="I", help="run only cell I (0-based, the order of "
+                        "--dry-run), e.g. from a job array")
+    parser.add_argument("--no-report", action="store_true", help="do not write the report after the runs")
+    parser.add_argument("--out", default=None, help="report: output folder (default <comparison>/report)")
+    parser.add_argument("--baseline", default=None, help="report: baseline arm (default: the comparison's)")
+    parser.add_argument("--metric", default=None, help="report: curve for final/AUC/threshold (default eval/accuracy)")
+    parser.add_argument("--threshold", type=float, default=None, help="report: threshold for steps-to-threshold")
+    parser.add_argument("--title", default=None, help="report: title")
+    parser.add_argument("--max-step", type=int, default=None, help="report: read every run up to this step only")
+    parser.add_argument("--notes", default=None, metavar="FILE.md", help="report: Markdown inserted under the title")
+    parser.add_argument("--include-partial", action="store_true", help="report: also aggregate unfinished cells "
+                        "(curves then stop at the shortest run of an arm)")
+    parser.set_defaults(func=run_compare, accepts_extra=True)
+
+
+def _sigterm(_signum, _frame):  # let run_cells stop its children
+    raise KeyboardInterrupt
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """Entry point of ``echotrain compare``."""
+    from echotrain.compare.report import write_report
+
+    extra = list(getattr(args, "extra", []) or [])  # positionals given after an option
+    bad = [t for t in extra if t.startswith("-")]
+    if bad:
+        print(f"echotrain compare: error: unrecognized option {bad[0]!r}; see echotrain compare --help", file=sys.stderr)
+        return 2
+    args.rest = list(args.rest) + extra
+    if args.config == "report":
+        if not args.rest:
+            print("echotrain compare report: error: give one or more run or comparison directories", file=sys.stderr)
+            return 2
+        try:
+            path = write_report(args.rest, out_dir=args.out, baseline=args.baseline, metric=args.metric,
+                                threshold=args.threshold, title=args.title, include_partial=args.include_partial, notes=args.notes,
+                                max_step=args.max_step)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"echotrain compare report: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"echotrain compare: report in {path}")
+        return 0
+
+    from echotrain.compare.config import expand_cells, load_spec
+    from echotrain.compare.runner import ComparisonBusy, cell_status, check_cell_config, run_cells, write_plan
+
+    try:
+        spec = load_spec(args.config, args.rest)
+        if args.jobs < 1 or args.threads < 1:
+            raise ConfigError(f"--jobs={args.jobs} and --threads={args.threads} must be >= 1")
+        cells = expand_cells(spec, threads=args.threads)
+        if args.cell is not None and not 0 <= args.cell < len(cells):
+            raise ConfigError(f"--cell {args.cell}: valid cells are 0..{len(cells) - 1}")
+        from echotrain.tasks import get_task
+
+        distinct = {(c.config.task, repr(sorted(c.config.task_options.items()))): c for c in cells}
+        for c in distinct.values():  # tasks are cheap to build: check names and options up front
+            try:
+                get_task(c.config.task, **c.config.task_options)
+            except (KeyError, ValueError, TypeError) as exc:
+                raise ConfigError(f"task={c.config.task!r} task_options={c.config.task_options}: {exc}") from None
+        for c in cells:
+            check_cell_config(c)
+    except (ConfigError, ValueError) as exc:
+        print(f"echotrain compare: error: {exc}", file=sys.stderr)
+        return 2
+    spec.raw["command"] = " ".join(["echotrain compare", args.config, *args.rest] +
+                                   ([f"--threads {args.threads}"] if args.threads != 1 else []))
+    write_plan(spec, cells)
+    if args.dry_run:
+        for i, c in enumerate(cells):
+            print(f"[{i}] {c.arm:40s} seed {c.seed:<4d} {cell_status(c):7s} {c.run_dir}")
+        print(f"echotrain compare: {len(cells)} cells; plan in {spec.output_dir / 'compare.yaml'}, "
+              f"{spec.output_dir / 'commands.sh'}")
+        return 0
+    signal.signal(signal.SIGTERM, _sigterm)
+    todo = [cells[args.cell]] if args.cell is not None else cells
+    try:
+        outcomes = run_cells(spec, todo, jobs=args.jobs, nice=args.nice,
+                             log=lambda m: print(m, file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        print("echotrain compare: interrupted; re-run the same command to resume", file=sys.stderr)
+        return 130
+    except ComparisonBusy as exc:
+        print(f"echotrain compare: error: {exc}", file=sys.stderr)
+        return 2
+    failed = {k: v for k, v in outcomes.items() if v.startswith("failed")}
+    if not args.no_report and args.cell is None:
+        try:
+            path = write_report([spec.output_dir], out_dir=args.out, baseline=args.baseline, metric=args.metric,
+                                threshold=args.threshold, title=args.title)
+            print(f"echotrain compare: report in {path}", file=sys.stderr)
+        except ValueError as exc:
+            print(f"echotrain compare: no report: {exc}", file=sys.stderr)
+    for k, v in failed.items():
+        print(f"echotrain compare: {k}: {v}", file=sys.stderr)
+    return 1 if failed else 0

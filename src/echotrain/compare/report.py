@@ -1,0 +1,416 @@
+"""The comparison report: reads run directories, aggregates over seeds, writes Markdown + JSON + PNG.
+
+Inputs are ordinary run directories (``config.yaml``, ``metrics.jsonl``, ``eval.jsonl``); a
+comparison directory (``compare.yaml`` + ``cells/``) expands to its cells and brings its
+baseline, threshold and verdict rule. A run's arm is its ``cell.json`` label, else its preset.
+
+Outputs in ``out_dir``: ``report.md``, ``summary.json`` (per-seed statistics, per-arm summary,
+paired comparisons, verdicts, stability flags), ``curves.json`` (per-arm mean / std / 95%
+bootstrap interval per step of every metric, 5 significant digits) and ``plots/<metric>.png`` (all arms' mean curves
+with shaded 95% bands). The statistics are :mod:`echotrain.compare.stats`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from echotrain.compare.stats import auc, evaluate_claim, mean_std_ci, paired_comparison, steps_to_threshold
+from echotrain.train.metrics import read_jsonl
+from echotrain.train.stability import FLAG_NAMES, StabilityThresholds, stability_flags
+
+#: (key, title, y label): the curves of the report, in order; missing ones are skipped.
+#: ``eval/accuracy`` comes from eval.jsonl (step 0 included); ``steps_per_s`` is 1 / time/step.
+CURVES: list[tuple[str, str, str]] = [
+    ("eval/accuracy", "Held-out greedy accuracy", "accuracy"),
+    ("reward/mean", "Sampled reward (mean)", "reward"),
+    ("accuracy", "Sampled accuracy (rollouts)", "accuracy"),
+    ("response_length/mean", "Response length (mean)", "tokens"),
+    ("response_length/max", "Response length (max)", "tokens"),
+    ("entropy", "Token entropy of the rollout policy", "nats"),
+    ("pg_clipfrac_high", "Token clip fraction, high", "fraction of tokens"),
+    ("pg_clipfrac_low", "Token clip fraction, low", "fraction of tokens"),
+    ("echo/R_batch", "ECHO batch ratio R_batch", "R"),
+    ("echo/kappa", "ECHO kappa", "kappa"),
+    ("echo/batch_clipped", "Fraction of updates where the ECHO batch clip fired", "fraction"),
+    ("ppo_kl", "KL(old, new) (ppo_kl)", "nats"),
+    ("kl/ref", "KL to reference", "nats"),
+    ("pg_loss", "Policy loss", "loss"),
+    ("grad_norm", "Gradient norm (before clipping)", "norm"),
+    ("steps_per_s", "Training steps per second", "steps/s"),
+    ("memory/peak_mb", "Peak memory", "MiB"),
+]
+
+
+@dataclass
+class Run:
+    """One run directory, loaded."""
+
+    path: Path
+    arm: str
+    seed: int
+    config: dict[str, Any]
+    records: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    stability: dict[str, Any] = field(default_factory=dict)
+
+    def curve(self, key: str) -> tuple[list[float], list[float]]:
+        """(steps, values) of metric ``key`` (finite values only)."""
+        if key == "steps_per_s":
+            pts = [(r["step"], 1.0 / r["time/step"]) for r in self.records
+                   if isinstance(r.get("time/step"), (int, float)) and r["time/step"] > 0]
+        else:
+            src = self.evals if key.startswith("eval/") and self.evals else self.records
+            pts = [(r["step"], float(r[key])) for r in src
+                   if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+        pts = sorted({s: v for s, v in pts if math.isfinite(v)}.items())
+        return [float(s) for s, _ in pts], [v for _, v in pts]
+
+
+def load_run(path: str | os.PathLike, thresholds: StabilityThresholds | None = None,
+             max_step: int | None = None) -> Run:
+    """Load a run directory; with ``max_step`` only its steps <= max_step (a common horizon for
+    runs of different lengths; with a constant learning rate a longer run's first N steps are the
+    N-step run, since nothing before step N depends on the total).
+
+    Raises:
+        FileNotFoundError: no ``config.yaml`` / ``metrics.jsonl`` in ``path``.
+    """
+    p = Path(path)
+    if not (p / "config.yaml").is_file() or not (p / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{p}: not a run directory (needs config.yaml and metrics.jsonl)")
+    cfg = yaml.safe_load((p / "config.yaml").read_text()) or {}
+    info = json.loads((p / "cell.json").read_text()) if (p / "cell.json").is_file() else {}
+    records, evals = read_jsonl(p / "metrics.jsonl"), read_jsonl(p / "eval.jsonl")
+    if max_step is not None:
+        records = [r for r in records if r.get("step", 0) <= max_step]
+        evals = [r for r in evals if r.get("step", 0) <= max_step]
+    run = Run(path=p, arm=str(info.get("arm") or cfg.get("preset") or p.name), seed=int(info.get("seed", cfg.get("seed", 0))),
+              config=cfg, records=records, evals=evals)
+    run.stability = stability_flags(records, thresholds)
+    return run
+
+
+def collect_runs(dirs: Sequence[str | os.PathLike], include_partial: bool = False) -> tuple[list[Path], dict[str, Any]]:
+    """Expand comparison directories into their cells; returns (run dirs, comparison settings from
+    the first ``compare.yaml`` found: baseline, report, verdict, arms order; ``unfinished``: the
+    cells skipped because they have no ``stability.json`` yet, unless ``include_partial``)."""
+    runs: list[Path] = []
+    settings: dict[str, Any] = {}
+    unfinished: list[str] = []
+    for d in map(Path, dirs):
+        if (d / "compare.yaml").is_file():
+            spec = yaml.safe_load((d / "compare.yaml").read_text()) or {}
+            if not settings:
+                settings = spec
+            cells = d / "cells"
+            found = sorted(c for c in cells.iterdir() if (c / "metrics.jsonl").is_file()) if cells.is_dir() else []
+            for c in found:
+                if include_partial or (c / "stability.json").is_file():
+                    runs.append(c)
+                else:
+                    unfinished.append(c.name)
+        elif (d / "metrics.jsonl").is_file():
+            runs.append(d)
+        else:
+            raise FileNotFoundError(f"{d}: neither a run directory (metrics.jsonl) nor a comparison (compare.yaml)")
+    return runs, {**settings, "unfinished": unfinished}
+
+
+def seed_statistics(run: Run, metric: str = "eval/accuracy", threshold: float | None = None) -> dict[str, Any]:
+    """Per-run numbers: ``final`` and ``auc`` of ``metric``, ``steps_to_threshold`` (None if never;
+    ``steps_to_threshold_censored`` uses last step + 1 then), ``worst_grad_norm``, ``steps_per_s``
+    (steps / total step time), ``peak_memory_mb``, ``any_flag`` (0/1) and ``steps`` done."""
+    s, v = run.curve(metric)
+    out: dict[str, Any] = {"steps": len(run.records)}
+    if s:
+        out["final"] = v[-1]
+        out["auc"] = auc(s, v)
+        if threshold is not None:
+            hit = steps_to_threshold(s, v, threshold)
+            out["steps_to_threshold"] = hit
+            out["steps_to_threshold_censored"] = hit if hit is not None else s[-1] + 1
+    g = run.curve("grad_norm")[1]
+    if g:
+        out["worst_grad_norm"] = max(g)
+    times = [r["time/step"] for r in run.records if isinstance(r.get("time/step"), (int, float))]
+    if times and sum(times) > 0:
+        out["steps_per_s"] = len(times) / sum(times)
+    mem = run.curve("memory/peak_mb")[1]
+    if mem:
+        out["peak_memory_mb"] = max(mem)
+    out["any_flag"] = 1.0 if run.stability.get("any") else 0.0
+    return out
+
+
+def aggregate_curves(runs: Sequence[Run], key: str) -> dict[str, Any] | None:
+    """Mean / std / 95% bootstrap band over the runs of one arm at the steps all of them have."""
+    curves = [r.curve(key) for r in runs]
+    curves = [c for c in curves if c[0]]
+    if not curves:
+        return None
+    common = sorted(set.intersection(*(set(c[0]) for c in curves)))
+    if not common:
+        return None
+    mat = [[dict(zip(*c))[s] for s in common] for c in curves]
+    return {"steps": common, **mean_std_ci(mat)}
+
+
+def _fmt(x: Any, nd: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{nd}g}" if abs(x) < 1e4 else f"{x:.3e}"
+    return str(x)
+
+
+def _pm(stat: dict[str, Any] | None, nd: int = 3) -> str:
+    if not stat:
+        return "n/a"
+    return f"{_fmt(stat['mean'], nd)} ± {_fmt(stat['std'], nd)} [{_fmt(stat['ci_low'], nd)}, {_fmt(stat['ci_high'], nd)}]"
+
+
+def build_report(runs: Sequence[Run], baseline: str | None = None, metric: str = "eval/accuracy",
+                 threshold: float | None = None, verdict: Sequence[dict[str, Any]] = (),
+                 arm_order: Sequence[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Aggregate runs into (summary, curves) dicts (what summary.json / curves.json hold)."""
+    arms: dict[str, list[Run]] = {}
+    for r in runs:
+        arms.setdefault(r.arm, []).append(r)
+    order = [a for a in (arm_order or []) if a in arms] + sorted(a for a in arms if a not in (arm_order or []))
+    per_seed = {a: {r.seed: seed_statistics(r, metric, threshold) for r in arms[a]} for a in order}
+    summary: dict[str, Any] = {"metric": metric, "threshold": threshold, "baseline": baseline, "arms": {},
+                               "runs": [], "paired": {}, "verdict": []}
+    for a in order:
+        ps = per_seed[a]
+        row: dict[str, Any] = {"seeds": sorted(ps), "n": len(ps)}
+        for stat in ("final", "auc", "worst_grad_norm", "steps_per_s", "peak_memory_mb", "steps_to_threshold_censored"):
+            vals = [v[stat] for v in ps.values() if v.get(stat) is not None]
+            row[stat] = mean_std_ci(vals) if vals else None
+        if threshold is not None:
+            hits = [v.get("steps_to_threshold") for v in ps.values()]
+            reached = [h for h in hits if h is not None]
+            row["threshold_reached"] = f"{len(reached)}/{len(hits)}"
+            row["steps_to_threshold_mean_reached"] = sum(reached) / len(reached) if reached else None
+        row["worst_grad_norm_max"] = max((v["worst_grad_norm"] for v in ps.values() if "worst_grad_norm" in v),
+                                         default=None)
+        row["flags"] = {f: sum(bool(r.stability["flags"].get(f)) for r in arms[a]) for f in FLAG_NAMES}
+        row["flags_not_judged"] = {f: sum(r.stability["flags"].get(f) is None for r in arms[a]) for f in FLAG_NAMES}
+        summary["arms"][a] = row
+    if baseline in summary["arms"]:
+        b = summary["arms"][baseline]
+        for a, row in summary["arms"].items():
+            for stat in ("steps_per_s", "peak_memory_mb"):
+                num, den = row.get(stat), b.get(stat)
+                row[f"{stat}_ratio"] = num["mean"] / den["mean"] if num and den and den["mean"] else None
+        for a in order:
+            if a == baseline:
+                continue
+            summary["paired"][a] = {
+                stat: paired_comparison({s: v[stat] for s, v in per_seed[a].items() if v.get(stat) is not None},
+                                        {s: v[stat] for s, v in per_seed[baseline].items() if v.get(stat) is not None})
+                for stat in ("auc", "final")}
+    for c in verdict:
+        arm, base, stat = c["arm"], c.get("baseline") or baseline, c["statistic"]
+        key = "steps_to_threshold_censored" if stat == "steps_to_threshold" else stat
+        if arm in per_seed and base in per_seed:
+            comp = paired_comparison({s: v[key] for s, v in per_seed[arm].items() if v.get(key) is not None},
+                                     {s: v[key] for s, v in per_seed[base].items() if v.get(key) is not None})
+            result = evaluate_claim(comp, c["direction"], float(c.get("margin", 0.0)))
+        else:
+            comp, result = {}, f"not run ({arm if arm not in per_seed else base} missing)"
+        summary["verdict"].append({**c, "baseline": base, "result": result, "comparison": comp})
+    for a in order:
+        for r in sorted(arms[a], key=lambda r: r.seed):
+            summary["runs"].append({"arm": a, "seed": r.seed, "path": str(r.path), **per_seed[a][r.seed],
+                                    "stability": r.stability["flags"],
+                                    "stability_values": r.stability.get("values", {})})
+    if runs:
+        summary["stability_rules"] = runs[0].stability["rules"]
+    curves = {key: {a: agg for a in order if (agg := aggregate_curves(arms[a], key)) is not None}
+              for key, _, _ in CURVES}
+    curves = {k: v for k, v in curves.items() if v}
+    return summary, curves
+
+
+def plot_curves(curves: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
+    """One PNG per metric: every arm's mean curve with its shaded 95% bootstrap band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    titles = {k: (t, y) for k, t, y in CURVES}
+    written = []
+    for key, per_arm in curves.items():
+        cmap = plt.get_cmap("tab10" if len(per_arm) <= 10 else "tab20")
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for i, (arm, agg) in enumerate(per_arm.items()):
+            color = cmap(i % cmap.N)
+            ax.plot(agg["steps"], agg["mean"], color=color, lw=1.4, label=f"{arm} (n={agg['n']})")
+            if agg["n"] > 1:
+                ax.fill_between(agg["steps"], agg["ci_low"], agg["ci_high"], color=color, alpha=0.15, lw=0)
+        title, ylabel = titles.get(key, (key, ""))
+        ax.set_title(f"{title}: mean over seeds, 95% bootstrap band", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2 if len(per_arm) > 5 else 1)
+        fig.tight_layout()
+        path = out / (key.replace("/", "_") + ".png")
+        fig.savefig(path, dpi=72)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Path, title: str = "Comparison") -> str:
+    """The report as Markdown."""
+    b = summary.get("baseline")
+    th = summary.get("threshold")
+    metric = summary["metric"]
+    lines = [f"# {title}", "",
+             f"Statistic curve: `{metric}`; mean ± std over seeds [95% percentile-bootstrap interval of the mean]. "
+             f"AUC = trapezoid area under the curve / step span (the mean level over the run).", ""]
+    if summary.get("notes"):
+        lines += [summary["notes"].rstrip(), ""]
+    st = summary.get("setting") or {}
+    if st:
+        lines += ["## Setting", ""]
+        if st.get("command"):
+            lines += ["```", st["command"], "```", ""]
+        if st.get("description"):
+            lines += [" ".join(str(st["description"]).split()), ""]
+        if st.get("seeds") is not None:
+            lines += [f"Seeds: {st['seeds']}.", ""]
+        if st.get("base"):
+            lines += ["Every cell: " + ", ".join(f"`{k}={v}`" for k, v in st["base"].items()) + ".", ""]
+        if st.get("arms"):
+            lines += ["| arm | settings |", "|---|---|"]
+            lines += [f"| {a} | {', '.join(f'`{k}={v}`' for k, v in (vals or {}).items()) or '(base)'} |"
+                      for a, vals in st["arms"].items()]
+            lines.append("")
+        if st.get("sweep"):
+            sw = st["sweep"]
+            lines += [f"Sweep `{sw['name']}`: {', '.join(map(str, sw['values']))} (sets {', '.join(sw['keys'])}).", ""]
+    if summary.get("max_step") is not None:
+        lines += [f"Every run is read up to step {summary['max_step']} (`max_step`).", ""]
+    if summary.get("unfinished_cells"):
+        lines += [f"Unfinished cells (not included): {', '.join(summary['unfinished_cells'])}.", ""]
+    lines += ["## Summary", "",
+              f"| arm | seeds | final {metric} | AUC | steps to {th} (reached) | worst grad norm (max) | "
+              f"steps/s{' / ' + b if b else ''} | peak mem{' / ' + b if b else ''} | flags (runs) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for a, row in summary["arms"].items():
+        flags = ", ".join(f"{k} {v}" for k, v in row["flags"].items() if v) or "none"
+        sts = (f"{_fmt(row.get('steps_to_threshold_mean_reached'))} ({row.get('threshold_reached')})"
+               if th is not None else "n/a")
+        ratio = (lambda k: _fmt(row.get(f"{k}_ratio")) if b else _fmt((row.get(k) or {}).get("mean")))
+        lines.append(f"| {a} | {row['n']} | {_pm(row['final'])} | {_pm(row['auc'])} | {sts} | "
+                     f"{_fmt(row['worst_grad_norm_max'])} | {ratio('steps_per_s')} | {ratio('peak_memory_mb')} | {flags} |")
+    if summary["paired"]:
+        lines += ["", f"## Paired comparison with `{b}` over seeds", "",
+                  "Difference arm − baseline per seed (same seed = same prompts); 95% paired bootstrap interval; "
+                  "p-values of the paired t-test and of Welch's t-test.", "",
+                  "| arm | statistic | n | arm mean | base mean | diff mean [95% CI] | p paired | p Welch |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for a, comps in summary["paired"].items():
+            for stat, c in comps.items():
+                lines.append(f"| {a} | {stat} | {c['n']} | {_fmt(c['arm_mean'])} | {_fmt(c['base_mean'])} | "
+                             f"{_fmt(c['diff_mean'])} [{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}] | "
+                             f"{_fmt(c['p_paired_t'])} | {_fmt(c['p_welch'])} |")
+    if summary["verdict"]:
+        lines += ["", "## Verdict rule (written before the runs) and outcome", "",
+                  "A claim *holds* when the 95% interval of the mean paired difference lies entirely beyond the margin "
+                  "on the claimed side; *contradicted* when it lies entirely on the other side of 0; otherwise "
+                  "*inconclusive*.", "",
+                  "| claim | arm vs baseline | statistic | direction (margin) | diff [95% CI] | result |",
+                  "|---|---|---|---|---|---|"]
+        for c in summary["verdict"]:
+            comp = c.get("comparison") or {}
+            diff = (f"{_fmt(comp.get('diff_mean'))} [{_fmt(comp.get('ci_low'))}, {_fmt(comp.get('ci_high'))}]"
+                    if comp else "n/a")
+            lines.append(f"| {c['claim']} | {c['arm']} vs {c['baseline']} | {c['statistic']} | "
+                         f"{c['direction']} ({c.get('margin', 0)}) | {diff} | **{c['result']}** |")
+    rules = summary.get("stability_rules", {})
+    lines += ["", "## Stability flags per run", "", "Rules: " + "; ".join(f"`{k}`: {v}" for k, v in rules.items()), "",
+              "| arm | seed | steps | " + " | ".join(FLAG_NAMES) + " |", "|---|---|---|" + "---|" * len(FLAG_NAMES)]
+    for r in summary["runs"]:
+        cells = ["**yes**" if r["stability"].get(f) else ("n/a" if r["stability"].get(f) is None else "no")
+                 for f in FLAG_NAMES]
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['steps']} | " + " | ".join(cells) + " |")
+    if plots:
+        lines += ["", "## Curves", ""]
+        for p in plots:
+            rel = os.path.relpath(p, out_dir)
+            lines.append(f"![{p.stem}]({rel})")
+    return "\n".join(lines) + "\n"
+
+
+def _round(obj: Any, digits: int = 5) -> Any:
+    """Floats to ``digits`` significant digits (curves.json stays small enough to commit)."""
+    if isinstance(obj, float):
+        return float(f"{obj:.{digits}g}") if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _round(v, digits) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_round(v, digits) for v in obj]
+    return obj
+
+
+def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None,
+                 baseline: str | None = None, metric: str | None = None, threshold: float | None = None,
+                 title: str | None = None, plots: bool = True, include_partial: bool = False,
+                 notes: str | os.PathLike | None = None, max_step: int | None = None) -> Path:
+    """Aggregate run / comparison directories and write the report; returns the report.md path.
+
+    Explicit arguments override the comparison's ``compare.yaml`` settings; ``notes``: a Markdown
+    file inserted under the title (e.g. the written verdict); ``max_step``: read every run up to
+    that step only (see :func:`load_run`). Default ``out_dir``:
+    ``<first comparison dir>/report`` (or ``./compare-report``).
+
+    Raises:
+        FileNotFoundError: a directory that is neither a run nor a comparison.
+        ValueError: no runs found.
+    """
+    paths, settings = collect_runs(dirs, include_partial)
+    if not paths:
+        raise ValueError(f"no run directories with metrics.jsonl under {list(map(str, dirs))}")
+    rep = settings.get("report") or {}
+    thresholds = StabilityThresholds(**(rep.get("stability") or {}))
+    max_step = max_step if max_step is not None else rep.get("max_step")
+    runs = [load_run(p, thresholds, max_step) for p in paths]
+    baseline = baseline or settings.get("baseline")
+    metric = metric or rep.get("metric") or "eval/accuracy"
+    threshold = threshold if threshold is not None else rep.get("threshold")
+    arm_order = None
+    if settings.get("arms"):
+        sweep = settings.get("sweep")
+        arm_order = ([f"{a}[{sweep['name']}={v}]" for a in settings["arms"] for v in sweep["values"]]
+                     if sweep else list(settings["arms"]))
+    summary, curves = build_report(runs, baseline=baseline, metric=metric, threshold=threshold,
+                                   verdict=settings.get("verdict") or [], arm_order=arm_order)
+    first_cmp = next((Path(d) for d in dirs if (Path(d) / "compare.yaml").is_file()), None)
+    out = Path(out_dir) if out_dir else (first_cmp / "report" if first_cmp else Path("compare-report"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    (out / "curves.json").write_text(json.dumps(_round(curves)) + "\n")
+    written = plot_curves(curves, out / "plots") if plots else []
+    summary["unfinished_cells"] = settings["unfinished"]
+    summary["max_step"] = max_step
+    summary["setting"] = {k: settings[k] for k in ("command", "description", "seeds", "base", "arms", "sweep")
+                          if settings.get(k) is not None}
+    if notes:
+        summary["notes"] = Path(notes).read_text()
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    md = render_markdown(summary, written, out, title or f"Comparison: {settings.get('name', 'runs')}")
+    (out / "report.md").write_text(md)
+    return out / "report.md"

@@ -1,0 +1,369 @@
+"""The CPU testbed policy: a 427k-parameter byte-level transformer that does two-digit arithmetic
+at ~30% greedy accuracy, for many-seed RL studies at well under a second a step (docs/testbed.md).
+
+``model=testbed`` in ``echotrain train`` (through :func:`echotrain.models.load_policy`) loads it;
+the matching task is ``task=testbed`` (:mod:`echotrain.tasks.testbed`, prompt ``"81-88="``,
+answer ``"-7"`` then ``"\\n"`` = EOS). The first use builds it:
+
+1. data: reasoning-gym ``basic_arithmetic`` problems of the testbed task's train split (never a
+   held-out problem), as ``prompt + answer + "\\n"`` bytes;
+2. model: :class:`~echotrain.models.LoopedTransformer` as a plain GPT (``n_loops=1``,
+   ``residual_scaling="none"``), byte vocabulary, d_model 128, 4 heads, 2 layers;
+3. supervised next-token training on the answer tokens only (AdamW, lr 2e-3, betas (0.9, 0.95),
+   100 linear warm-up steps, gradient clip 1.0, batch 128), one thread, until the greedy accuracy
+   on 256 held-out problems reaches ``target_accuracy`` (checked every ``eval_every`` steps), or
+   ``max_steps``;
+4. cache: ``$ECHOTRAIN_CACHE/testbed/<key>/`` (default ``~/.cache/echotrain/testbed/<key>``)
+   holding ``model.pt`` (state dict) and ``testbed.json`` (config, warm-up report), written to a
+   temporary folder and renamed into place (atomic), under a file lock so parallel jobs build it
+   once. ``<key>`` hashes every :class:`TestbedConfig` field, the cache format and the torch and
+   reasoning-gym versions, i.e. everything that changes the weights.
+
+The warm-up is deterministic given the config (its own RNGs, one thread; the global RNG state is
+restored). Measured facts behind the defaults: ../shared/notes/testbed-probe.md.
+
+Build it explicitly with ``echotrain testbed`` or ``python -m echotrain.models.testbed``
+(``--force`` rebuilds; ``key=value`` overrides a config field, e.g. ``seed=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from echotrain.models.byte_tokenizer import ByteTokenizer
+from echotrain.models.looped import LoopedConfig, LoopedTransformer
+
+__all__ = ["TESTBED_MODEL", "TestbedConfig", "build_testbed", "load_testbed", "testbed_dir", "testbed_key"]
+
+#: The model name that :func:`echotrain.models.load_policy` maps to the testbed.
+TESTBED_MODEL = "testbed"
+#: Bump when the build procedure changes in a way the config does not capture.
+CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class TestbedConfig:
+    """Everything that determines the testbed's weights (all of it enters the cache key).
+
+    Raises ``ValueError`` (``__post_init__``) naming a field with an invalid value.
+    """
+
+    __test__ = False  # not a pytest class
+
+    seed: int = 0
+    """Seed of the initialisation and of the order of the training batches."""
+    data_seed: int = 0
+    """reasoning-gym generator seed of the training problems and of the held-out split."""
+    train_examples: int = 200_000
+    """Training problems generated (train split; repeats possible). The probe used 200k."""
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 2
+    mlp_ratio: int = 4
+    lr: float = 2e-3
+    """AdamW peak learning rate (after ``warmup_steps`` linear warm-up, constant)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_steps: int = 100
+    max_grad_norm: float = 1.0
+    batch_size: int = 128
+    target_accuracy: float = 0.3
+    """Stop once greedy accuracy on the held-out problems reaches this (20-50% leaves room for RL)."""
+    eval_every: int = 100
+    """Optimizer steps between greedy evaluations."""
+    eval_problems: int = 256
+    """Held-out problems of the stopping check (the first of the test split)."""
+    max_steps: int = 6000
+    """Hard cap on optimizer steps (the report says whether the target was reached)."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_examples", "d_model", "n_heads", "n_layers", "mlp_ratio", "batch_size", "eval_every",
+                     "eval_problems", "max_steps"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
+            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not 0 < self.target_accuracy <= 1:
+            raise ValueError(f"target_accuracy must be in (0, 1], got {self.target_accuracy!r}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError("weight_decay and max_grad_norm must be >= 0")
+        LoopedConfig(**self._looped_kwargs())  # checks d_model / n_heads
+
+    def _looped_kwargs(self) -> dict[str, Any]:
+        tok = ByteTokenizer()
+        return dict(vocab_size=ByteTokenizer.vocab_size, d_model=self.d_model, n_heads=self.n_heads,
+                    n_layers=self.n_layers, n_loops=1, residual_scaling="none", mlp_ratio=self.mlp_ratio,
+                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+
+    def looped_config(self) -> LoopedConfig:
+        """The :class:`LoopedConfig` of the testbed model (a plain GPT: one loop, no residual scaling)."""
+        return LoopedConfig(**self._looped_kwargs())
+
+
+def testbed_key(config: TestbedConfig) -> str:
+    """16 hex digits hashing the config, the cache format and the torch / reasoning-gym versions."""
+    from importlib.metadata import version
+
+    blob = json.dumps({"format": CACHE_FORMAT, "config": dataclasses.asdict(config), "torch": torch.__version__,
+                       "reasoning_gym": version("reasoning-gym")}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def testbed_dir(config: TestbedConfig | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache folder of ``config``: ``<cache_dir or $ECHOTRAIN_CACHE or ~/.cache/echotrain>/testbed/<key>``."""
+    from echotrain.models.gguf import default_cache_dir
+
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / "testbed" / testbed_key(config or TestbedConfig())
+
+
+# ------------------------------------------------------------------------------- data
+
+
+def _encode_examples(examples: list[tuple[str, str]], tok: ByteTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``prompt + answer + EOS`` ids (N, T) and labels (N, T): the answer and EOS
+    bytes at their own positions (the model shifts), -100 on prompt and padding."""
+    rows = [(tok.encode(p), tok.encode(a) + [tok.eos_token_id]) for p, a in examples]
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (p, a) in enumerate(rows):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        labels[i, len(p): len(p) + len(a)] = torch.tensor(a)
+    return ids, labels
+
+
+@torch.no_grad()
+def greedy_accuracy(model: LoopedTransformer, tok: ByteTokenizer, task: Any, examples: list[Any],
+                    max_new_tokens: int = 6, batch_size: int = 256) -> float:
+    """Share of ``examples`` whose greedy completion ``task.score``s 1 (left-padded batches, KV cache)."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start: start + batch_size]
+        enc = tok([e.messages for e in chunk])
+        out = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=max_new_tokens,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        for e, row in zip(chunk, out[:, enc["input_ids"].shape[1]:]):
+            text = tok.decode(row, skip_special_tokens=True)
+            correct += int(task.score(text, e) >= 1.0)
+    model.train(was_training)
+    return correct / max(len(examples), 1)
+
+
+@contextlib.contextmanager
+def _one_thread_and_own_rng(seed: int) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+
+def build_testbed(config: TestbedConfig | None = None, *, log: Any = None) -> tuple[LoopedTransformer, dict[str, Any]]:
+    """Warm-start a testbed policy (no cache involved): the model and its warm-up report.
+
+    Deterministic given ``config``: one thread, its own RNGs (the caller's RNG state and thread
+    count are restored).
+
+    Args:
+        config: the :class:`TestbedConfig` (default: the documented testbed).
+        log: ``log(str)`` called with progress lines (None: silent).
+
+    Returns:
+        ``(model in eval mode, report)``; report keys: ``steps``, ``accuracy`` (held-out greedy,
+        last check), ``reached_target``, ``history`` ([step, accuracy] pairs), ``seconds``,
+        ``num_params``, ``config``.
+    """
+    from echotrain.tasks.testbed import TestbedTask
+
+    cfg = config or TestbedConfig()
+    tok = ByteTokenizer()
+    t0 = time.perf_counter()
+    train = TestbedTask(split="train", size=cfg.train_examples, seed=cfg.data_seed)
+    test = TestbedTask(split="test", size=cfg.eval_problems, seed=cfg.data_seed)
+    heldout = list(test)
+    ids, labels = _encode_examples([(e.messages, e.answer) for e in train], tok)
+    history: list[list[float]] = []
+    with _one_thread_and_own_rng(cfg.seed):
+        model = LoopedTransformer(cfg.looped_config())
+        model.train()
+        opt = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
+        warm = cfg.warmup_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        acc, step = 0.0, 0
+        while step < cfg.max_steps:
+            idx = torch.randint(0, ids.shape[0], (cfg.batch_size,), generator=gen)
+            batch_ids, batch_labels = ids[idx], labels[idx]
+            keep = int((batch_ids != tok.pad_token_id).sum(0).nonzero().max()) + 1  # trim all-pad columns
+            loss = model(batch_ids[:, :keep], labels=batch_labels[:, :keep]).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            opt.step()
+            sched.step()
+            step += 1
+            if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                acc = greedy_accuracy(model, tok, test, heldout)
+                history.append([step, acc])
+                if log is not None:
+                    log(f"testbed warm-up: step {step}, loss {loss.item():.3f}, held-out greedy accuracy {acc:.3f} "
+                        f"({time.perf_counter() - t0:.0f} s)")
+                if acc >= cfg.target_accuracy:
+                    break
+    model.eval()
+    report = {"steps": step, "accuracy": acc, "reached_target": acc >= cfg.target_accuracy, "history": history,
+              "seconds": round(time.perf_counter() - t0, 2), "num_params": model.num_params(),
+              "config": dataclasses.asdict(cfg), "format": CACHE_FORMAT, "torch": torch.__version__}
+    return model, report
+
+
+# ------------------------------------------------------------------------------- cache
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (fcntl; a no-op where fcntl is missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_testbed(config: TestbedConfig | None = None, *, cache_dir: str | os.PathLike | None = None,
+                   force: bool = False, log: Any = None) -> Path:
+    """The cache folder of ``config``, building it first if absent (or ``force``).
+
+    Atomic: the model is written to a temporary folder next to the final one and renamed into
+    place; a file lock makes concurrent callers wait for one build instead of repeating it.
+    """
+    cfg = config or TestbedConfig()
+    final = testbed_dir(cfg, cache_dir)
+    if (final / "testbed.json").is_file() and not force:
+        return final
+    with _file_lock(final.parent / f"{final.name}.lock"):
+        if (final / "testbed.json").is_file() and not force:
+            return final  # built by another process while we waited
+        if log is not None:
+            log(f"building the testbed policy into {final} (one thread; ~3 minutes on an idle core, ~8 on a busy one)")
+        model, report = build_testbed(cfg, log=log)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable like the models cache
+        try:
+            torch.save(model.state_dict(), tmp / "model.pt")
+            report["key"] = final.name
+            (tmp / "testbed.json").write_text(json.dumps(report, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        if log is not None:
+            log(f"testbed ready: {report['steps']} steps, held-out greedy accuracy {report['accuracy']:.3f}, "
+                f"{report['seconds']:.0f} s")
+    return final
+
+
+def load_testbed(config: TestbedConfig | None = None, *, cache_dir: str | os.PathLike | None = None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 log: Any = None) -> tuple[LoopedTransformer, ByteTokenizer]:
+    """The testbed policy and its byte tokenizer, built and cached on first use.
+
+    Args:
+        config: :class:`TestbedConfig` (default: the documented testbed).
+        cache_dir: cache root (default ``$ECHOTRAIN_CACHE`` or ``~/.cache/echotrain``).
+        device, dtype: where and in which dtype to put the model.
+        log: progress callback for a build (default: print to stderr).
+
+    Returns:
+        ``(model, tokenizer)``: the model in ``eval()`` mode with trainable parameters and a
+        ``testbed_report`` attribute (the warm-up report of ``testbed.json``); the tokenizer
+        pads on the left.
+    """
+    cfg = config or TestbedConfig()
+    folder = ensure_testbed(cfg, cache_dir=cache_dir, log=log if log is not None else _stderr)
+    model = LoopedTransformer(cfg.looped_config())
+    model.load_state_dict(torch.load(folder / "model.pt", map_location="cpu", weights_only=True))
+    model.testbed_report = json.loads((folder / "testbed.json").read_text())
+    return model.to(device=device, dtype=dtype).eval(), ByteTokenizer()
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------- command line
+
+
+def _parse_overrides(tokens: list[str]) -> TestbedConfig:
+    fields = {f.name: f for f in dataclasses.fields(TestbedConfig)}
+    values: dict[str, Any] = {}
+    for tok in tokens:
+        key, sep, value = tok.partition("=")
+        if not sep or key not in fields:
+            raise SystemExit(f"expected key=value with a key of {sorted(fields)}, got {tok!r}")
+        default = getattr(TestbedConfig(), key)
+        try:
+            values[key] = tuple(float(v) for v in value.split(",")) if isinstance(default, tuple) else type(default)(value)
+        except ValueError:
+            raise SystemExit(f"{key}={value!r} is not a valid {type(default).__name__}") from None
+    try:
+        return TestbedConfig(**values)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """``echotrain testbed``: build (or show) the cached testbed policy."""
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--cache-dir", default=None, help="cache root (default $ECHOTRAIN_CACHE or ~/.cache/echotrain)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help=f"TestbedConfig fields: {', '.join(f.name for f in dataclasses.fields(TestbedConfig))}")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg = _parse_overrides(args.overrides)
+    folder = ensure_testbed(cfg, cache_dir=args.cache_dir, force=args.force, log=_stderr)
+    report = json.loads((folder / "testbed.json").read_text())
+    print(json.dumps({"path": str(folder), **{k: report[k] for k in ("steps", "accuracy", "reached_target", "seconds",
+                                                                     "num_params")}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    p = argparse.ArgumentParser(prog="python -m echotrain.models.testbed", description=__doc__.split("\n\n")[0])
+    register(p)
+    sys.exit(_main(p.parse_args()))

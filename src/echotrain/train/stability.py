@@ -1,0 +1,136 @@
+"""Stability flags of one training run, from its metrics records (pure; no torch).
+
+Every ``echotrain train`` run ends by writing ``stability.json`` with these flags and showing
+them in its summary table; ``echotrain compare`` counts them per arm. Each flag compares the
+*end* of a run with its *start* (or looks for one bad step), with stated thresholds:
+
+- ``nan``: a non-finite value (NaN or +-inf) in any numeric metric of any step.
+- ``length_collapse``: mean ``response_length/mean`` over the last window below
+  ``length_ratio`` (0.5) x its mean over the first window (the collapse the ECHO paper shows for
+  GSPO and GRPO: responses shrinking to a few tokens).
+- ``entropy_collapse``: mean ``entropy`` over the last window below ``entropy_ratio`` (0.1) x its
+  mean over the first window (the policy turned near-deterministic; DAPO arXiv 2503.14476 §3.1).
+- ``grad_explosion``: some step's ``grad_norm`` (before clipping) above ``grad_factor`` (10) x the
+  median ``grad_norm`` of the first window.
+
+The first / last window is ``window_frac`` (10%) of the run's steps, at least ``min_window`` (3)
+steps (capped at half the run). A flag needs at least ``2 * min_window`` steps with the metric,
+otherwise it is ``None`` (not enough data), never silently False.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+FLAG_NAMES = ("nan", "length_collapse", "entropy_collapse", "grad_explosion")
+
+
+@dataclass(frozen=True)
+class StabilityThresholds:
+    """Thresholds of :func:`stability_flags` (see the module docstring for each rule)."""
+
+    length_ratio: float = 0.5
+    entropy_ratio: float = 0.1
+    grad_factor: float = 10.0
+    window_frac: float = 0.1
+    min_window: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("length_ratio", "entropy_ratio", "window_frac"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v <= 1):
+                raise ValueError(f"StabilityThresholds.{name}={v!r} must be in (0, 1]")
+        if not self.grad_factor > 1:
+            raise ValueError(f"StabilityThresholds.grad_factor={self.grad_factor!r} must be > 1")
+        if int(self.min_window) < 1:
+            raise ValueError(f"StabilityThresholds.min_window={self.min_window!r} must be >= 1")
+
+    def describe(self) -> dict[str, str]:
+        """Human-readable rule of each flag, with these thresholds."""
+        w = f"{self.window_frac:.0%} of the steps (>= {self.min_window})"
+        return {
+            "nan": "any NaN/inf in a numeric metric",
+            "length_collapse": f"mean response length of the last {w} < {self.length_ratio:g} x that of the first",
+            "entropy_collapse": f"mean entropy of the last {w} < {self.entropy_ratio:g} x that of the first",
+            "grad_explosion": f"max grad_norm > {self.grad_factor:g} x median grad_norm of the first {w}",
+        }
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+
+
+def _window(n: int, th: StabilityThresholds) -> int:
+    return max(1, min(max(int(th.min_window), math.ceil(th.window_frac * n)), n // 2))
+
+
+def stability_flags(records: Sequence[dict[str, Any]],
+                    thresholds: StabilityThresholds | None = None) -> dict[str, Any]:
+    """Flags of one run from its ``metrics.jsonl`` records (dicts with ``step`` and metric keys).
+
+    Args:
+        records: the run's step records, in step order.
+        thresholds: rules' thresholds; default :class:`StabilityThresholds()`.
+
+    Returns:
+        ``{"flags": {name: True | False | None}, "any": bool, "values": {...}, "thresholds":
+        {...}, "rules": {...}, "steps": int}``; ``values`` holds the numbers each flag compared
+        (start/end window means, max/median grad norm, first non-finite step and key). ``None``
+        means the metric was missing or the run too short to judge (fewer than
+        ``2 * min_window`` steps).
+    """
+    th = thresholds or StabilityThresholds()
+    flags: dict[str, bool | None] = {}
+    values: dict[str, Any] = {}
+
+    bad = None
+    for r in records:
+        for k, v in r.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                bad = (r.get("step"), k)
+                break
+        if bad:
+            break
+    flags["nan"] = bad is not None
+    if bad:
+        values["nan_first"] = {"step": bad[0], "key": bad[1]}
+
+    def start_end(key: str) -> tuple[float, float] | None:
+        xs = [x for x in _series(records, key) if math.isfinite(x)]
+        if len(xs) < 2 * int(th.min_window):
+            return None
+        w = _window(len(xs), th)
+        return sum(xs[:w]) / w, sum(xs[-w:]) / w
+
+    for flag, key, ratio in (("length_collapse", "response_length/mean", th.length_ratio),
+                             ("entropy_collapse", "entropy", th.entropy_ratio)):
+        se = start_end(key)
+        if se is None:
+            flags[flag] = None
+            continue
+        values[flag] = {"start": se[0], "end": se[1], "ratio": se[1] / se[0] if se[0] > 0 else None}
+        flags[flag] = bool(se[1] < ratio * se[0])
+
+    g = [x for x in _series(records, "grad_norm") if math.isfinite(x)]
+    if len(g) < 2 * int(th.min_window):
+        flags["grad_explosion"] = None
+    else:
+        base = statistics.median(g[: _window(len(g), th)])
+        values["grad_explosion"] = {"start_median": base, "max": max(g),
+                                    "ratio": max(g) / base if base > 0 else None}
+        flags["grad_explosion"] = bool(max(g) > th.grad_factor * base)
+    return {"flags": flags, "any": any(bool(v) for v in flags.values()), "values": values,
+            "thresholds": asdict(th), "rules": th.describe(), "steps": len(records)}
+
+
+def format_flags(result: dict[str, Any]) -> str:
+    """One line for a summary table: the raised flags, ``none`` or ``n/a`` (too short)."""
+    flags = result["flags"]
+    raised = [k for k, v in flags.items() if v]
+    if raised:
+        return ", ".join(raised)
+    unknown = [k for k, v in flags.items() if v is None]
+    return "none" + (f" (not judged: {', '.join(unknown)})" if unknown else "")

@@ -1,0 +1,74 @@
+"""Cell states, commands, the config-mismatch guard and the suite hook, on hand-made directories."""
+
+import json
+
+import pytest
+import yaml
+
+from echotrain.compare import runner
+from echotrain.compare.config import expand_cells, load_spec
+
+
+@pytest.fixture
+def cell(tmp_path):
+    data = {"output_dir": str(tmp_path / "cmp"), "seeds": 1, "base": {"steps": 3, "model": "m"},
+            "arms": {"echo": {"preset": "echo"}}}
+    return expand_cells(load_spec(None, [], data=data))[0]
+
+
+def write_metrics(cell, steps):
+    cell.run_dir.mkdir(parents=True, exist_ok=True)
+    (cell.run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in steps))
+
+
+def test_states(cell):
+    assert runner.cell_status(cell) == "new"
+    assert runner.prepare_cell(cell) == "new"
+    saved = yaml.safe_load((cell.run_dir / "config.yaml").read_text())
+    assert saved["seed"] == 0 and saved["output_dir"] == str(cell.run_dir) and saved["loss_mode"] == "echo"
+    assert json.loads((cell.run_dir / "cell.json").read_text())["arm"] == "echo"
+    write_metrics(cell, [1, 2])
+    (cell.run_dir / "checkpoints").mkdir()
+    (cell.run_dir / "checkpoints" / "step_00000002.pt").write_bytes(b"x")
+    assert runner.cell_status(cell) == "resume"
+    cmd = runner.cell_command(cell, "resume")
+    assert cmd[-4:] == ["train", "--resume", str(cell.run_dir), "steps=3"]
+    write_metrics(cell, [1, 2, 3])
+    assert runner.cell_status(cell) == "resume"  # no stability.json: the run did not close
+    (cell.run_dir / "stability.json").write_text("{}")
+    assert runner.cell_status(cell) == "done"
+    assert runner.cell_command(cell, "new")[-2:] == ["--config", str(cell.run_dir / "config.yaml")]
+
+
+def test_a_new_cell_loses_partial_logs(cell):
+    write_metrics(cell, [1])  # killed before its first checkpoint
+    assert runner.prepare_cell(cell) == "new"
+    assert not (cell.run_dir / "metrics.jsonl").exists()
+
+
+def test_a_cell_holding_another_run_is_refused(cell):
+    runner.prepare_cell(cell)
+    (cell.run_dir / "checkpoints").mkdir()
+    (cell.run_dir / "checkpoints" / "step_00000001.pt").write_bytes(b"x")
+    saved = yaml.safe_load((cell.run_dir / "config.yaml").read_text())
+    (cell.run_dir / "config.yaml").write_text(yaml.safe_dump({**saved, "lr": 0.5, "steps": 99}))
+    with pytest.raises(ValueError, match=r"other values of \['lr'\]"):
+        runner.check_cell_config(cell)
+
+
+def test_suite_hook_is_a_no_op_without_the_suite(cell, monkeypatch):
+    assert runner.run_suite(cell, None) == "not configured"
+    monkeypatch.setattr(runner, "suite_available", lambda: False)
+    assert runner.run_suite(cell, {"name": "math"}).startswith("skipped")
+    cmd = runner.suite_command(cell, {"name": "math", "args": ["--limit", 5]})
+    assert cmd[-7:] == ["eval", "--suite", "math", "--model", str(cell.run_dir), "--limit", "5"]
+
+
+def test_a_second_driver_is_refused(cell, tmp_path):
+    held = runner.lock_comparison(cell.run_dir.parents[1])
+    try:
+        with pytest.raises(runner.ComparisonBusy, match="another echotrain compare"):
+            runner.lock_comparison(cell.run_dir.parents[1])
+    finally:
+        held.close()
+    runner.lock_comparison(cell.run_dir.parents[1]).close()  # free again

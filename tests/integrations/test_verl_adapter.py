@@ -338,6 +338,6 @@ def test_echo_flags_pass_through_to_the_loss_config():
     from echotrain.integrations.verl import _loss_config
 
     base = PolicyLossConfig(echo_pessimistic=True, echo_token_clip="truncate", echo_token_cap=1.5, **BAND)
-    cfg = _loss_config(_actor(low=0.1, high=0.3), base)
+    cfg = _loss_config(_actor(low=0.1, high=0.3), base, "echo")
     assert (cfg.echo_pessimistic, cfg.echo_token_clip, cfg.echo_token_cap) == (True, "truncate", 1.5)
     assert (cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.batch_clip_low) == (0.1, 0.3, 0.01)

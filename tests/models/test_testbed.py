@@ -22,10 +22,15 @@ TINY = TestbedConfig(train_examples=512, d_model=32, n_heads=2, n_layers=1, max_
 
 
 def test_byte_tokenizer_pads_left_and_round_trips():
+    from echotrain.train.rollout import encode_prompts
+
     tok = ByteTokenizer()
     enc = tok(["1+2=", "81-88="])
     assert enc["input_ids"].tolist() == [[0, 0, 49, 43, 50, 61], [56, 49, 45, 56, 56, 61]]
     assert enc["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 1], [1] * 6]
+    # like a Hugging Face tokenizer: one string without tensors gives a flat list (the prompt encoder relies on it)
+    assert tok("1+2=", return_tensors=None)["input_ids"] == [49, 43, 50, 61]
+    assert encode_prompts(tok, ["1+2=", "81-88="])[0].tolist() == enc["input_ids"].tolist()
     assert tok.decode([45, 55, 10, 0, 0], skip_special_tokens=True) == "-7"
     assert tok.decode([45, 55, 10]) == "-7\n" and tok.eos_token_id == 10 and len(tok) == 256
     with pytest.raises(ValueError, match="must differ"):

@@ -67,7 +67,8 @@ class ByteTokenizer:
     def __call__(self, texts: str | Sequence[str], return_tensors: str | None = "pt", padding: bool = True,
                  add_special_tokens: bool = False, **_: Any) -> dict[str, Any]:
         """Encode a batch: ``{"input_ids": (B, T) int64, "attention_mask": (B, T) int64}``, padded on
-        ``padding_side`` to the longest text (lists of lists when ``return_tensors`` is None).
+        ``padding_side`` to the longest text (lists of lists when ``return_tensors`` is None, flat
+        lists for a single string, as Hugging Face tokenizers give).
 
         Raises:
             ValueError: ``return_tensors`` other than "pt"/None, or unequal lengths without padding.
@@ -85,7 +86,9 @@ class ByteTokenizer:
 
         input_ids = [pad(r, self.pad_token_id) for r in ids]
         mask = [pad([1] * len(r), 0) for r in ids]
-        if return_tensors is None:
+        if return_tensors is None:  # like Hugging Face: one text gives flat lists, a batch nested ones
+            if isinstance(texts, str):
+                return {"input_ids": input_ids[0], "attention_mask": mask[0]}
             return {"input_ids": input_ids, "attention_mask": mask}
         if return_tensors != "pt":
             raise ValueError(f"return_tensors must be 'pt' or None, got {return_tensors!r}")

@@ -136,8 +136,8 @@ def bos_to_prepend(tokenizer: Any) -> int | None:
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
         return None
-    with_special = list(tokenizer("a", add_special_tokens=True)["input_ids"])
-    without = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    with_special = list(tokenizer("a", add_special_tokens=True, return_tensors=None)["input_ids"])
+    without = list(tokenizer("a", add_special_tokens=False, return_tensors=None)["input_ids"])
     return int(bos) if with_special[:1] == [bos] and without[:1] != [bos] else None
 
 
@@ -156,7 +156,7 @@ def encode_prompts(tokenizer: Any, texts: Sequence[str], pad_token_id: int | Non
         ``pad_token_id`` (default: the tokenizer's pad id, else its eos id, else 0).
     """
     bos = bos_to_prepend(tokenizer)
-    rows = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    rows = [list(tokenizer(t, add_special_tokens=False, return_tensors=None)["input_ids"]) for t in texts]
     if bos is not None:
         rows = [r if r[:1] == [bos] else [bos] + r for r in rows]
     pad = pad_token_id if pad_token_id is not None else tokenizer.pad_token_id

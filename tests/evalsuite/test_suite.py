@@ -277,3 +277,18 @@ def test_sources_folder_and_hub(shared_data, tmp_path):
     with pytest.raises(SuiteInputError, match=r"benchmark 'gsm8k': could not load hf:echotrain/none@test .*"
                                               r"give a local file with --data-dir DIR or gsm8k=PATH"):
         load_suite(None, ["gsm8k=hf:echotrain/none"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--threads", "100000"], "--threads"),
+    (["--device", "cuda:7"], "--device"),
+])
+def test_cli_suite_runs_the_eval_preflight_checks(argv, message, tmp_path, capsys):
+    """Review: --suite/--benchmark bypassed issue 10's checks (a traceback, exit 1, or a crash)."""
+    f = tmp_path / "mc.jsonl"
+    f.write_text(json.dumps({"question": "q", "choices": ["a", "b"], "answer": 0}) + "\n")
+    assert main(["eval", "--benchmark", f"choice:mini={f}", "--no-progress", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("echotrain eval: error: ") and message in err
+    assert not (tmp_path / "o").exists()

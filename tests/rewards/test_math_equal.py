@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from echotrain.rewards import math_equal
-from echotrain.rewards.math import normalize_answer
+from echotrain.rewards.math import canonical_number, normalize_answer
 
 
 @pytest.mark.parametrize(
@@ -94,3 +94,21 @@ def test_math_equal_numeric_normalisation(pred, gold, expected):
 )
 def test_normalize_answer_canonical_numbers(text, expected):
     assert normalize_answer(text) == expected
+
+
+def test_canonical_number_is_exact_beyond_28_digits():
+    """Review: Decimal.normalize() rounded to the context's 28 significant digits, so two different
+    31-digit integers had one canonical form and math_equal called them equal."""
+    a, b = "1234567890123456789012345678901", "1234567890123456789012345678902"
+    assert canonical_number(a) == a and canonical_number(b) == b
+    assert math_equal(a, b) is False
+    assert canonical_number("0.12345678901234567890123456789010") == "0.1234567890123456789012345678901"
+    assert canonical_number("1234567890123456789012345678901.000") == a
+
+
+def test_canonical_number_huge_exponents_neither_raise_nor_round():
+    """Review: normalize() raised decimal.Overflow on 1e9999999 and turned 1e-9999999 into 0."""
+    assert canonical_number("1e9999999") == "1E+9999999"
+    assert canonical_number("10e9999998") == "1E+9999999"
+    assert canonical_number("1e-9999999") == "1E-9999999"
+    assert normalize_answer("1e-9999999") != normalize_answer("0")

@@ -125,3 +125,15 @@ def test_resume_with_another_world_size_is_refused(two_process_runs, tiny_tokeni
                                     "rollout_rng": "stream"})
     with pytest.raises(RuntimeError, match=r"2 process\(es\) and this run has 1.*--nproc_per_node 2"):
         Trainer(cfg, model=make_tiny_model(tiny_tokenizer), tokenizer=tiny_tokenizer, task=digit_task, resume=True)
+
+
+def test_rank_seeds_are_the_run_seed_on_rank_0_and_distinct_elsewhere():
+    """rollout_rng=stream: each rank samples its own stream (review: a mutant giving every rank the
+    run seed, i.e. G identical copies of each rank's rollouts, passed the suite)."""
+    from echotrain.train.dist import rank_seed
+
+    for seed in (0, 1, 1234):
+        seeds = [rank_seed(seed, r) for r in range(8)]
+        assert seeds[0] == seed and len(set(seeds)) == 8
+        assert all(0 <= s < 2**63 for s in seeds)
+    assert rank_seed(0, 1) != rank_seed(1, 1)

@@ -96,18 +96,32 @@ def run_suite_command(args: argparse.Namespace) -> int:
     except ValueError:
         return fail(f"--k {args.k!r} must be comma-separated integers")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else SUITE_MAX_NEW_TOKENS
+    from echotrain.train import preflight
+    from echotrain.train.commands import _check_eval_model, _cores
+    from echotrain.train.config import ConfigError
+
     try:
         _check_settings(args.n, ks, args.temperature, args.top_p, max_new, args.batch_size)
         load_suite(args.suite, args.benchmark, data_dir=args.data_dir, limit=args.limit)  # fail before the model
-    except SuiteInputError as exc:
+        # the same checks as ``echotrain eval --task`` (issue 10): threads, device, model path or hub id
+        preflight.check_threads(args.threads, key="--threads")
+        preflight.check_device(args.device, key="--device")
+        _check_eval_model(args.model)
+    except (SuiteInputError, ConfigError) as exc:
+        if getattr(args, "debug", False):
+            raise
         return fail(exc)
     import torch
 
-    from echotrain.train.commands import _cores
     from echotrain.train.evaluate import load_for_eval
 
     torch.set_num_threads(args.threads or _cores())
-    model, tok, desc = load_for_eval(args.model, device=args.device)
+    try:
+        model, tok, desc = load_for_eval(args.model, device=args.device)
+    except OSError as exc:  # a model that passed the checks but does not load
+        if getattr(args, "debug", False):
+            raise
+        return fail(exc)
     name = args.suite or "custom"
     out = Path(args.out) if args.out else Path("runs") / (
         f"eval-{name}-" + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))

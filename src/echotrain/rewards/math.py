@@ -74,7 +74,12 @@ def canonical_number(text: str) -> str | None:
         return None
     if value.is_zero():
         return "0"
-    value = value.normalize()
+    # trailing zeros stripped by hand: Decimal.normalize() rounds to the context's 28 digits and
+    # overflows/underflows beyond its exponent range (1e9999999 raised, 1e-9999999 became 0)
+    sign, digits, exp = value.as_tuple()
+    while len(digits) > 1 and digits[-1] == 0:
+        digits, exp = digits[:-1], exp + 1
+    value = Decimal((sign, digits, exp))
     if abs(value.adjusted()) > _MAX_EXPONENT:
         return str(value)
     return format(value, "f")

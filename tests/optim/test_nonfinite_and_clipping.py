@@ -12,7 +12,7 @@ from torch import nn
 from echotrain.optim.adamw4bit import AdamW4bit
 from echotrain.optim.finite import GRAD_ABS_LIMIT, first_nonfinite_grad
 from echotrain.optim.sam import SAM
-from echotrain.optim.schedules import LateSAM
+from echotrain.optim.late_sam import LateSAM
 
 
 def _snapshot(params, opt):

@@ -16,7 +16,7 @@ Set-up (CPU-sized stand-in for the paper's WideResNet/CIFAR-10):
   s = epochs is SGD only; the paper's proportion (175 of 200) is s = 0.875 * epochs;
 - each seed fixes the initial weights and the batch order, shared by all arms (paired runs);
 - measured: test accuracy, lambda_max of the training-loss Hessian on the whole training set in
-  eval mode (Lanczos, :mod:`echotrain.sharpness`), its trace (Hutchinson), the training wall-clock
+  eval mode (Lanczos, :mod:`echotrain.optim.sharpness`), its trace (Hutchinson), the training wall-clock
   and the number of gradient evaluations (forward+backward passes).
 
 Run: ``echotrain experiment late-sam --out docs/experiments`` (see ``--help``).
@@ -36,8 +36,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from echotrain.optim.schedules import LateSAM
-from echotrain.sharpness import hessian_trace, model_loss_fn, top_hessian_eigenvalue
+from echotrain.optim.late_sam import LateSAM
+from echotrain.optim.schedules import step_decay
+from echotrain.optim.sharpness import hessian_trace, model_loss_fn, top_hessian_eigenvalue
 
 
 @dataclass
@@ -51,7 +52,7 @@ class LateSamConfig:
     lr: float = 0.05
     """Initial learning rate of SGD."""
     lr_schedule: str = "wrn"
-    """``"wrn"``: the paper's WideResNet step schedule (:func:`lr_factor`: x0.2 at 30% of the
+    """``"wrn"``: the paper's WideResNet step schedule (:func:`echotrain.optim.schedules.step_decay`: x0.2 at 30% of the
     epochs, x0.04 from 60%); ``"constant"``: no decay (an ablation: a larger late-phase LR)."""
     momentum: float = 0.9
     """SGD momentum (the paper: 0.9)."""
@@ -125,15 +126,6 @@ def make_model(hidden: int, seed: int) -> nn.Module:
 LR_SCHEDULES = ("wrn", "constant")
 
 
-def lr_factor(epoch: int, epochs: int) -> float:
-    """LR multiplier of the paper's WideResNet schedule: 1 before 30% of epochs, 0.2 before 60%, 0.04 after."""
-    if epoch < 0.3 * epochs:
-        return 1.0
-    if epoch < 0.6 * epochs:
-        return 0.2
-    return 0.04
-
-
 # --- one run ----------------------------------------------------------------------------------
 
 
@@ -150,7 +142,7 @@ def train_one(cfg: LateSamConfig, data, seed: int, switch_epoch: int) -> RunResu
         lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
     )
     if cfg.lr_schedule == "wrn":
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: lr_factor(epoch, cfg.epochs))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: step_decay(epoch, cfg.epochs))
     else:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0)
     order_gen = torch.Generator().manual_seed(seed)

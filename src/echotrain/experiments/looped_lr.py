@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from echotrain.models.looped import RESIDUAL_SCALINGS, LoopedConfig, LoopedTransformer, residual_multiplier
+from echotrain.optim.schedules import warmup_decay
 
 RULE_SLUGS = {"1/N": "invN", "1/sqrt(N)": "invsqrtN", "none": "none"}
 
@@ -115,10 +116,9 @@ def evaluate(model: LoopedTransformer, val: torch.Tensor, seq_len: int, n_sequen
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
-    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay to 0 at ``total``."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay to 0 at ``total``
+    (:func:`echotrain.optim.schedules.warmup_decay`, the trainer's ``lr_scheduler=cosine``)."""
+    return warmup_decay(step, warmup, total, "cosine", peak=peak)
 
 
 def train_one(args: LoopedLRArgs, n_layers: int, n_loops: int, rule: str, lr: float, train, val) -> dict:

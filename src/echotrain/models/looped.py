@@ -340,10 +340,10 @@ class LoopedTransformer(nn.Module):
         self, learning_rate: float, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), optimizer: str = "adamw"
     ) -> torch.optim.Optimizer:
         """An optimizer from ``echotrain.optim.registry`` over :meth:`param_groups`."""
-        from echotrain.optim.registry import build_optimizer
+        from echotrain.optim.registry import build_optimizer, optimizer_spec
 
         kwargs = {"lr": learning_rate}
-        if optimizer != "sgd":
+        if "betas" in optimizer_spec(optimizer).takes:
             kwargs["betas"] = betas
         return build_optimizer(optimizer, self.param_groups(weight_decay), **kwargs)
 

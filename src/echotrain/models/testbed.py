@@ -46,6 +46,7 @@ import torch
 
 from echotrain.models.byte_tokenizer import ByteTokenizer
 from echotrain.models.looped import LoopedConfig, LoopedTransformer
+from echotrain.optim.schedules import warmup_decay
 
 __all__ = ["TESTBED_MODEL", "TestbedConfig", "build_testbed", "load_testbed", "testbed_dir", "testbed_key"]
 
@@ -210,8 +211,8 @@ def build_testbed(config: TestbedConfig | None = None, *, log: Any = None) -> tu
         model = LoopedTransformer(cfg.looped_config())
         model.train()
         opt = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
-        warm = cfg.warmup_steps
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: warmup_decay(s, cfg.warmup_steps, cfg.max_steps, "constant"))
         gen = torch.Generator().manual_seed(cfg.seed)
         acc, step = 0.0, 0
         while step < cfg.max_steps:

@@ -31,7 +31,6 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from echotrain.optim.finite import first_nonfinite_grad, nonfinite_grad_message
 from echotrain.optim.sam import SAM, Closure
 
 SAM_START_UNITS: tuple[str, ...] = ("step", "epoch", "fraction")
@@ -157,16 +156,7 @@ class LateSAM(SAM):
                 self.zero_grad()
                 with torch.enable_grad():
                     loss = closure()
-            if grad_scaler is None:
-                hit = first_nonfinite_grad(self.param_groups)
-                if hit is not None:
-                    raise FloatingPointError(nonfinite_grad_message("LateSAM (before the switch)", hit))
-                self.clip_grad_norm_()
-                self.base_optimizer.step()
-            else:
-                grad_scaler.unscale_(self.base_optimizer)
-                self.clip_grad_norm_()
-                grad_scaler.step(self.base_optimizer)
+            self.base_update(grad_scaler, "LateSAM (before the switch)")
             self.steps_taken += 1
             return loss
         if closure is None:

@@ -1,23 +1,104 @@
-"""Optimizers by name, so the trainer and the CLI can say ``optimizer=adamw4bit``.
+"""Optimizers by name, as data, so the trainer and the CLI can say ``optimizer=adamw4bit``.
 
-A new optimizer is one line in :data:`OPTIMIZERS`: name -> ``"module:ClassName"``, imported
-lazily so that optional dependencies are only needed when used.
+Each entry of :data:`OPTIMIZERS` is an :class:`OptimizerSpec`: the class (``"module:ClassName"``,
+imported lazily so that optional dependencies are only needed when used), the keyword settings
+it takes beyond ``lr`` and ``weight_decay``, and whether it wraps a base optimizer (SAM and
+late-phase SAM apply another registered optimizer's update with their own gradient). Code that
+builds optimizers from settings (the trainer) reads these fields and never tests names; a new
+optimizer is one :func:`register_optimizer` call::
+
+    register_optimizer("lion", "my_pkg.lion:Lion", takes=("betas",))
+
+after which ``optimizer=lion`` (and ``sam_base=lion``) are valid trainer settings.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
 
 import torch
 
-OPTIMIZERS: dict[str, str] = {
-    "adamw": "torch.optim:AdamW",
-    "sgd": "torch.optim:SGD",
-    "adamw4bit": "echotrain.optim.adamw4bit:AdamW4bit",
-    "sam": "echotrain.optim.sam:SAM",
-    "late_sam": "echotrain.optim.schedules:LateSAM",
-}
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One registered optimizer.
+
+    Attributes:
+        name: the registry name (``"adamw"``).
+        target: ``"module:ClassName"`` of a ``torch.optim.Optimizer`` subclass.
+        takes: keyword settings the class takes from a settings mapping besides ``lr`` and
+            ``weight_decay`` (see :func:`build_from_settings`), e.g. ``("betas", "eps")``.
+        wraps_base: the class takes ``base_optimizer=`` (the name of another registered optimizer
+            that does not wrap one) and passes the base's own settings through to it.
+    """
+
+    name: str
+    target: str
+    takes: tuple[str, ...] = ()
+    wraps_base: bool = False
+
+    def load(self) -> type[torch.optim.Optimizer]:
+        """Import and return the optimizer class."""
+        module, _, cls = self.target.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {}
+"""Registry name -> :class:`OptimizerSpec`; fill it with :func:`register_optimizer`."""
+
+
+def register_optimizer(name: str, target: str, *, takes: Iterable[str] = (), wraps_base: bool = False) -> OptimizerSpec:
+    """Register the optimizer class ``target`` (``"module:ClassName"``) under ``name``.
+
+    Args:
+        name: the registry name (``optimizer=name`` in the trainer config).
+        target: where the class lives, imported on first use.
+        takes: keyword settings the class takes besides ``lr`` and ``weight_decay``.
+        wraps_base: whether it is built around a base optimizer (see :class:`OptimizerSpec`).
+
+    Returns:
+        the new :class:`OptimizerSpec`.
+
+    Raises:
+        ValueError: ``name`` is already registered, or ``target`` is not ``"module:ClassName"``.
+    """
+    if name in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r} is already registered ({OPTIMIZERS[name].target})")
+    module, sep, cls = target.partition(":")
+    if not (module and sep and cls):
+        raise ValueError(f"target={target!r} must be 'module:ClassName'")
+    spec = OptimizerSpec(name, target, tuple(takes), wraps_base)
+    OPTIMIZERS[name] = spec
+    return spec
+
+
+_ADAM = ("betas", "eps")
+_SAM = ("rho", "model")
+register_optimizer("adamw", "torch.optim:AdamW", takes=_ADAM)
+register_optimizer("sgd", "torch.optim:SGD")
+register_optimizer("adamw4bit", "echotrain.optim.adamw4bit:AdamW4bit", takes=_ADAM)
+register_optimizer("sam", "echotrain.optim.sam:SAM", takes=_SAM, wraps_base=True)
+register_optimizer("late_sam", "echotrain.optim.late_sam:LateSAM", wraps_base=True,
+                   takes=_SAM + ("sam_start", "sam_start_unit", "total_steps", "restart_momentum"))
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    """The :class:`OptimizerSpec` registered under ``name``.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists the valid names).
+    """
+    try:
+        return OPTIMIZERS[name]
+    except KeyError:
+        raise ValueError(f"optimizer={name!r} is unknown; valid: {sorted(OPTIMIZERS)}") from None
+
+
+def base_optimizer_names() -> list[str]:
+    """The registered names that can serve as ``base_optimizer`` of a wrapping optimizer (sorted)."""
+    return sorted(name for name, spec in OPTIMIZERS.items() if not spec.wraps_base)
 
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
@@ -26,12 +107,7 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     Raises:
         ValueError: ``name`` is not registered (the message lists the valid names).
     """
-    try:
-        target = OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(f"optimizer={name!r} is unknown; valid: {sorted(OPTIMIZERS)}") from None
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    return optimizer_spec(name).load()
 
 
 def build_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> torch.optim.Optimizer:
@@ -41,3 +117,40 @@ def build_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> torch.op
         ValueError: unknown ``name``.
     """
     return optimizer_class(name)(params, **kwargs)
+
+
+def build_from_settings(name: str, params: Iterable[Any], settings: Mapping[str, Any], base: str | None = None) -> torch.optim.Optimizer:
+    """Build optimizer ``name`` taking from ``settings`` only the keys its spec declares.
+
+    ``lr`` and ``weight_decay`` always go to the optimizer that applies the update (the base when
+    ``name`` wraps one), with the base's ``takes``; a wrapping optimizer also gets its own
+    ``takes`` and ``base_optimizer=base``. Keys nobody takes are ignored, so one settings mapping
+    (the trainer's) serves every optimizer. The keyword arguments go to the class named ``name``;
+    a wrapping class passes on to the base those it does not take itself, so a key both take goes
+    to the wrapper: ``eps`` sets SAM's own epsilon (the trainer's ``adam_eps``; the base AdamW
+    keeps its default 1e-8), as the trainer has always done.
+
+    Args:
+        name: registered optimizer.
+        params: parameters or param groups.
+        settings: keyword values by setting name (``lr``, ``weight_decay``, ``betas``, ``rho`` ...).
+        base: registered name of the base optimizer; used only when ``name`` wraps one.
+
+    Raises:
+        ValueError: unknown ``name`` or ``base``; ``name`` wraps a base optimizer and ``base`` is
+            None or itself a wrapping optimizer; a key the spec takes is missing from ``settings``.
+    """
+    spec = optimizer_spec(name)
+    inner = spec
+    if spec.wraps_base:
+        inner = optimizer_spec(base) if base is not None else None
+        if inner is None or inner.wraps_base:
+            raise ValueError(f"optimizer={name!r} needs a base optimizer from {base_optimizer_names()}, got {base!r}")
+    keys = ("lr", "weight_decay") + inner.takes + (spec.takes if spec.wraps_base else ())
+    missing = [k for k in keys if k not in settings]
+    if missing:
+        raise ValueError(f"settings lack {missing}, needed by optimizer={name!r}")
+    kwargs = {k: settings[k] for k in keys}
+    if spec.wraps_base:
+        kwargs["base_optimizer"] = inner.name
+    return spec.load()(params, **kwargs)

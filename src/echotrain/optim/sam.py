@@ -16,7 +16,7 @@ Why our own class rather than ``pytorch_optimizer.SAM`` (4.1.0): the core is ~40
 need three things it leaves to the caller — BatchNorm running statistics updated only in the
 first pass, a gradient-scaler path where an inf/NaN in the first pass skips the whole step, and
 wrapping an optimizer that is already built (the late-phase switch in
-:mod:`echotrain.optim.schedules` wraps the trainer's SGD without rebuilding it).
+:mod:`echotrain.optim.late_sam` wraps the trainer's SGD without rebuilding it).
 
 Usage (the closure computes the loss and its gradients at the current weights; ``step`` calls
 it twice, once at ``w`` and once at ``w + e``, and zeroes the gradients before each call)::
@@ -328,21 +328,35 @@ class SAM(torch.optim.Optimizer):
         except BaseException:
             self.restore()  # never leave the weights at w + e (the next step could not start)
             raise
+        self.restore()
+        self.base_update(grad_scaler, "SAM step (gradient at w + e)")
+        return loss
+
+    def base_update(self, grad_scaler: Any | None, where: str) -> None:
+        """Step the base optimizer with the gradient now in ``.grad``, clipped to ``max_grad_norm``.
+
+        Without a scaler a NaN/Inf gradient raises (nothing written); with one the gradients are
+        unscaled first and the scaler skips the step on an inf/NaN.
+
+        Args:
+            grad_scaler: optional ``torch.amp.GradScaler``.
+            where: names the step in the ``FloatingPointError`` message.
+
+        Raises:
+            FloatingPointError: without a scaler, a NaN/Inf gradient (:mod:`echotrain.optim.finite`).
+        """
         if grad_scaler is None:
-            self.restore()
             hit = first_nonfinite_grad(self.param_groups)
             if hit is not None:
-                raise FloatingPointError(nonfinite_grad_message("SAM step (gradient at w + e)", hit))
+                raise FloatingPointError(nonfinite_grad_message(where, hit))
             self.clip_grad_norm_()
             self.base_optimizer.step()
         else:
-            # The scaler allows one unscale_ per optimizer per update(); the second pass is
+            # The scaler allows one unscale_ per optimizer per update(); SAM's second pass is
             # unscaled and checked through the base optimizer, which has its own record.
             grad_scaler.unscale_(self.base_optimizer)
-            self.restore()
             self.clip_grad_norm_()  # on unscaled gradients; an inf makes them NaN, and step skips
             grad_scaler.step(self.base_optimizer)
-        return loss
 
     # --- saving -----------------------------------------------------------------------------
 

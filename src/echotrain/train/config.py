@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from echotrain.optim.schedules import LR_DECAYS
 from echotrain.rl.config import ECHO_DEFAULT_BATCH_BAND
 
 BALANCED_SUFFIX = "+balanced"
@@ -191,7 +192,7 @@ class TrainConfig:
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value before each optimizer step; 0 disables. "
                               "verl/TRL: 1.0.", group="update")
     lr_scheduler: str = _f("constant", "Learning-rate schedule over optimizer steps (after warmup).",
-                           ("constant", "linear", "cosine"), group="update")
+                           LR_DECAYS, group="update")
     warmup_steps: int = _f(0, "Linear warmup length in optimizer steps.", group="update")
     sam_base: str = _f("adamw", "optimizer=sam/late_sam: the base optimizer that applies the update with the SAM gradient "
                        "(a name from OPTIMIZERS other than sam/late_sam; adam_* keys apply to adamw/adamw4bit).",
@@ -525,7 +526,7 @@ def validate(cfg: TrainConfig) -> None:
     Raises:
         ConfigError: naming the key, the bad value and the valid choices or range.
     """
-    from echotrain.optim.registry import OPTIMIZERS
+    from echotrain.optim.registry import OPTIMIZERS, base_optimizer_names
     from echotrain.rl import AGG_MODES, POLICY_LOSSES
 
     for f in fields(cfg):
@@ -543,7 +544,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(_unknown_msg("loss_agg_mode", cfg.loss_agg_mode, list(AGG_MODES)))
     if cfg.optimizer not in OPTIMIZERS:
         raise ConfigError(_unknown_msg("optimizer", cfg.optimizer, sorted(OPTIMIZERS)))
-    sam_bases = sorted(set(OPTIMIZERS) - {"sam", "late_sam"})
+    sam_bases = base_optimizer_names()
     if cfg.sam_base not in sam_bases:
         raise ConfigError(_unknown_msg("sam_base", cfg.sam_base, sam_bases))
 

@@ -77,21 +77,11 @@ def default_run_dir(cfg: TrainConfig) -> str:
 
 
 def lr_lambda(cfg: TrainConfig, total_updates: int) -> Callable[[int], float]:
-    """Multiplier of the peak lr after ``u`` optimizer steps: linear warmup, then constant /
-    linear decay to 0 / cosine decay to 0 over the remaining steps."""
+    """Multiplier of the peak lr after ``u`` optimizer steps: ``cfg.warmup_steps`` of linear warmup,
+    then ``cfg.lr_scheduler`` over the remaining steps (:func:`echotrain.optim.schedules.warmup_decay`)."""
+    from echotrain.optim.schedules import warmup_decay
 
-    def f(u: int) -> float:
-        if cfg.warmup_steps and u < cfg.warmup_steps:
-            return (u + 1) / cfg.warmup_steps
-        rest = max(1, total_updates - cfg.warmup_steps)
-        frac = min(1.0, (u - cfg.warmup_steps) / rest)
-        if cfg.lr_scheduler == "linear":
-            return 1.0 - frac
-        if cfg.lr_scheduler == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * frac))
-        return 1.0
-
-    return f
+    return lambda u: warmup_decay(u, cfg.warmup_steps, total_updates, cfg.lr_scheduler)
 
 
 class PromptStream:
@@ -250,24 +240,18 @@ class Trainer:
         os.replace(tmp, self.run_dir / "run_info.json")
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        """``cfg.optimizer`` on the trainable parameters. ``sam`` / ``late_sam`` wrap ``cfg.sam_base``
-        (SAM, Foret et al. 2021; late-phase SAM from ``sam_start`` x the run's optimizer steps,
-        Zhou et al. ICLR 2025, arXiv 2410.10373)."""
-        from echotrain.optim.registry import build_optimizer
+        """``cfg.optimizer`` on the trainable parameters, from its registry entry (which settings it
+        takes, whether it wraps ``cfg.sam_base``: SAM, Foret et al. 2021; late-phase SAM from
+        ``sam_start`` x the run's optimizer steps, Zhou et al. ICLR 2025, arXiv 2410.10373)."""
+        from echotrain.optim.registry import build_from_settings
 
         cfg = self.cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
-        base = cfg.sam_base if cfg.optimizer in ("sam", "late_sam") else cfg.optimizer
-        opt_kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-        if base in ("adamw", "adamw4bit", "adam"):
-            opt_kwargs.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-        if cfg.optimizer == "sam":
-            opt_kwargs.update(base_optimizer=base, rho=cfg.sam_rho, model=self.model)
-        elif cfg.optimizer == "late_sam":
-            opt_kwargs.update(base_optimizer=base, rho=cfg.sam_rho, model=self.model, sam_start=cfg.sam_start,
-                              sam_start_unit="fraction", total_steps=self.total_updates,
-                              restart_momentum=cfg.sam_restart_momentum)
-        return build_optimizer(cfg.optimizer, params, **opt_kwargs)
+        settings = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                        eps=cfg.adam_eps, rho=cfg.sam_rho, model=self.model, sam_start=cfg.sam_start,
+                        sam_start_unit="fraction", total_steps=self.total_updates,
+                        restart_momentum=cfg.sam_restart_momentum)
+        return build_from_settings(cfg.optimizer, params, settings, base=cfg.sam_base)
 
     # ------------------------------------------------------------------ resume
     def _resume(self) -> None:

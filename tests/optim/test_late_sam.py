@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from echotrain.optim.sam import SAM
-from echotrain.optim.schedules import LateSAM, resolve_sam_start
+from echotrain.optim.late_sam import LateSAM, resolve_sam_start
 
 
 def _setup(sam_start, unit="step", **kwargs):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from echotrain.sharpness import (
+from echotrain.optim.sharpness import (
     HessianOperator,
     hessian_trace,
     model_loss_fn,

@@ -1,0 +1,115 @@
+"""Optimizers as data (the registry entries) and the one LR-schedule module (issue 11, item 4)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from echotrain.optim import registry
+from echotrain.optim.late_sam import LateSAM
+from echotrain.optim.registry import (
+    OPTIMIZERS,
+    base_optimizer_names,
+    build_from_settings,
+    optimizer_spec,
+    register_optimizer,
+)
+from echotrain.optim.sam import SAM
+from echotrain.optim.schedules import LR_DECAYS, step_decay, warmup_decay
+
+SETTINGS = dict(lr=0.1, weight_decay=0.01, betas=(0.8, 0.9), eps=1e-6, rho=0.2, model=None, sam_start=0.5,
+                sam_start_unit="fraction", total_steps=8, restart_momentum=False)
+
+
+def test_entries_say_which_wrap_a_base_and_what_they_take():
+    assert base_optimizer_names() == ["adamw", "adamw4bit", "sgd"]
+    assert [n for n, s in OPTIMIZERS.items() if s.wraps_base] == ["sam", "late_sam"]
+    assert optimizer_spec("adamw").takes == ("betas", "eps") and optimizer_spec("sgd").takes == ()
+    assert optimizer_spec("late_sam").load() is LateSAM
+    with pytest.raises(ValueError, match="optimizer='adam' is unknown"):
+        optimizer_spec("adam")
+
+
+def test_build_from_settings_passes_only_declared_keys():
+    w = torch.zeros(3, requires_grad=True)
+    opt = build_from_settings("adamw", [w], SETTINGS, base="sgd")  # base ignored: adamw wraps nothing
+    assert isinstance(opt, torch.optim.AdamW)
+    g = opt.param_groups[0]
+    assert (g["lr"], g["weight_decay"], g["betas"], g["eps"]) == (0.1, 0.01, (0.8, 0.9), 1e-6)
+    sgd = build_from_settings("sgd", [torch.zeros(1, requires_grad=True)], SETTINGS)
+    assert type(sgd) is torch.optim.SGD and sgd.param_groups[0]["momentum"] == 0
+
+
+def test_wrapping_optimizers_get_their_base_and_its_settings():
+    w = torch.zeros(3, requires_grad=True)
+    sam = build_from_settings("sam", [w], SETTINGS, base="adamw")
+    assert type(sam) is SAM and isinstance(sam.base_optimizer, torch.optim.AdamW)
+    assert sam.param_groups[0]["rho"] == 0.2 and sam.param_groups[0]["betas"] == (0.8, 0.9)
+    # "eps" is also SAM's own argument, so it lands there (as before issue 11), not on the base
+    assert sam.eps == 1e-6 and sam.param_groups[0]["eps"] == 1e-8
+    late = build_from_settings("late_sam", [torch.zeros(1, requires_grad=True)], SETTINGS, base="sgd")
+    assert isinstance(late.base_optimizer, torch.optim.SGD)
+    assert late.sam_start_step == 4 and late.restart_momentum is False and "betas" not in late.param_groups[0]
+    with pytest.raises(ValueError, match="needs a base optimizer"):
+        build_from_settings("sam", [w], SETTINGS, base="late_sam")
+    with pytest.raises(ValueError, match=r"settings lack \['rho'\]"):
+        build_from_settings("sam", [w], {k: v for k, v in SETTINGS.items() if k != "rho"}, base="sgd")
+
+
+def test_a_registered_optimizer_is_a_valid_trainer_setting(monkeypatch):
+    """One register_optimizer call makes a name valid for optimizer= and sam_base= (no other edits)."""
+    from echotrain.train.config import ConfigError, resolve_config
+
+    monkeypatch.setattr(registry, "OPTIMIZERS", dict(OPTIMIZERS))
+    with pytest.raises(ConfigError, match="sam_base"):
+        resolve_config(overrides={"optimizer": "sam", "sam_base": "rmsprop"})
+    register_optimizer("rmsprop", "torch.optim:RMSprop", takes=("momentum",))
+    cfg = resolve_config(overrides={"optimizer": "sam", "sam_base": "rmsprop"})
+    opt = build_from_settings(cfg.optimizer, [torch.zeros(1, requires_grad=True)], {**SETTINGS, "momentum": 0.5},
+                              base=cfg.sam_base)
+    assert isinstance(opt.base_optimizer, torch.optim.RMSprop) and opt.param_groups[0]["momentum"] == 0.5
+    with pytest.raises(ValueError, match="already registered"):
+        register_optimizer("rmsprop", "torch.optim:RMSprop")
+
+
+def test_warmup_decay_values():
+    # warm-up 4 of 20 steps: (u + 1) / 4, then frac = (u - 4) / 16
+    assert [warmup_decay(u, 4, 20) for u in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert warmup_decay(12, 4, 20, "linear") == 0.5 and warmup_decay(30, 4, 20, "linear") == 0.0
+    assert warmup_decay(12, 4, 20, "cosine") == pytest.approx(0.5, abs=1e-15)
+    assert warmup_decay(8, 4, 20, "cosine", peak=2.0) == pytest.approx(1.0 + math.cos(math.pi / 4))
+    assert warmup_decay(0, 0, 1, "cosine") == 1.0 and warmup_decay(5, 0, 1, "cosine") == 0.0  # clamped at the end
+    assert set(LR_DECAYS) == {"constant", "linear", "cosine"}
+    with pytest.raises(ValueError, match="decay='step'"):
+        warmup_decay(0, 0, 10, "step")
+
+
+def test_step_decay_is_the_wrn_schedule():
+    assert [step_decay(e, 10) for e in (0, 2, 3, 5, 6, 9)] == [1.0, 1.0, 0.2, 0.2, 0.04, 0.04]
+    assert step_decay(5, 10, milestones=(0.5,), factors=(1.0, 0.1)) == 0.1
+    with pytest.raises(ValueError, match="one more entry"):
+        step_decay(0, 10, milestones=(0.5,), factors=(1.0,))
+
+
+def test_trainer_lr_lambda_uses_the_schedule():
+    from echotrain.train.config import resolve_config
+    from echotrain.train.trainer import lr_lambda
+
+    cfg = resolve_config(overrides={"warmup_steps": 2, "lr_scheduler": "cosine"})
+    f = lr_lambda(cfg, 10)
+    assert [f(u) for u in range(11)] == [warmup_decay(u, 2, 10, "cosine") for u in range(11)]
+    assert f(0) == 0.5 and f(6) == pytest.approx(0.5, abs=1e-15) and f(10) == 0.0
+
+
+def test_old_import_paths_still_work():
+    import echotrain.optim.schedules as schedules
+    import echotrain.sharpness
+    from echotrain.optim import sharpness
+
+    assert schedules.LateSAM is LateSAM and schedules.resolve_sam_start(2) == 2
+    assert echotrain.sharpness is sharpness
+    from echotrain.sharpness import top_hessian_eigenvalue
+
+    assert top_hessian_eigenvalue is sharpness.top_hessian_eigenvalue

@@ -4,8 +4,9 @@ Layers (a module imports only from its own layer or below):
 
 * ``echotrain.rl``       pure tensor math of RL objectives (advantages, losses, aggregation, KL,
                          shaping, exact micro-batch statistics).
-* ``echotrain.optim``    optimizers: AdamW with 4-bit states, SAM and late-phase SAM.
-* ``echotrain.sharpness`` Hessian eigenvalue / trace / SAM sharpness.
+* ``echotrain.optim``    optimizers by name (AdamW with 4-bit states, SAM, late-phase SAM), LR
+                         schedules, Hessian eigenvalue / trace / SAM sharpness (``optim.sharpness``,
+                         also importable as ``echotrain.sharpness``).
 * ``echotrain.models``   model loading (Hugging Face, the embedded GGUF default) and our own
                          models (the looped transformer).
 * ``echotrain.tasks`` / ``echotrain.rewards``  prompts, answers and verifiable rewards.

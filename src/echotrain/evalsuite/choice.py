@@ -24,10 +24,11 @@ import hashlib
 import random
 import re
 import string
-from typing import Any, Iterator
+from typing import Any
 
 from echotrain.rewards.extract import extract_answer_tag, extract_boxed
-from echotrain.tasks.base import Example, build_messages, sample_indices
+from echotrain.tasks.base import Example
+from echotrain.tasks.indexed import IndexedTask
 
 __all__ = [
     "CHOICE_SYSTEM_PROMPT",
@@ -213,7 +214,7 @@ def normalize_choice_row(row: dict[str, Any]) -> dict[str, Any]:
     return {**extra, "question": question.strip(), "choices": choices, "answer": answer}
 
 
-class ChoiceTask:
+class ChoiceTask(IndexedTask):
     """Multiple-choice questions scored by the chosen letter (a task for ``RewardFunction``).
 
     Args:
@@ -251,26 +252,12 @@ class ChoiceTask:
 
     def __getitem__(self, index: int) -> Example:
         row = self.rows[index]
-        user = self._user(row)
-        return Example(messages=build_messages(user, system=self.system), question=user, answer=row["answer"],
-                       task=self.name, index=index,
-                       metadata={k: v for k, v in row.items() if k not in ("question", "answer")})
-
-    def __iter__(self) -> Iterator[Example]:
-        for i in range(len(self)):
-            yield self[i]
-
-    def sample(self, n: int, seed: int) -> list[Example]:
-        """``n`` examples drawn reproducibly (``seed``)."""
-        return [self[i] for i in sample_indices(len(self), n, seed)]
+        return self.chat_example(index, self._user(row), row["answer"],
+                                 {k: v for k, v in row.items() if k not in ("question", "answer")})
 
     def extract(self, completion: str) -> str | None:
         """The chosen letter (``extract_choice_letter`` over this task's letters) or ``None``."""
         return extract_choice_letter(completion, self.num_letters)
-
-    def is_formatted(self, completion: str) -> bool:
-        """Whether the completion states a choice."""
-        return self.extract(completion) is not None
 
     def score(self, completion: str, example: Example) -> float:
         """1.0 when the stated letter is the gold letter, else 0.0 (no stated letter: 0.0)."""

@@ -13,18 +13,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from echotrain.rewards.isolated import call_isolated
 from echotrain.rewards.math import math_equal, normalize_answer
-from echotrain.tasks.base import (
-    ANSWER_FORMATS,
-    Example,
-    build_messages,
-    extract_final_answer,
-    register_task,
-    sample_indices,
-)
+from echotrain.tasks.base import ANSWER_FORMATS, Example, extract_final_answer, register_task
+from echotrain.tasks.indexed import IndexedTask
 
 __all__ = ["MATH_SYSTEM_PROMPTS", "JsonlMathTask", "load_gsm8k", "load_jsonl", "load_jsonl_lines", "load_math500"]
 
@@ -149,7 +143,7 @@ def load_math500(path: str | Path | None = None, *, split: str = "test") -> list
     return [{"question": r["problem"], "answer": str(r["answer"]), **{k: r[k] for k in keep if k in r}} for r in raw]
 
 
-class JsonlMathTask:
+class JsonlMathTask(IndexedTask):
     """A fixed list of math problems scored by math-verify.
 
     Args:
@@ -204,30 +198,12 @@ class JsonlMathTask:
 
     def __getitem__(self, index: int) -> Example:
         row = self.rows[index]
-        return Example(
-            messages=build_messages(row["question"], system=self.system, one_shot=self.one_shot),
-            question=row["question"],
-            answer=str(row["answer"]),
-            task=self.name,
-            index=index,
-            metadata={k: v for k, v in row.items() if k not in ("question", "answer")},
-        )
-
-    def __iter__(self) -> Iterator[Example]:
-        for i in range(len(self)):
-            yield self[i]
-
-    def sample(self, n: int, seed: int) -> list[Example]:
-        """``n`` examples drawn reproducibly (``seed``) without replacement while possible."""
-        return [self[i] for i in sample_indices(len(self), n, seed)]
+        return self.chat_example(index, row["question"], str(row["answer"]),
+                                 {k: v for k, v in row.items() if k not in ("question", "answer")})
 
     def extract(self, completion: str) -> str | None:
         """The final answer in the task's format, or ``None``."""
         return extract_final_answer(completion, self.answer_format)
-
-    def is_formatted(self, completion: str) -> bool:
-        """Whether an answer in the task's format is present."""
-        return self.extract(completion) is not None
 
     def score(self, completion: str, example: Example) -> float:
         """1.0 when the extracted answer is math-verify-equal to the gold answer, else 0.0.

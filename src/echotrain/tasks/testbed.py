@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import re
 import zlib
-from typing import Any, Iterator
+from typing import Any
 
-from echotrain.tasks.base import Example, register_task, sample_indices
+from echotrain.tasks.base import Example, register_task
+from echotrain.tasks.indexed import IndexedTask
 
 __all__ = ["TESTBED_GYM_CONFIG", "TestbedTask", "is_heldout", "prompt_of"]
 
@@ -53,7 +54,7 @@ def prompt_of(expression: str) -> str:
     return expression.replace(" ", "") + "="
 
 
-class TestbedTask:
+class TestbedTask(IndexedTask):
     """Bare ``a+b=`` / ``a-b=`` problems from reasoning-gym, scored by exact integer match.
 
     Args:
@@ -111,14 +112,6 @@ class TestbedTask:
         return Example(messages=prompt, question=prompt, answer=answer, task=self.name, index=index,
                        metadata={"expression": expr, "split": self.split})
 
-    def __iter__(self) -> Iterator[Example]:
-        for i in range(self.size):
-            yield self[i]
-
-    def sample(self, n: int, seed: int) -> list[Example]:
-        """``n`` examples drawn reproducibly (``seed``) from the task's ``size`` examples."""
-        return [self[i] for i in sample_indices(self.size, n, seed)]
-
     def eval_task(self) -> "TestbedTask":
         """The held-out split (512 distinct problems, same generator seed), for fixed evaluations."""
         return TestbedTask(split="test", size=512, seed=self.seed)
@@ -127,10 +120,6 @@ class TestbedTask:
         """The completion as an integer string (surrounding whitespace and EOS ignored), or None."""
         text = completion.strip()
         return text if _INT.fullmatch(text) else None
-
-    def is_formatted(self, completion: str) -> bool:
-        """Whether the completion is a bare integer."""
-        return self.extract(completion) is not None
 
     def score(self, completion: str, example: Example) -> float:
         """1.0 if the completion is exactly the gold integer, else 0.0."""

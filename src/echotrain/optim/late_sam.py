@@ -29,7 +29,6 @@ import numbers
 from typing import Any, Iterable
 
 import torch
-from torch import nn
 
 from echotrain.optim.sam import SAM, Closure
 
@@ -95,9 +94,9 @@ class LateSAM(SAM):
             (default True, as in the paper's code, which steps a separate, fresh SGD+SAM
             optimizer from the switch on). For SGD this restarts the momentum buffer; for
             Adam-type optimizers it also resets the second moment and the bias-correction count.
-        rho, adaptive, eps, model, max_grad_norm, **base_kwargs: as for :class:`SAM`;
-            ``max_grad_norm`` also clips the base optimizer's gradient before the switch (after
-            unscaling with a ``grad_scaler``).
+        **sam_kwargs: ``rho``, ``adaptive``, ``eps``, ``model``, ``max_grad_norm`` and the base
+            optimizer's keyword arguments, as for :class:`SAM`; ``max_grad_norm`` also clips the
+            base optimizer's gradient before the switch (after unscaling with a ``grad_scaler``).
 
     The step counter (:attr:`steps_taken`) is saved in ``state_dict()`` under ``"late_sam"``,
     so a resumed run switches at the same step.
@@ -115,16 +114,10 @@ class LateSAM(SAM):
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,
         restart_momentum: bool = True,
-        rho: float = 0.05,
-        adaptive: bool = False,
-        eps: float = 1e-12,
-        model: nn.Module | None = None,
-        max_grad_norm: float | None = None,
-        **base_kwargs: Any,
+        **sam_kwargs: Any,
     ) -> None:
         self.sam_start_step = resolve_sam_start(sam_start, sam_start_unit, total_steps, steps_per_epoch)
-        super().__init__(params, base_optimizer, rho=rho, adaptive=adaptive, eps=eps, model=model,
-                         max_grad_norm=max_grad_norm, **base_kwargs)
+        super().__init__(params, base_optimizer, **sam_kwargs)
         self.restart_momentum = restart_momentum
         self.steps_taken = 0
         self.momentum_restarted = False

@@ -21,90 +21,64 @@ branch is active: rho > 1 + eps_high with A > 0, or rho < 1 - eps_low with A < 0
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from echotrain.rl.aggregation import agg_weights, weighted_sum
+from echotrain.rl.aggregation import weighted_sum
 from echotrain.rl.config import PolicyLossConfig, as_policy_loss_config
+from echotrain.rl.echo import (  # noqa: F401  re-exported: ECHO's math lives in echotrain.rl.echo
+    ECHO_STEP_STATS,
+    EchoStats,
+    batch_kappa,
+    batch_ratio,
+    echo_loss,
+    echo_token_loss,
+    echo_token_ratios,
+    kappa_gradient_share,
+)
+from echotrain.rl.registry import Registry
+from echotrain.rl.step import LossStepStats, StepStats, seq_weights
+from echotrain.rl.surrogate import clamped_log_ratio, ppo_clip_loss
 from echotrain.rl.validation import check_choice, check_group_index, check_token_inputs
 
-if TYPE_CHECKING:  # pragma: no cover
-    from echotrain.rl.stepwise import StepStats
-
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+#: ``loss_mode`` name -> policy loss function (verl's signature, above); a live mapping.
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "loss_mode")
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(name: str, *, step_stats: LossStepStats | None = None) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a policy loss under ``name`` in :data:`POLICY_LOSSES`.
+
+    Args:
+        name: the ``loss_mode``.
+        step_stats: what the loss needs from the whole optimizer step beyond the token /
+            sequence counts and BA statistics (:class:`~echotrain.rl.step.LossStepStats`:
+            ECHO declares its no-grad pre-pass and the sums giving R); None for none.
+            :func:`~echotrain.rl.compute_step_stats` runs it and passes the result as
+            ``step.loss_stats``.
 
     Raises:
         ValueError: ``name`` is already registered.
     """
+    return POLICY_LOSSES.register(name, step_stats=step_stats)
 
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
 
-    return deco
+def loss_step_stats(loss_mode: str) -> LossStepStats | None:
+    """The :class:`~echotrain.rl.step.LossStepStats` that ``loss_mode`` declared (None if none).
+
+    Raises:
+        ValueError: unknown ``loss_mode`` (lists the valid ones).
+    """
+    return POLICY_LOSSES.info(loss_mode)["step_stats"]
+
+
+#: Loss modes whose step statistics depend on the current policy (need the no-grad pre-pass);
+#: a live view of the registrations that declare it.
+PREPASS_LOSS_MODES = POLICY_LOSSES.names(lambda info: info["step_stats"] is not None and info["step_stats"].needs_log_prob)
 
 
 # --------------------------------------------------------------------------- pure pieces
-
-
-def clamped_log_ratio(
-    log_prob: torch.Tensor, old_log_prob: torch.Tensor, clamp: float, mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """log rho = clamp(log_prob - old_log_prob, -clamp, clamp), ``(B, T)`` (design §2).
-
-    With ``mask`` (bool ``(B, T)``), padding positions are set to 0 (rho = 1) through
-    ``torch.where``, so NaN/Inf log-probs there reach neither a value nor a gradient: a product
-    ``0 * NaN`` in any later backward (e.g. through ECHO's kappa) would poison every token.
-    """
-    log_ratio = torch.clamp(log_prob - old_log_prob, -clamp, clamp)
-    return log_ratio if mask is None else torch.where(mask, log_ratio, 0)
-
-
-def ppo_clip_loss(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token PPO clipped loss l = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A).
-
-    With ``clip_ratio_c`` (dual-clip, arXiv 1912.09729, Eq. 5) the loss of A < 0 tokens is
-    capped at -A c; A >= 0 tokens are untouched.
-
-    Args:
-        ratio: ``(B, T)`` importance ratio rho (any float dtype).
-        advantages: ``(B, T)`` A, same shape.
-        clip_ratio_low, clip_ratio_high: eps_low, eps_high.
-        clip_ratio_c: dual-clip c > 1, or None.
-
-    Returns:
-        ``(loss_mat (B, T), flags)`` where flags are bool ``(B, T)`` tensors ``high``
-        (A > 0, rho > 1 + eps_high), ``low`` (A < 0, rho < 1 - eps_low) and ``dual``
-        (A < 0 and the cap -A c is active).
-    """
-    l_unclipped = -advantages * ratio
-    l_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss = torch.maximum(l_unclipped, l_clipped)
-    clip_active = l_clipped > l_unclipped
-    flags = {"high": clip_active & (advantages > 0), "low": clip_active & (advantages < 0)}
-    if clip_ratio_c is not None:
-        cap = -advantages * clip_ratio_c
-        dual = (advantages < 0) & (loss > cap)
-        loss = torch.where(dual, cap, loss)
-        flags["dual"] = dual
-    else:
-        flags["dual"] = torch.zeros_like(clip_active)
-    return loss, flags
 
 
 def clip_metrics(
@@ -136,164 +110,7 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return torch.where(mask, log_ratio, 0).sum(-1) / lengths
 
 
-def batch_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, kind: str, ratio: torch.Tensor | None = None) -> torch.Tensor:
-    """ECHO's batch ratio R over all valid tokens (0-d float64; 1 when there are none).
-
-    ``geo``: R = exp(mean log rho); ``arith``: R = mean rho (design §4, step 1). ``ratio``
-    (= exp(log_ratio)) may be passed to save an ``exp``. Summed in float64 whatever the input
-    dtype: in bfloat16 R would be rounded to steps of 2^-8..2^-7, coarser than the batch band.
-    """
-    n = mask.sum().clamp(min=1).to(torch.float64)
-    if kind == "geo":
-        return torch.exp(torch.where(mask, log_ratio, 0).sum(dtype=torch.float64) / n)
-    ratio = torch.exp(log_ratio) if ratio is None else ratio
-    return torch.where(mask, ratio, 0).sum(dtype=torch.float64) / n + (~mask.any()).to(torch.float64)
-
-
-def batch_kappa(R: torch.Tensor, batch_clip_low: float, batch_clip_high: float) -> tuple[torch.Tensor, bool]:
-    """kappa = clip(R, 1 - eps_b_low, 1 + eps_b_high) / R and whether the clip is active.
-
-    Inside the band kappa is the constant 1 (no gradient), so ECHO's gradient is exactly the
-    token-PPO gradient there; outside, d kappa = -(kappa / R) dR (design §4, step 2).
-    """
-    lo, hi = 1.0 - batch_clip_low, 1.0 + batch_clip_high
-    r = float(R.detach())
-    if r > hi:
-        return hi / R, True
-    if r < lo:
-        return lo / R, True
-    return torch.ones_like(R), False
-
-
-def echo_token_loss(
-    ratio: torch.Tensor, rho_tilde: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig, clipped: bool
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """ECHO's per-token loss ``(B, T)`` from rho and rho~ = kappa rho (design §4, steps 4-5).
-
-    The token term l(x) of ``config.echo_token_clip``:
-
-    - ``ppo``: l(x) = -min(x A, clip(x, 1 - eps_low, 1 + eps_high) A) (dual-clip if
-      ``clip_ratio_c``), as :func:`ppo_clip_loss`;
-    - ``none``: l(x) = -x A (batch clip only);
-    - ``truncate``: l(x) = -A (sg(min(x, c)) + sg(min(1, c / x)) (x - sg(x))), c =
-      ``echo_token_cap``: value -A min(x, c), gradient -A min(x, c) d log x, i.e. the truncated
-      importance weight multiplies the score function and the gradient never vanishes, unlike
-      a PPO clip (the truncated-IS convention of V-trace, arXiv 1802.01561, and of Yao et al.
-      2025's truncated importance sampling).
-
-    With ``config.echo_pessimistic`` and the batch clip active (``clipped``), each token takes
-    l = max(l(rho), l(rho~)) (the surrogate min(J(rho), J(rho~))): the batch factor applies only
-    where it lowers the surrogate; on ties the unrescaled branch is taken. Otherwise l = l(rho~).
-
-    Args:
-        ratio: ``(B, T)`` rho (may carry gradient); rho_tilde: ``(B, T)`` kappa rho.
-        advantages: ``(B, T)`` A. config: the loss config. clipped: R is outside the band.
-
-    Returns:
-        ``(loss_mat (B, T), flags)``: bool ``(B, T)`` flags ``high``/``low``/``dual`` as
-        :func:`ppo_clip_loss` (all False for ``none``/``truncate``), ``truncated`` (x > c under
-        ``truncate``) and ``unscaled`` (the pessimistic min chose l(rho)), of the chosen branch.
-    """
-
-    def token_term(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        none = torch.zeros_like(x, dtype=torch.bool)
-        if config.echo_token_clip == "ppo":
-            loss, flags = ppo_clip_loss(x, advantages, config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c)
-            return loss, {**flags, "truncated": none}
-        if config.echo_token_clip == "none":
-            return -advantages * x, {"high": none, "low": none, "dual": none, "truncated": none}
-        # value -A min(x, c) exactly (so pessimistic ties between two truncated branches are exact ties);
-        # gradient -A min(1, c / x) dx = -A min(x, c) d log x (x - sg(x) is exactly 0 in value)
-        xd = x.detach()
-        truncated = xd > config.echo_token_cap
-        capped = torch.clamp(xd, max=config.echo_token_cap)
-        return -advantages * (capped + (capped / xd) * (x - xd)), {"high": none, "low": none, "dual": none,
-                                                                   "truncated": truncated}
-
-    loss_t, flags_t = token_term(rho_tilde)
-    if not (config.echo_pessimistic and clipped):
-        return loss_t, {**flags_t, "unscaled": torch.zeros_like(flags_t["high"])}
-    loss_u, flags_u = token_term(ratio)
-    unscaled = loss_u >= loss_t
-    loss = torch.where(unscaled, loss_u, loss_t)
-    flags = {k: torch.where(unscaled, flags_u[k], flags_t[k]) for k in flags_t}
-    return loss, {**flags, "unscaled": unscaled}
-
-
-def echo_token_ratios(
-    log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor, config: PolicyLossConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """ECHO's rescaled token ratios rho~ = kappa rho over one whole step (the loss's own path).
-
-    Returns:
-        ``(rho_tilde (B, T), R 0-d, kappa 0-d, clipped)``; R and kappa are float64, rho~ has
-        the inputs' dtype and holds kappa at padding (rho := 1 there); kappa carries gradient
-        through R unless ``config.detach_kappa``.
-    """
-    mask = response_mask.bool()
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, config.log_ratio_clamp, mask)
-    return _echo_rescale(log_ratio, mask, config, log_ratio.sum(dtype=torch.float64))
-
-
-def _echo_rescale(
-    log_ratio: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig, log_ratio_sum: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """rho~ = kappa rho from the whole step's tensors (design §4, steps 1-3).
-
-    ``log_ratio`` is 0 at padding; ``log_ratio_sum`` is its float64 sum. R and kappa are float64
-    0-d tensors; rho~ keeps ``log_ratio``'s dtype. For ``geo``, rho~ is formed as
-    exp(log rho + log kappa): one pass fewer than a product. Inside the band kappa is the
-    constant 1 and rho~ = rho (same value and gradient).
-    """
-    if cfg.batch_ratio == "geo":
-        ratio = None
-        R = torch.exp(log_ratio_sum / mask.sum().clamp(min=1).to(torch.float64))
-    else:
-        ratio = torch.exp(log_ratio)
-        R = batch_ratio(log_ratio, mask, "arith", ratio)
-    kappa, clipped = batch_kappa(R, cfg.batch_clip_low, cfg.batch_clip_high)
-    if cfg.detach_kappa:
-        kappa = kappa.detach()
-    if ratio is None:
-        rho_t = torch.exp(log_ratio + torch.log(kappa)) if clipped else torch.exp(log_ratio)
-    else:
-        rho_t = kappa * ratio if clipped else ratio
-    return rho_t, R, kappa, clipped
-
-
 # --------------------------------------------------------------------------- aggregation glue
-
-
-def _seq_weights(
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_agg_mode: str,
-    cfg: PolicyLossConfig,
-    group_index: torch.Tensor | None,
-    step: "StepStats | None",
-) -> torch.Tensor:
-    """Per-sequence aggregation weights, from the step's statistics when given."""
-    if step is None:
-        return agg_weights(
-            mask,
-            loss_agg_mode,
-            advantages=advantages,
-            group_index=group_index,
-            norm_constant=cfg.norm_constant,
-            ba_scope=cfg.ba_scope,
-            ba_count_zero_adv=cfg.ba_count_zero_adv,
-        )
-    if step.loss_agg_mode != loss_agg_mode:
-        raise ValueError(f"step was computed for loss_agg_mode={step.loss_agg_mode!r}, not {loss_agg_mode!r}")
-    if step.config is not None and step.config != cfg:
-        raise ValueError(f"step was computed with config {step.config}, not {cfg}")
-    return agg_weights(
-        mask,
-        loss_agg_mode,
-        advantages=advantages,
-        group_index=group_index,
-        **step.agg_kwargs(cfg),
-    )
 
 
 def _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step):
@@ -301,11 +118,11 @@ def _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, c
     advantages, mask = check_token_inputs(old_log_prob, log_prob, advantages, response_mask)
     if group_index is not None:
         check_group_index("group_index", group_index, mask.shape[0])
-    w = _seq_weights(mask, advantages, loss_agg_mode, cfg, group_index, step)
+    w = seq_weights(mask, advantages, loss_agg_mode, cfg, group_index, step)
     return cfg, advantages, mask, w
 
 
-def _dp(step: "StepStats | None") -> int:
+def _dp(step: StepStats | None) -> int:
     return 1 if step is None else step.dp_size
 
 
@@ -322,7 +139,7 @@ def compute_policy_loss_vanilla(
     config: PolicyLossConfig | Mapping[str, Any] | None = None,
     *,
     group_index: torch.Tensor | None = None,
-    step: "StepStats | None" = None,
+    step: StepStats | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO clip with an asymmetric band: GRPO, DAPO clip-higher, optional dual-clip.
 
@@ -362,7 +179,7 @@ def compute_policy_loss_gspo(
     config: PolicyLossConfig | Mapping[str, Any] | None = None,
     *,
     group_index: torch.Tensor | None = None,
-    step: "StepStats | None" = None,
+    step: StepStats | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: one clipped sequence ratio per response (arXiv 2507.18071, Eq. 5-7).
 
@@ -391,7 +208,7 @@ def compute_policy_loss_gspo_token(
     config: PolicyLossConfig | Mapping[str, Any] | None = None,
     *,
     group_index: torch.Tensor | None = None,
-    step: "StepStats | None" = None,
+    step: StepStats | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO-token: s_{i,t} = sg[s_i] * pi(o_{i,t}) / sg[pi(o_{i,t})] (arXiv 2507.18071, Eq. 13-14).
 
@@ -410,7 +227,7 @@ def compute_policy_loss_gspo_token(
     return loss, clip_metrics(flags, log_ratio, mask)
 
 
-@register_policy_loss("echo")
+@register_policy_loss("echo", step_stats=ECHO_STEP_STATS)
 def compute_policy_loss_echo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -420,7 +237,7 @@ def compute_policy_loss_echo(
     config: PolicyLossConfig | Mapping[str, Any] | None = None,
     *,
     group_index: torch.Tensor | None = None,
-    step: "StepStats | None" = None,
+    step: StepStats | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """ECHO: clip the batch ratio R, rescale every token ratio by kappa, token-clip on top.
 
@@ -450,63 +267,10 @@ def compute_policy_loss_echo(
     cfg, adv, mask, w = _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step)
     log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
     log_ratio_sum = log_ratio.sum(dtype=torch.float64)  # shared by R_geo, its gradient share and ppo_kl
-    geo = cfg.batch_ratio == "geo"
-    if step is None:
-        rho_t, R, kappa, clipped = _echo_rescale(log_ratio, mask, cfg, log_ratio_sum)
-        ratio = torch.exp(log_ratio) if cfg.echo_pessimistic and clipped else rho_t
-        loss_mat, flags = echo_token_loss(ratio, rho_t, adv, cfg, clipped)
-        loss = weighted_sum(loss_mat, mask, w)
-        r_val, k_val = float(R.detach()), float(kappa.detach())
-    else:
-        echo = step.echo
-        if echo is None:
-            raise ValueError("step has no ECHO statistics: compute_step_stats(..., loss_mode='echo') is required")
-        clipped = echo.clipped
-        pessimistic = cfg.echo_pessimistic and clipped
-        if geo and not pessimistic:
-            rho_t = torch.exp(log_ratio + math.log(echo.kappa)) if clipped else torch.exp(log_ratio)
-            ratio = rho_t
-        else:
-            ratio = torch.exp(log_ratio)
-            rho_t = echo.kappa * ratio if clipped else ratio
-        loss_mat, flags = echo_token_loss(ratio, rho_t, adv, cfg, clipped)
-        loss = weighted_sum(loss_mat, mask, w)
-        if clipped and not cfg.detach_kappa:
-            local_sum = log_ratio_sum if geo else torch.where(mask, ratio, 0).sum(dtype=torch.float64)
-            share = kappa_gradient_share(local_sum, echo.R, echo.num_tokens, echo.R_bar, cfg.batch_ratio)
-            loss = loss + (echo.grad_sum * share).to(loss.dtype)  # value 0; keeps the loss dtype
-        r_val, k_val = echo.R, echo.kappa
+    loss, flags, echo_metrics = echo_loss(log_ratio, log_ratio_sum, adv, mask, w, cfg, step)
     metrics = clip_metrics(flags, log_ratio, mask, log_ratio_sum)
-    metrics.update({"echo/R_batch": r_val, "echo/kappa": k_val, "echo/batch_clipped": float(clipped)})
-    metrics.update(_echo_token_metrics(flags, mask, cfg))
+    metrics.update(echo_metrics)
     return loss * _dp(step), metrics
-
-
-def _echo_token_metrics(flags: dict[str, torch.Tensor], mask: torch.Tensor, cfg: PolicyLossConfig) -> dict[str, float]:
-    """Local shares of valid tokens (token-weighted like ``pg_clipfrac``, not step values like
-    ``echo/*``): ``pg_echo_unscaled_frac`` (the pessimistic min chose l(rho); only with
-    ``echo_pessimistic``) and ``pg_echo_truncfrac`` (rho~ > c; only with ``truncate``)."""
-    out: dict[str, float] = {}
-    n = mask.sum().clamp(min=1)
-    if cfg.echo_pessimistic:
-        out["pg_echo_unscaled_frac"] = float((flags["unscaled"] & mask).sum() / n)
-    if cfg.echo_token_clip == "truncate":
-        out["pg_echo_truncfrac"] = float((flags["truncated"] & mask).sum() / n)
-    return out
-
-
-def kappa_gradient_share(local_sum: torch.Tensor, R: float, num_tokens: float, R_bar: float, kind: str) -> torch.Tensor:
-    """A 0-d tensor of value 0 whose gradient is this micro-batch's share of d kappa.
-
-    kappa = R_bar / R with R clipped (R_bar constant); R's derivative decomposes over tokens:
-    ``geo`` dR = (R / N) sum d log rho, ``arith`` dR = (1 / N) sum d rho. ``local_sum`` is this
-    micro-batch's masked sum of log rho (geo) or rho (arith), with grad. Summing the shares of
-    every micro-batch and rank gives d kappa of the whole step.
-    """
-    delta = (local_sum - local_sum.detach()) / num_tokens
-    r_local = R * torch.exp(delta) if kind == "geo" else R + delta
-    kappa_local = R_bar / r_local
-    return kappa_local - kappa_local.detach()
 
 
 def compute_policy_loss(
@@ -519,7 +283,7 @@ def compute_policy_loss(
     config: PolicyLossConfig | Mapping[str, Any] | None = None,
     *,
     group_index: torch.Tensor | None = None,
-    step: "StepStats | None" = None,
+    step: StepStats | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Dispatch to the policy loss registered as ``loss_mode`` in :data:`POLICY_LOSSES`.
 

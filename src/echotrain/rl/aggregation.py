@@ -16,13 +16,14 @@ response never adds a phantom token or sequence). Every normaliser is global to 
 step: pass it explicitly (``num_tokens``, ``num_seqs``, ``balanced``) when the step is split into
 micro-batches or ranks (see :mod:`echotrain.rl.stepwise`); by default it is computed from the
 inputs, which are then taken to be the whole step. An all-masked input gives loss 0 with
-finite (zero) gradients.
+finite (zero) gradients. A new mode is one weight function plus ``@register_agg_mode("name")``;
+:data:`AGG_MODES` is a live view of the registered names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 import torch
 
@@ -214,7 +215,20 @@ def agg_weights(
 ) -> torch.Tensor:
     """Per-sequence weights w ``(B,)`` float64 with ``loss = sum_i w_i sum_t M_{i,t} l_{i,t}``.
 
-    The per-token weight is ``w_i * M_{i,t}``. Arguments are those of :func:`agg_loss`.
+    The per-token weight is ``w_i * M_{i,t}``.
+
+    Args:
+        response_mask: ``(B, T)`` bool or 0/1; True marks valid response tokens.
+        loss_agg_mode: one of :data:`AGG_MODES`.
+        advantages: ``(B, T)`` or ``(B,)``; needed by ``balanced`` (sign per response).
+        group_index: ``(B,)`` int prompt-group ids; needed by ``balanced``.
+        num_tokens: valid tokens in the whole optimizer step (default: this input's count).
+        num_seqs: non-empty sequences in the whole step (default: this input's count).
+        norm_constant: C of ``seq-mean-token-sum-norm`` (required by that mode).
+        balanced: the step's :class:`BalancedStats` (then ``group_index`` must be the step's
+            dense ids); default: computed from this input.
+        ba_scope: "group" (per prompt group) or "batch" (one pooled group).
+        ba_count_zero_adv: zero-advantage responses count in G.
 
     Raises:
         ValueError: unknown mode; ``seq-mean-token-sum-norm`` without ``norm_constant``;
@@ -313,15 +327,8 @@ def agg_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str,
     *,
-    advantages: torch.Tensor | None = None,
-    group_index: torch.Tensor | None = None,
-    num_tokens: Number | None = None,
-    num_seqs: Number | None = None,
-    norm_constant: float | None = None,
-    balanced: BalancedStats | None = None,
-    ba_scope: str = "group",
-    ba_count_zero_adv: bool = True,
     dp_size: int = 1,
+    **weight_args: Any,
 ) -> torch.Tensor:
     """Aggregate a per-token loss matrix into the scalar loss (design/objectives.md §5).
 
@@ -330,16 +337,10 @@ def agg_loss(
             anything finite or not; they get neither value nor gradient).
         response_mask: ``(B, T)`` bool or 0/1; True marks valid response tokens.
         loss_agg_mode: one of :data:`AGG_MODES`.
-        advantages: ``(B, T)`` or ``(B,)``; needed by ``balanced`` (sign per response).
-        group_index: ``(B,)`` int prompt-group ids; needed by ``balanced``.
-        num_tokens: valid tokens in the whole optimizer step (default: this input's count).
-        num_seqs: non-empty sequences in the whole step (default: this input's count).
-        norm_constant: C of ``seq-mean-token-sum-norm`` (required by that mode).
-        balanced: the step's :class:`BalancedStats` (then ``group_index`` must be the step's
-            dense ids); default: computed from this input.
-        ba_scope: "group" (per prompt group) or "batch" (one pooled group).
-        ba_count_zero_adv: zero-advantage responses count in G.
         dp_size: multiply the loss by this (DDP averages gradients over ranks; see stepwise).
+        **weight_args: the keyword arguments of :func:`agg_weights` (``advantages``,
+            ``group_index``, ``num_tokens``, ``num_seqs``, ``norm_constant``, ``balanced``,
+            ``ba_scope``, ``ba_count_zero_adv``), with their defaults.
 
     Returns:
         0-d tensor in ``loss_mat``'s dtype.
@@ -347,24 +348,13 @@ def agg_loss(
     Raises:
         ValueError: unknown mode (lists valid ones), shape mismatch, NaN/Inf at valid
             positions, missing inputs of the mode.
+        TypeError: an unknown keyword argument.
     """
     check_tensor("loss_mat", loss_mat, 2)
     mask = as_bool_mask("response_mask", response_mask)
     check_same_shape("loss_mat", loss_mat, response_mask=mask)
     check_finite("loss_mat", loss_mat, mask)
-    w = agg_weights(
-        mask,
-        loss_agg_mode,
-        advantages=advantages,
-        group_index=group_index,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        norm_constant=norm_constant,
-        balanced=balanced,
-        ba_scope=ba_scope,
-        ba_count_zero_adv=ba_count_zero_adv,
-    )
-    return weighted_sum(loss_mat, mask, w) * dp_size
+    return weighted_sum(loss_mat, mask, agg_weights(mask, loss_agg_mode, **weight_args)) * dp_size
 
 
 def weighted_sum(loss_mat: torch.Tensor, mask: torch.Tensor, seq_weights: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ Each builds a per-token loss matrix ``l (B, T)`` and hands it to the shared aggr
 (:mod:`echotrain.rl.aggregation`); ``step`` (from :func:`echotrain.rl.stepwise.compute_step_stats`)
 supplies the step-global normalisers for exact micro-batching, and ``None`` means the inputs are
 the whole optimizer step. Frameworks minimise ``loss = -J``. A new objective is one function
-plus ``@register_policy_loss("name")``.
+plus ``@register_policy_loss("name")`` (with ``step_stats=`` when it needs step-global values
+beyond the aggregation's, as ECHO does); ``@prepared_policy_loss(default_agg)`` gives a
+function of the checked inputs verl's signature.
 
 Metrics (valid tokens only, local to the call): ``pg_clipfrac`` (share of tokens whose clipped
 branch is active: rho > 1 + eps_high with A > 0, or rho < 1 - eps_low with A < 0), split into
@@ -21,6 +23,7 @@ branch is active: rho > 1 + eps_high with A > 0, or rho < 1 - eps_low with A < 0
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -110,77 +113,106 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return torch.where(mask, log_ratio, 0).sum(-1) / lengths
 
 
-# --------------------------------------------------------------------------- aggregation glue
+# --------------------------------------------------------------------------- verl's signature
 
 
-def _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step):
-    cfg = as_policy_loss_config(config)
-    advantages, mask = check_token_inputs(old_log_prob, log_prob, advantages, response_mask)
-    if group_index is not None:
-        check_group_index("group_index", group_index, mask.shape[0])
-    w = seq_weights(mask, advantages, loss_agg_mode, cfg, group_index, step)
-    return cfg, advantages, mask, w
+@dataclass(frozen=True)
+class PreparedInputs:
+    """A policy loss's checked inputs, as :func:`prepared_policy_loss` hands them to its core.
+
+    ``old_log_prob``, ``log_prob``: the ``(B, T)`` inputs as given (``log_prob`` carries grad;
+    padding may hold anything); ``advantages``: ``(B, T)`` or ``(B, 1)``, checked; ``mask``:
+    bool ``(B, T)``; ``seq_weights``: ``(B,)`` float64 aggregation weights (the step's when
+    ``step`` is given); ``log_ratio``: ``(B, T)`` clamped log rho, 0 at padding; ``cfg``: the
+    :class:`PolicyLossConfig`; ``step``: the step's statistics or None.
+    """
+
+    old_log_prob: torch.Tensor
+    log_prob: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    seq_weights: torch.Tensor
+    log_ratio: torch.Tensor
+    cfg: PolicyLossConfig
+    step: StepStats | None
 
 
-def _dp(step: StepStats | None) -> int:
-    return 1 if step is None else step.dp_size
+LossCore = Callable[[PreparedInputs], tuple[torch.Tensor, dict[str, float]]]
+
+
+def prepared_policy_loss(default_loss_agg_mode: str) -> Callable[[LossCore], PolicyLossFn]:
+    """Decorator: give ``core(x: PreparedInputs) -> (loss 0-d, metrics)`` verl's signature.
+
+    The returned function (named and documented as ``core``) is::
+
+        fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode=default_loss_agg_mode,
+           config=None, *, group_index=None, step=None) -> (loss, metrics)
+
+    with ``old_log_prob, log_prob`` ``(B, T)`` float log-probs (nats) of the sampled tokens,
+    ``advantages`` ``(B, T)`` or ``(B,)``, ``response_mask`` ``(B, T)`` bool or 0/1,
+    ``loss_agg_mode`` one of :data:`echotrain.rl.AGG_MODES`, ``config`` a
+    :class:`PolicyLossConfig` or dict, ``group_index`` ``(B,)`` int prompt-group ids
+    (``balanced`` only) and ``step`` the step-global statistics (:mod:`echotrain.rl.stepwise`)
+    or None. It checks the inputs, builds the config, the aggregation weights and the clamped
+    log-ratio, calls ``core`` and multiplies its loss by ``step.dp_size``. Errors: see
+    :func:`compute_policy_loss`.
+    """
+
+    def deco(core: LossCore) -> PolicyLossFn:
+        def loss_fn(
+            old_log_prob: torch.Tensor,
+            log_prob: torch.Tensor,
+            advantages: torch.Tensor,
+            response_mask: torch.Tensor,
+            loss_agg_mode: str = default_loss_agg_mode,
+            config: PolicyLossConfig | Mapping[str, Any] | None = None,
+            *,
+            group_index: torch.Tensor | None = None,
+            step: StepStats | None = None,
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            cfg = as_policy_loss_config(config)
+            adv, mask = check_token_inputs(old_log_prob, log_prob, advantages, response_mask)
+            if group_index is not None:
+                check_group_index("group_index", group_index, mask.shape[0])
+            w = seq_weights(mask, adv, loss_agg_mode, cfg, group_index, step)
+            log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
+            loss, metrics = core(PreparedInputs(old_log_prob, log_prob, adv, mask, w, log_ratio, cfg, step))
+            return loss * (1 if step is None else step.dp_size), metrics
+
+        loss_fn.__name__ = loss_fn.__qualname__ = core.__name__
+        loss_fn.__doc__, loss_fn.__module__ = core.__doc__, core.__module__
+        return loss_fn
+
+    return deco
+
+
+def _ppo_clipped(x: PreparedInputs, ratio: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clip of ``ratio`` ``(B, T)`` against the advantages, aggregated, with verl's metrics."""
+    cfg = x.cfg
+    loss_mat, flags = ppo_clip_loss(ratio, x.advantages, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
+    return weighted_sum(loss_mat, x.mask, x.seq_weights), clip_metrics(flags, x.log_ratio, x.mask)
 
 
 # --------------------------------------------------------------------------- losses
 
 
 @register_policy_loss("vanilla")
-def compute_policy_loss_vanilla(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: PolicyLossConfig | Mapping[str, Any] | None = None,
-    *,
-    group_index: torch.Tensor | None = None,
-    step: StepStats | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@prepared_policy_loss("token-mean")
+def compute_policy_loss_vanilla(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO clip with an asymmetric band: GRPO, DAPO clip-higher, optional dual-clip.
 
     l_{i,t} = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho = exp(log_prob -
     old_log_prob) (PPO arXiv 1707.06347 Eq. 7; DAPO arXiv 2503.14476 Eq. 10; dual-clip
-    arXiv 1912.09729), then aggregated with ``loss_agg_mode``.
-
-    Args:
-        old_log_prob, log_prob: ``(B, T)`` float log-probs (nats) of the sampled tokens.
-        advantages: ``(B, T)`` or ``(B,)`` float.
-        response_mask: ``(B, T)`` bool or 0/1.
-        loss_agg_mode: one of :data:`echotrain.rl.AGG_MODES`.
-        config: :class:`PolicyLossConfig` or dict.
-        group_index: ``(B,)`` int prompt-group ids (``balanced`` only).
-        step: step-global statistics (:mod:`echotrain.rl.stepwise`) or None.
-
-    Returns:
-        ``(loss 0-d, metrics)``.
-
-    Raises:
-        ValueError / TypeError: see :func:`compute_policy_loss`.
+    arXiv 1912.09729), then aggregated with ``loss_agg_mode`` (default ``token-mean``).
+    verl's signature and arguments: :func:`prepared_policy_loss`; returns ``(loss 0-d,
+    metrics)``; errors: :func:`compute_policy_loss`.
     """
-    cfg, adv, mask, w = _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step)
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
-    loss_mat, flags = ppo_clip_loss(torch.exp(log_ratio), adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
-    loss = weighted_sum(loss_mat, mask, w) * _dp(step)
-    return loss, clip_metrics(flags, log_ratio, mask)
+    return _ppo_clipped(x, torch.exp(x.log_ratio))
 
 
 @register_policy_loss("gspo")
-def compute_policy_loss_gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: PolicyLossConfig | Mapping[str, Any] | None = None,
-    *,
-    group_index: torch.Tensor | None = None,
-    step: StepStats | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@prepared_policy_loss("seq-mean-token-mean")
+def compute_policy_loss_gspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: one clipped sequence ratio per response (arXiv 2507.18071, Eq. 5-7).
 
     s_i = exp((1/|o_i|) sum_t log rho_{i,t}) over valid tokens; l_{i,t} = -min(s_i A_{i,t},
@@ -189,64 +221,39 @@ def compute_policy_loss_gspo(
     The gradient flows through s_i: d s_i = s_i (1/|o_i|) sum_t d log pi. Typical
     eps: 3e-4 / 4e-4. Arguments, returns and errors as :func:`compute_policy_loss_vanilla`.
     """
-    cfg, adv, mask, w = _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step)
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
-    seq_log_ratio = sequence_log_ratio(log_ratio, mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    s = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(log_ratio)
-    loss_mat, flags = ppo_clip_loss(s, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
-    loss = weighted_sum(loss_mat, mask, w) * _dp(step)
-    return loss, clip_metrics(flags, log_ratio, mask)
+    c = x.cfg.log_ratio_clamp
+    seq_log_ratio = sequence_log_ratio(x.log_ratio, x.mask).clamp(-c, c)
+    return _ppo_clipped(x, torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(x.log_ratio))
 
 
 @register_policy_loss("gspo_token")
-def compute_policy_loss_gspo_token(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: PolicyLossConfig | Mapping[str, Any] | None = None,
-    *,
-    group_index: torch.Tensor | None = None,
-    step: StepStats | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@prepared_policy_loss("seq-mean-token-mean")
+def compute_policy_loss_gspo_token(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO-token: s_{i,t} = sg[s_i] * pi(o_{i,t}) / sg[pi(o_{i,t})] (arXiv 2507.18071, Eq. 13-14).
 
     Same value as s_i; the gradient of token t is s_i A_{i,t} d log pi(o_{i,t}) (times the
     aggregation weight), so per-token advantages are possible. verl's ``gspo`` is this form.
-    Arguments, returns and errors as :func:`compute_policy_loss_vanilla`.
+    Default ``loss_agg_mode`` ``seq-mean-token-mean``. Arguments, returns and errors as
+    :func:`compute_policy_loss_vanilla`.
     """
-    cfg, adv, mask, w = _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step)
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
-    seq_log_ratio = sequence_log_ratio(log_ratio, mask).detach().unsqueeze(-1)
-    c = cfg.log_ratio_clamp
+    seq_log_ratio = sequence_log_ratio(x.log_ratio, x.mask).detach().unsqueeze(-1)
+    c, lp = x.cfg.log_ratio_clamp, x.log_prob
     # where, not a product: log_prob may be -inf/NaN at padding (-inf - -inf = NaN)
-    s_token = torch.exp(torch.clamp(seq_log_ratio + torch.where(mask, log_prob - log_prob.detach(), 0), -c, c))
-    loss_mat, flags = ppo_clip_loss(s_token, adv, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
-    loss = weighted_sum(loss_mat, mask, w) * _dp(step)
-    return loss, clip_metrics(flags, log_ratio, mask)
+    return _ppo_clipped(x, torch.exp(torch.clamp(seq_log_ratio + torch.where(x.mask, lp - lp.detach(), 0), -c, c)))
 
 
 @register_policy_loss("echo", step_stats=ECHO_STEP_STATS)
-def compute_policy_loss_echo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: PolicyLossConfig | Mapping[str, Any] | None = None,
-    *,
-    group_index: torch.Tensor | None = None,
-    step: StepStats | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@prepared_policy_loss("token-mean")
+def compute_policy_loss_echo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """ECHO: clip the batch ratio R, rescale every token ratio by kappa, token-clip on top.
 
-    Our formulation (design/objectives.md §4; the paper's equations are not public):
-    R = exp(mean log rho) (``geo``) or mean rho (``arith``) over the step's N valid tokens;
-    kappa = clip(R, 1 - eps_b_low, 1 + eps_b_high) / R; rho~ = kappa rho;
-    l_{i,t} = -min(rho~ A, clip(rho~, 1 - eps_low, 1 + eps_high) A), aggregated (defaults).
-    The open choices are flags (:func:`echo_token_loss`): ``echo_token_clip`` ("ppo" above,
-    "none": l = -rho~ A, "truncate": truncated weight min(rho~, c)) and ``echo_pessimistic``
+    Our formulation (docs/design/objectives.md §4; the paper's equations are not public; the
+    math is :mod:`echotrain.rl.echo`): R = exp(mean log rho) (``geo``) or mean rho (``arith``)
+    over the step's N valid tokens; kappa = clip(R, 1 - eps_b_low, 1 + eps_b_high) / R;
+    rho~ = kappa rho; l_{i,t} = -min(rho~ A, clip(rho~, 1 - eps_low, 1 + eps_high) A),
+    aggregated (defaults; ``loss_agg_mode`` ``token-mean``). The open choices are flags
+    (:func:`~echotrain.rl.echo.echo_token_loss`): ``echo_token_clip`` ("ppo" above, "none":
+    l = -rho~ A, "truncate": truncated weight min(rho~, c)) and ``echo_pessimistic``
     (l = max(l(rho), l(rho~)) per token when the batch clip fires). The closed forms below are
     for the defaults; with pessimism only the tokens whose l(rho~) is chosen carry the kappa term.
     When R clips, the gradient gains a baseline built from L = (1/N) sum rho A and R (token-mean,
@@ -259,18 +266,17 @@ def compute_policy_loss_echo(
     Inside the band kappa = 1 with no gradient: value and gradient equal ``vanilla``.
 
     With ``step`` (micro-batches / ranks), R, kappa and S = sum_{i,t} w_{i,t} rho_{i,t}
-    dl/drho~ come from the step's no-grad pre-pass, and the surrogate S * kappa_mb(theta) adds
+    dl/drho~ come from the step's no-grad pre-pass (declared at registration:
+    :data:`~echotrain.rl.echo.ECHO_STEP_STATS`), and the surrogate S * kappa_mb(theta) adds
     this micro-batch's share of the kappa gradient, so that the accumulated gradient equals the
     single-tensor autograd gradient. Arguments, returns and errors as
     :func:`compute_policy_loss_vanilla`.
     """
-    cfg, adv, mask, w = _prepare(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index, step)
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
-    log_ratio_sum = log_ratio.sum(dtype=torch.float64)  # shared by R_geo, its gradient share and ppo_kl
-    loss, flags, echo_metrics = echo_loss(log_ratio, log_ratio_sum, adv, mask, w, cfg, step)
-    metrics = clip_metrics(flags, log_ratio, mask, log_ratio_sum)
+    log_ratio_sum = x.log_ratio.sum(dtype=torch.float64)  # shared by R_geo, its gradient share and ppo_kl
+    loss, flags, echo_metrics = echo_loss(x.log_ratio, log_ratio_sum, x.advantages, x.mask, x.seq_weights, x.cfg, x.step)
+    metrics = clip_metrics(flags, x.log_ratio, x.mask, log_ratio_sum)
     metrics.update(echo_metrics)
-    return loss * _dp(step), metrics
+    return loss, metrics
 
 
 def compute_policy_loss(

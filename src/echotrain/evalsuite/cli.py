@@ -97,7 +97,6 @@ def run_suite_command(args: argparse.Namespace) -> int:
         return fail(f"--k {args.k!r} must be comma-separated integers")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else SUITE_MAX_NEW_TOKENS
     from echotrain.train import preflight
-    from echotrain.train.commands import _check_eval_model, _cores
     from echotrain.train.config import ConfigError
 
     try:
@@ -106,7 +105,7 @@ def run_suite_command(args: argparse.Namespace) -> int:
         # the same checks as ``echotrain eval --task`` (issue 10): threads, device, model path or hub id
         preflight.check_threads(args.threads, key="--threads")
         preflight.check_device(args.device, key="--device")
-        _check_eval_model(args.model)
+        preflight.check_eval_model(args.model)
     except (SuiteInputError, ConfigError) as exc:
         if getattr(args, "debug", False):
             raise
@@ -115,7 +114,7 @@ def run_suite_command(args: argparse.Namespace) -> int:
 
     from echotrain.train.evaluate import load_for_eval
 
-    torch.set_num_threads(args.threads or _cores())
+    torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:
         model, tok, desc = load_for_eval(args.model, device=args.device)
     except OSError as exc:  # a model that passed the checks but does not load

@@ -1,25 +1,43 @@
 """echotrain.rl: the pure tensor math of RL-from-verifiable-rewards objectives.
 
 Everything here takes tensors and returns tensors (no models, no I/O, no logging). The
-specification is ``design/objectives.md``; names follow verl's ``core_algos`` so that the policy
-losses drop into its registry unchanged.
+specification is ``docs/design/objectives.md``; names follow verl's ``core_algos`` so that the
+policy losses drop into its registry unchanged.
+
+Each kind of piece is a registry with one decorator (:mod:`~echotrain.rl.registry`): policy
+losses (``register_policy_loss``), advantage estimators (``register_adv_estimator``),
+aggregation modes (``register_agg_mode``) and KL estimators (``register_kl_estimator``). The
+name tuples ``POLICY_LOSSES``, ``ADV_METHODS``, ``AGG_MODES``, ``KL_ESTIMATORS`` and
+``PREPASS_LOSS_MODES`` are live views of them.
 
 - :mod:`~echotrain.rl.advantages`  group advantages (GRPO, Dr. GRPO, batch-std), zero-variance flags
 - :mod:`~echotrain.rl.objectives`  PPO/GRPO/DAPO clip, GSPO, GSPO-token, ECHO; ``POLICY_LOSSES``
+- :mod:`~echotrain.rl.echo`        ECHO's math: batch ratio R, kappa, token loss, step statistics
+- :mod:`~echotrain.rl.surrogate`   clamped log-ratio, PPO clip (shared by the losses)
 - :mod:`~echotrain.rl.aggregation` ``loss_agg_mode`` weights incl. Balanced Aggregation
+- :mod:`~echotrain.rl.step`        ``StepStats`` and ``LossStepStats`` (what a loss declares)
 - :mod:`~echotrain.rl.stepwise`    exact micro-batch / multi-rank statistics for one optimizer step
 - :mod:`~echotrain.rl.kl`, :mod:`~echotrain.rl.shaping`, :mod:`~echotrain.rl.presets`
 """
 
-from echotrain.rl.advantages import ADV_METHODS, compute_advantages, zero_variance_groups
-from echotrain.rl.aggregation import AGG_MODES, BalancedStats, agg_loss, agg_weights, balanced_stats
+from echotrain.rl.advantages import ADV_METHODS, compute_advantages, register_adv_estimator, zero_variance_groups
+from echotrain.rl.aggregation import (
+    AGG_MODES,
+    BalancedStats,
+    agg_loss,
+    agg_weights,
+    balanced_stats,
+    register_agg_mode,
+)
 from echotrain.rl.config import ECHO_DEFAULT_BATCH_BAND, PolicyLossConfig, as_policy_loss_config
-from echotrain.rl.kl import KL_ESTIMATORS, kl_penalty
+from echotrain.rl.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from echotrain.rl.objectives import (
     POLICY_LOSSES,
+    PREPASS_LOSS_MODES,
     compute_policy_loss,
     register_policy_loss,
 )
+from echotrain.rl.step import LossStepStats
 from echotrain.rl.presets import PRESETS, Preset, get_preset
 from echotrain.rl.shaping import overlong_reward_penalty, truncated_response_mask
 from echotrain.rl.stepwise import (
@@ -37,7 +55,9 @@ __all__ = [
     "BalancedStats",
     "ECHO_DEFAULT_BATCH_BAND",
     "KL_ESTIMATORS",
+    "LossStepStats",
     "POLICY_LOSSES",
+    "PREPASS_LOSS_MODES",
     "PRESETS",
     "PolicyLossConfig",
     "Preset",
@@ -53,6 +73,9 @@ __all__ = [
     "kl_penalty",
     "needs_log_prob_prepass",
     "overlong_reward_penalty",
+    "register_adv_estimator",
+    "register_agg_mode",
+    "register_kl_estimator",
     "register_policy_loss",
     "shard_batch",
     "split_micro_batches",

@@ -6,11 +6,49 @@ design/objectives.md §1. All methods return ``(B,)`` float32; broadcast to toke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
+from echotrain.rl.registry import Registry
 from echotrain.rl.validation import check_choice, check_finite, check_group_index, check_tensor
 
-ADV_METHODS = ("grpo", "grpo_no_std", "batch_std")
+
+@dataclass(frozen=True)
+class GroupedRewards:
+    """What an advantage estimator reads: one step's rewards and their prompt groups.
+
+    ``rewards`` ``(B,)`` float64; ``ids`` ``(B,)`` dense group ids in ``[0, num_groups)``;
+    ``count`` ``(num_groups,)`` float64 responses per group; ``centred`` ``(B,)`` float64
+    r_i - mean_g r; ``eps`` the std guard (> 0).
+    """
+
+    rewards: torch.Tensor
+    ids: torch.Tensor
+    num_groups: int
+    count: torch.Tensor
+    centred: torch.Tensor
+    eps: float
+
+
+AdvEstimatorFn = Callable[[GroupedRewards], torch.Tensor]
+#: ``adv_estimator`` name -> ``fn(GroupedRewards) -> (B,) float64`` advantages.
+ADV_ESTIMATOR_REGISTRY: Registry[AdvEstimatorFn] = Registry("advantage estimator", "adv_estimator")
+#: The registered advantage estimator names (a live view of :data:`ADV_ESTIMATOR_REGISTRY`).
+ADV_METHODS = ADV_ESTIMATOR_REGISTRY.names()
+
+
+def register_adv_estimator(name: str) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
+    """Decorator: register ``fn(GroupedRewards) -> (B,) float64 advantages`` under ``name``.
+
+    :func:`compute_advantages` sets every response of a zero-variance group to exactly 0 after
+    the estimator and casts to float32, so an estimator need not handle either.
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+    return ADV_ESTIMATOR_REGISTRY.register(name)
 
 
 def _dense_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -88,14 +126,27 @@ def compute_advantages(
         return torch.zeros(0, dtype=torch.float32, device=rewards.device)
     count = _group_sum(torch.ones_like(r), ids, n)
     mean = _group_sum(r, ids, n) / count
-    centred = r - mean[ids]
-    if method == "grpo":
-        var = _group_sum(centred**2, ids, n) / (count - 1).clamp(min=1)
-        adv = centred / (var.sqrt()[ids] + eps)
-    elif method == "grpo_no_std":
-        adv = centred
-    else:
-        batch_std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
-        adv = centred / (batch_std + eps)
+    adv = ADV_ESTIMATOR_REGISTRY[method](GroupedRewards(r, ids, n, count, r - mean[ids], eps))
     adv = torch.where(zero_variance_groups(r, group_index), 0.0, adv)
     return adv.to(torch.float32)
+
+
+@register_adv_estimator("grpo")
+def _grpo(g: GroupedRewards) -> torch.Tensor:
+    """A_i = (r_i - mean_g r) / (std_g r + eps), unbiased (n - 1) group std (DeepSeekMath §4.1.2)."""
+    var = _group_sum(g.centred**2, g.ids, g.num_groups) / (g.count - 1).clamp(min=1)
+    return g.centred / (var.sqrt()[g.ids] + g.eps)
+
+
+@register_adv_estimator("grpo_no_std")
+def _grpo_no_std(g: GroupedRewards) -> torch.Tensor:
+    """A_i = r_i - mean_g r (Dr. GRPO, arXiv 2503.20783 Eq. 3)."""
+    return g.centred
+
+
+@register_adv_estimator("batch_std")
+def _batch_std(g: GroupedRewards) -> torch.Tensor:
+    """A_i = (r_i - mean_g r) / (std of the whole batch's r + eps) (arXiv 2508.08221)."""
+    r = g.rewards
+    batch_std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
+    return g.centred / (batch_std + g.eps)

@@ -16,16 +16,18 @@ response never adds a phantom token or sequence). Every normaliser is global to 
 step: pass it explicitly (``num_tokens``, ``num_seqs``, ``balanced``) when the step is split into
 micro-batches or ranks (see :mod:`echotrain.rl.stepwise`); by default it is computed from the
 inputs, which are then taken to be the whole step. An all-masked input gives loss 0 with
-finite (zero) gradients.
+finite (zero) gradients. A new mode is one weight function plus ``@register_agg_mode("name")``;
+:data:`AGG_MODES` is a live view of the registered names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Callable, Union
 
 import torch
 
+from echotrain.rl.registry import Registry
 from echotrain.rl.validation import (
     as_bool_mask,
     check_choice,
@@ -35,15 +37,47 @@ from echotrain.rl.validation import (
     check_tensor,
 )
 
-AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-    "balanced",
-)
-
 Number = Union[int, float, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AggInputs:
+    """What an aggregation mode's weight function reads (the arguments of :func:`agg_weights`).
+
+    ``mask`` is the bool ``(B, T)`` response mask and ``lengths`` its float64 ``(B,)`` row sums;
+    the other fields are :func:`agg_loss`'s keyword arguments, unchecked.
+    """
+
+    mask: torch.Tensor
+    lengths: torch.Tensor
+    advantages: torch.Tensor | None
+    group_index: torch.Tensor | None
+    num_tokens: Number | None
+    num_seqs: Number | None
+    norm_constant: float | None
+    balanced: "BalancedStats | None"
+    ba_scope: str
+    ba_count_zero_adv: bool
+
+
+AggWeightsFn = Callable[[AggInputs], torch.Tensor]
+#: ``loss_agg_mode`` name -> weight function ``fn(AggInputs) -> (B,) float64`` per-sequence weights.
+AGG_MODE_REGISTRY: Registry[AggWeightsFn] = Registry("loss aggregation mode", "loss_agg_mode")
+#: The registered ``loss_agg_mode`` names (a live view of :data:`AGG_MODE_REGISTRY`).
+AGG_MODES = AGG_MODE_REGISTRY.names()
+
+
+def register_agg_mode(name: str) -> Callable[[AggWeightsFn], AggWeightsFn]:
+    """Decorator: register ``fn(AggInputs) -> w`` as ``loss_agg_mode=name``.
+
+    ``w`` is the ``(B,)`` float64 per-sequence weight with ``loss = sum_i w_i sum_t M_{i,t}
+    l_{i,t}``; it must be 0 for empty responses and must raise ``ValueError`` (naming the
+    argument) when an input it needs is missing.
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+    return AGG_MODE_REGISTRY.register(name)
 
 
 def response_sign(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -181,7 +215,20 @@ def agg_weights(
 ) -> torch.Tensor:
     """Per-sequence weights w ``(B,)`` float64 with ``loss = sum_i w_i sum_t M_{i,t} l_{i,t}``.
 
-    The per-token weight is ``w_i * M_{i,t}``. Arguments are those of :func:`agg_loss`.
+    The per-token weight is ``w_i * M_{i,t}``.
+
+    Args:
+        response_mask: ``(B, T)`` bool or 0/1; True marks valid response tokens.
+        loss_agg_mode: one of :data:`AGG_MODES`.
+        advantages: ``(B, T)`` or ``(B,)``; needed by ``balanced`` (sign per response).
+        group_index: ``(B,)`` int prompt-group ids; needed by ``balanced``.
+        num_tokens: valid tokens in the whole optimizer step (default: this input's count).
+        num_seqs: non-empty sequences in the whole step (default: this input's count).
+        norm_constant: C of ``seq-mean-token-sum-norm`` (required by that mode).
+        balanced: the step's :class:`BalancedStats` (then ``group_index`` must be the step's
+            dense ids); default: computed from this input.
+        ba_scope: "group" (per prompt group) or "batch" (one pooled group).
+        ba_count_zero_adv: zero-advantage responses count in G.
 
     Raises:
         ValueError: unknown mode; ``seq-mean-token-sum-norm`` without ``norm_constant``;
@@ -192,29 +239,60 @@ def agg_weights(
     mask = as_bool_mask("response_mask", response_mask)
     check_tensor("response_mask", mask, 2)
     lengths = mask.sum(-1).to(torch.float64)
-    if loss_agg_mode == "token-mean":
-        n_tok = _positive_count("num_tokens", num_tokens, lengths.sum())
-        return (lengths > 0).to(torch.float64) / n_tok.clamp(min=1)
-    if loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        nonempty = (lengths > 0).to(torch.float64)
-        n_seq = _positive_count("num_seqs", num_seqs, nonempty.sum()).clamp(min=1)
-        if loss_agg_mode == "seq-mean-token-mean":
-            return nonempty / (lengths.clamp(min=1) * n_seq)
-        if loss_agg_mode == "seq-mean-token-sum":
-            return nonempty / n_seq
-        if norm_constant is None:
-            raise ValueError(
-                "loss_agg_mode='seq-mean-token-sum-norm' needs norm_constant (e.g. the maximum response "
-                "length); the padded width of the batch is never used"
-            )
-        if not float(norm_constant) > 0:
-            raise ValueError(f"norm_constant must be > 0, got {norm_constant}")
-        return nonempty / (n_seq * float(norm_constant))
-    # balanced
+    return AGG_MODE_REGISTRY[loss_agg_mode](
+        AggInputs(mask, lengths, advantages, group_index, num_tokens, num_seqs, norm_constant, balanced, ba_scope,
+                  ba_count_zero_adv)
+    )
+
+
+@register_agg_mode("token-mean")
+def _token_mean(x: AggInputs) -> torch.Tensor:
+    """w_i = 1 / N_tokens (DAPO)."""
+    n_tok = _positive_count("num_tokens", x.num_tokens, x.lengths.sum())
+    return (x.lengths > 0).to(torch.float64) / n_tok.clamp(min=1)
+
+
+def _nonempty_and_num_seqs(x: AggInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    nonempty = (x.lengths > 0).to(torch.float64)
+    return nonempty, _positive_count("num_seqs", x.num_seqs, nonempty.sum()).clamp(min=1)
+
+
+@register_agg_mode("seq-mean-token-mean")
+def _seq_mean_token_mean(x: AggInputs) -> torch.Tensor:
+    """w_i = 1 / (|o_i| N_seqs) (GRPO original)."""
+    nonempty, n_seq = _nonempty_and_num_seqs(x)
+    return nonempty / (x.lengths.clamp(min=1) * n_seq)
+
+
+@register_agg_mode("seq-mean-token-sum")
+def _seq_mean_token_sum(x: AggInputs) -> torch.Tensor:
+    """w_i = 1 / N_seqs."""
+    nonempty, n_seq = _nonempty_and_num_seqs(x)
+    return nonempty / n_seq
+
+
+@register_agg_mode("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(x: AggInputs) -> torch.Tensor:
+    """w_i = 1 / (N_seqs C), C = ``norm_constant`` (Dr. GRPO)."""
+    nonempty, n_seq = _nonempty_and_num_seqs(x)
+    if x.norm_constant is None:
+        raise ValueError(
+            "loss_agg_mode='seq-mean-token-sum-norm' needs norm_constant (e.g. the maximum response "
+            "length); the padded width of the batch is never used"
+        )
+    if not float(x.norm_constant) > 0:
+        raise ValueError(f"norm_constant must be > 0, got {x.norm_constant}")
+    return nonempty / (n_seq * float(x.norm_constant))
+
+
+@register_agg_mode("balanced")
+def _balanced(x: AggInputs) -> torch.Tensor:
+    """w_i = (k_g/G_g)/T+_g or (m_g/G_g)/T-_g by the sign of A_i, / N_groups (Balanced Aggregation)."""
+    mask, lengths, advantages, group_index = x.mask, x.lengths, x.advantages, x.group_index
     if advantages is None or group_index is None:
         raise ValueError("loss_agg_mode='balanced' needs advantages and group_index")
     check_group_index("group_index", group_index, mask.shape[0])
-    check_choice("ba_scope", ba_scope, ("group", "batch"))
+    check_choice("ba_scope", x.ba_scope, ("group", "batch"))
     check_tensor("advantages", advantages, (1, 2))
     if tuple(advantages.shape) not in ((mask.shape[0],), tuple(mask.shape)):
         raise ValueError(
@@ -222,7 +300,8 @@ def agg_weights(
         )
     # a NaN advantage would read as sign 0 (weight 0) without a word
     check_finite("advantages", advantages, mask if advantages.dim() == 2 else mask.any(-1))
-    if ba_scope == "batch":
+    balanced = x.balanced
+    if x.ba_scope == "batch":
         ids = torch.zeros_like(group_index, dtype=torch.long)
     elif balanced is None:
         ids = torch.unique(group_index, return_inverse=True)[1]
@@ -232,7 +311,7 @@ def agg_weights(
         return lengths
     sign = response_sign(advantages, mask)
     if balanced is None:
-        balanced = _balanced_stats(sign, lengths, ids, int(ids.max()) + 1, ba_count_zero_adv)
+        balanced = _balanced_stats(sign, lengths, ids, int(ids.max()) + 1, x.ba_count_zero_adv)
     elif int(ids.min()) < 0 or int(ids.max()) >= balanced.num_responses.shape[0]:
         raise ValueError(
             f"group_index ids must lie in [0, {balanced.num_responses.shape[0]}) of the step's BalancedStats, "
@@ -248,15 +327,8 @@ def agg_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str,
     *,
-    advantages: torch.Tensor | None = None,
-    group_index: torch.Tensor | None = None,
-    num_tokens: Number | None = None,
-    num_seqs: Number | None = None,
-    norm_constant: float | None = None,
-    balanced: BalancedStats | None = None,
-    ba_scope: str = "group",
-    ba_count_zero_adv: bool = True,
     dp_size: int = 1,
+    **weight_args: Any,
 ) -> torch.Tensor:
     """Aggregate a per-token loss matrix into the scalar loss (design/objectives.md §5).
 
@@ -265,16 +337,10 @@ def agg_loss(
             anything finite or not; they get neither value nor gradient).
         response_mask: ``(B, T)`` bool or 0/1; True marks valid response tokens.
         loss_agg_mode: one of :data:`AGG_MODES`.
-        advantages: ``(B, T)`` or ``(B,)``; needed by ``balanced`` (sign per response).
-        group_index: ``(B,)`` int prompt-group ids; needed by ``balanced``.
-        num_tokens: valid tokens in the whole optimizer step (default: this input's count).
-        num_seqs: non-empty sequences in the whole step (default: this input's count).
-        norm_constant: C of ``seq-mean-token-sum-norm`` (required by that mode).
-        balanced: the step's :class:`BalancedStats` (then ``group_index`` must be the step's
-            dense ids); default: computed from this input.
-        ba_scope: "group" (per prompt group) or "batch" (one pooled group).
-        ba_count_zero_adv: zero-advantage responses count in G.
         dp_size: multiply the loss by this (DDP averages gradients over ranks; see stepwise).
+        **weight_args: the keyword arguments of :func:`agg_weights` (``advantages``,
+            ``group_index``, ``num_tokens``, ``num_seqs``, ``norm_constant``, ``balanced``,
+            ``ba_scope``, ``ba_count_zero_adv``), with their defaults.
 
     Returns:
         0-d tensor in ``loss_mat``'s dtype.
@@ -282,24 +348,13 @@ def agg_loss(
     Raises:
         ValueError: unknown mode (lists valid ones), shape mismatch, NaN/Inf at valid
             positions, missing inputs of the mode.
+        TypeError: an unknown keyword argument.
     """
     check_tensor("loss_mat", loss_mat, 2)
     mask = as_bool_mask("response_mask", response_mask)
     check_same_shape("loss_mat", loss_mat, response_mask=mask)
     check_finite("loss_mat", loss_mat, mask)
-    w = agg_weights(
-        mask,
-        loss_agg_mode,
-        advantages=advantages,
-        group_index=group_index,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        norm_constant=norm_constant,
-        balanced=balanced,
-        ba_scope=ba_scope,
-        ba_count_zero_adv=ba_count_zero_adv,
-    )
-    return weighted_sum(loss_mat, mask, w) * dp_size
+    return weighted_sum(loss_mat, mask, agg_weights(mask, loss_agg_mode, **weight_args)) * dp_size
 
 
 def weighted_sum(loss_mat: torch.Tensor, mask: torch.Tensor, seq_weights: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,30 @@ padding positions from sending a NaN gradient (0 * inf) back through the masked 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from echotrain.rl.registry import Registry
 from echotrain.rl.validation import check_choice, check_same_shape, check_tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KlEstimatorFn = Callable[[torch.Tensor, float], torch.Tensor]
+#: ``kl_penalty`` name -> ``fn(x, clamp) -> (B, T)`` per-token estimate, x = ref_log_prob - log_prob.
+KL_ESTIMATOR_REGISTRY: Registry[KlEstimatorFn] = Registry("KL estimator", "kl_penalty")
+#: The registered KL estimator names (a live view of :data:`KL_ESTIMATOR_REGISTRY`).
+KL_ESTIMATORS = KL_ESTIMATOR_REGISTRY.names()
+
+
+def register_kl_estimator(name: str) -> Callable[[KlEstimatorFn], KlEstimatorFn]:
+    """Decorator: register ``fn(x, clamp) -> (B, T)`` as ``kl_penalty=name``.
+
+    ``x`` = ref_log_prob - log_prob, unclamped, in ``log_prob``'s dtype; ``clamp`` (> 0) is the
+    bound the estimator should apply before any ``exp`` or power (see the module docstring).
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+    return KL_ESTIMATOR_REGISTRY.register(name)
 
 
 def kl_penalty(
@@ -46,10 +65,23 @@ def kl_penalty(
     check_same_shape("log_prob", log_prob, ref_log_prob=ref_log_prob)
     if not clamp > 0:
         raise ValueError(f"clamp must be > 0, got {clamp}")
-    x = ref_log_prob - log_prob
-    if kl_penalty == "k1":
-        return -x  # gradient -1 * upstream: finite even where x is not
+    return KL_ESTIMATOR_REGISTRY[kl_penalty](ref_log_prob - log_prob, clamp)
+
+
+@register_kl_estimator("k1")
+def _k1(x: torch.Tensor, clamp: float) -> torch.Tensor:
+    """-x: gradient -1 * upstream, finite even where x is not (no clamp needed)."""
+    return -x
+
+
+@register_kl_estimator("k2")
+def _k2(x: torch.Tensor, clamp: float) -> torch.Tensor:
+    """x^2 / 2 of the clamped x."""
+    return 0.5 * x.clamp(-clamp, clamp).square()
+
+
+@register_kl_estimator("k3")
+def _k3(x: torch.Tensor, clamp: float) -> torch.Tensor:
+    """exp(x) - x - 1 of the clamped x; expm1 keeps it >= 0 for tiny x in fp32."""
     x = x.clamp(-clamp, clamp)
-    if kl_penalty == "k2":
-        return 0.5 * x.square()
-    return torch.expm1(x) - x  # = exp(x) - x - 1; expm1 keeps it >= 0 for tiny x in fp32
+    return torch.expm1(x) - x

@@ -71,72 +71,36 @@ several ranks in threads of one process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from echotrain.rl.aggregation import AGG_MODES, BalancedStats, agg_loss, balanced_stats, weighted_sum
+from echotrain.rl.aggregation import AGG_MODES, BalancedStats, agg_loss, balanced_stats
 from echotrain.rl.config import PolicyLossConfig, as_policy_loss_config
-from echotrain.rl.objectives import (
-    POLICY_LOSSES,
-    _seq_weights,
-    batch_kappa,
-    clamped_log_ratio,
-    echo_token_loss,
-)
+from echotrain.rl.objectives import PREPASS_LOSS_MODES, POLICY_LOSSES, loss_step_stats
+from echotrain.rl.step import ReduceFn, StepBatch, StepStats
 from echotrain.rl.validation import check_choice, check_group_index, check_token_inputs
 
-ReduceFn = Callable[[torch.Tensor, str], torch.Tensor]
+__all__ = [
+    "MAX_GROUP_IDS",
+    "PREPASS_LOSS_MODES",
+    "ReduceFn",
+    "StepStats",
+    "compute_step_stats",
+    "needs_log_prob_prepass",
+    "shard_batch",
+    "split_micro_batches",
+    "step_agg_loss",
+]
 
-#: Loss modes whose step statistics depend on the current policy (need the no-grad pre-pass).
-PREPASS_LOSS_MODES = ("echo",)
 #: Largest number of dense group ids a step may use (per-group sums are dense float64 vectors).
 MAX_GROUP_IDS = 10_000_000
 
 
-@dataclass(frozen=True)
-class EchoStats:
-    """ECHO's step-global batch statistics (design/objectives.md §4)."""
-
-    R: float  # batch ratio over all valid tokens of the step
-    R_bar: float  # clip(R, 1 - eps_b_low, 1 + eps_b_high)
-    kappa: float  # R_bar / R (1 inside the band)
-    clipped: bool  # R outside the band
-    num_tokens: float  # N, valid tokens of the step
-    grad_sum: float  # S = sum_{i,t} w_{i,t} rho_{i,t} dl/drho~ (0 unless clipped and kappa not detached);
-    # dl/drho~ of the configured token term (echo_token_clip), 0 where the pessimistic min chose rho
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """Step-global statistics for one optimizer step; pass as ``compute_policy_loss(..., step=)``."""
-
-    loss_mode: str
-    loss_agg_mode: str
-    num_tokens: float  # valid tokens of the step (all micro-batches, all ranks)
-    num_seqs: float  # non-empty sequences of the step
-    dp_size: int  # each rank's loss is multiplied by this (DDP averages gradients)
-    balanced: BalancedStats | None = None  # per-group stats for loss_agg_mode="balanced"
-    echo: EchoStats | None = None  # batch ratio stats for loss_mode="echo"
-    config: PolicyLossConfig | None = None  # the config the stats were computed with (checked by the losses)
-
-    def agg_kwargs(self, cfg: PolicyLossConfig) -> dict[str, Any]:
-        """Keyword arguments of :func:`~echotrain.rl.agg_weights` / :func:`~echotrain.rl.agg_loss`
-        that are global to the step (token / sequence counts, BA group statistics) or come from
-        ``cfg`` (``norm_constant``, BA flags)."""
-        return dict(
-            num_tokens=self.num_tokens,
-            num_seqs=self.num_seqs,
-            norm_constant=cfg.norm_constant,
-            balanced=self.balanced,
-            ba_scope=cfg.ba_scope,
-            ba_count_zero_adv=cfg.ba_count_zero_adv,
-        )
-
-
 def needs_log_prob_prepass(loss_mode: str, config: PolicyLossConfig | Mapping[str, Any] | None = None) -> bool:
-    """True if :func:`compute_step_stats` needs each micro-batch's current ``log_prob`` (ECHO)."""
+    """True if :func:`compute_step_stats` needs each micro-batch's current ``log_prob``: the loss's
+    registration declares it (``LossStepStats.needs_log_prob``; ECHO)."""
     check_choice("loss_mode", loss_mode, POLICY_LOSSES)
     return loss_mode in PREPASS_LOSS_MODES
 
@@ -202,19 +166,20 @@ def compute_step_stats(
     if dp_size is not None and not (isinstance(dp_size, int) and dp_size >= 1):
         raise ValueError(f"dp_size must be an int >= 1 (or None for the world size), got {dp_size!r}")
     dp_size = world if dp_size is None else dp_size
-    is_echo = loss_mode in PREPASS_LOSS_MODES
+    loss_stats = loss_step_stats(loss_mode)
+    needs_log_prob = loss_stats is not None and loss_stats.needs_log_prob
     balanced = loss_agg_mode == "balanced"
 
-    prepared = []
+    prepared: list[StepBatch] = []
     device = None
     for k, mb in enumerate(mbs):
-        for key in ("old_log_prob", "advantages", "response_mask") + (("log_prob",) if is_echo else ()) + (
+        for key in ("old_log_prob", "advantages", "response_mask") + (("log_prob",) if needs_log_prob else ()) + (
             ("group_index",) if balanced else ()
         ):
             if mb.get(key) is None:
-                why = " (ECHO needs the no-grad pre-pass log_prob)" if key == "log_prob" else ""
+                why = f" ({loss_mode} needs the no-grad pre-pass log_prob)" if key == "log_prob" else ""
                 raise ValueError(f"micro-batch {k} has no {key!r}{why}")
-        log_prob = mb["log_prob"].detach() if is_echo else mb["old_log_prob"]
+        log_prob = mb["log_prob"].detach() if needs_log_prob else mb["old_log_prob"]
         adv, mask = check_token_inputs(mb["old_log_prob"], log_prob, mb["advantages"], mb["response_mask"])
         gi = mb.get("group_index")
         if balanced:
@@ -223,7 +188,7 @@ def compute_step_stats(
                 raise ValueError(f"micro-batch {k}: group_index must be non-negative step-wide group ids")
         if cfg.ba_scope == "batch" and gi is not None:
             gi = torch.zeros_like(gi)
-        prepared.append((mb["old_log_prob"].detach(), log_prob, adv.detach(), mask, gi))
+        prepared.append(StepBatch(mb["old_log_prob"].detach(), log_prob, adv.detach(), mask, gi))
         device = mask.device
     device = device or torch.device("cpu")
     f64 = dict(dtype=torch.float64, device=device)
@@ -231,7 +196,7 @@ def compute_step_stats(
     # Round 0: the number of group ids, so that every rank's per-group vectors line up.
     n_ids = 0
     if balanced:
-        local = max([int(p[4].max()) + 1 for p in prepared if p[4].numel()] + [0])
+        local = max([int(p.group_index.max()) + 1 for p in prepared if p.group_index.numel()] + [0])
         n_ids = int(reduce_fn(torch.tensor([float(local)], **f64), "max").item())
         if n_ids > MAX_GROUP_IDS:
             raise ValueError(
@@ -239,56 +204,35 @@ def compute_step_stats(
                 f"the step), at most {MAX_GROUP_IDS - 1}, because per-group sums are dense vectors"
             )
 
-    # Round 1: plain sums.
-    sums = torch.zeros(4, **f64)  # tokens, non-empty seqs, sum log rho, sum rho
+    # Round 1: plain sums (tokens, non-empty seqs, the loss's declared sums, BA's per-group sums), one all-reduce.
+    n_loss = loss_stats.num_sums if loss_stats is not None else 0
+    sums = torch.zeros(2, **f64)
+    loss_sums = torch.zeros(n_loss, **f64)
     bal_vec = torch.zeros(6 * n_ids, **f64)
-    for old, lp, adv, mask, gi in prepared:
-        lengths = mask.sum(-1)
+    for p in prepared:
+        lengths = p.response_mask.sum(-1)
         sums[0] += lengths.sum()
         sums[1] += (lengths > 0).sum()
-        if is_echo:
-            lr = clamped_log_ratio(lp, old, cfg.log_ratio_clamp, mask).to(torch.float64)
-            sums[2] += torch.where(mask, lr, 0).sum()
-            sums[3] += torch.where(mask, lr.exp(), 0).sum()
+        if loss_stats is not None:
+            loss_sums += loss_stats.local_sums(p, cfg)
         if balanced:
-            bal_vec += balanced_stats(adv, mask, gi, num_group_ids=n_ids, count_zero_adv=cfg.ba_count_zero_adv).to_vector()
-    if balanced:
-        both = reduce_fn(torch.cat([sums, bal_vec]), "sum")
-        sums, bal_vec = both[:4], both[4:]
-    else:
-        sums = reduce_fn(sums, "sum")
-    n_tok, n_seq = float(sums[0]), float(sums[1])
+            bal_vec += balanced_stats(p.advantages, p.response_mask, p.group_index, num_group_ids=n_ids,
+                                      count_zero_adv=cfg.ba_count_zero_adv).to_vector()
+    both = reduce_fn(torch.cat([sums, loss_sums, bal_vec]), "sum")
+    sums, loss_sums, bal_vec = both[:2], both[2:2 + n_loss], both[2 + n_loss:]
     step = StepStats(
         loss_mode=loss_mode,
         loss_agg_mode=loss_agg_mode,
-        num_tokens=n_tok,
-        num_seqs=n_seq,
+        num_tokens=float(sums[0]),
+        num_seqs=float(sums[1]),
         dp_size=dp_size,
         balanced=BalancedStats.from_vector(bal_vec) if balanced else None,
         config=cfg,
     )
-    if not is_echo:
+    if loss_stats is None:
         return step
-
-    # ECHO: R, kappa; round 2 (only when the batch clip is active): S.
-    n = max(n_tok, 1.0)
-    R_t = torch.exp(sums[2] / n) if cfg.batch_ratio == "geo" else (sums[3] / n if n_tok > 0 else torch.ones((), **f64))
-    kappa_t, clipped = batch_kappa(R_t, cfg.batch_clip_low, cfg.batch_clip_high)
-    R, kappa = float(R_t), float(kappa_t)
-    grad_sum = 0.0
-    if clipped and not cfg.detach_kappa:
-        s = torch.zeros(1, **f64)
-        for old, lp, adv, mask, gi in prepared:
-            ratio = torch.exp(clamped_log_ratio(lp, old, cfg.log_ratio_clamp, mask))
-            x = (kappa * ratio).detach().requires_grad_(True)
-            with torch.enable_grad():
-                loss_mat, _ = echo_token_loss(ratio, x, adv, cfg, clipped)
-                w = _seq_weights(mask, adv, loss_agg_mode, cfg, gi, step)
-                (g,) = torch.autograd.grad(weighted_sum(loss_mat, mask, w), x)
-            s += (g.to(torch.float64) * ratio.to(torch.float64)).sum()
-        grad_sum = float(reduce_fn(s, "sum"))
-    echo = EchoStats(R=R, R_bar=R * kappa, kappa=kappa, clipped=clipped, num_tokens=n, grad_sum=grad_sum)
-    return StepStats(**{**step.__dict__, "echo": echo})
+    # Round 2 and on (if the loss needs them): the loss's own statistics from the global sums.
+    return replace(step, loss_stats=loss_stats.finish(loss_sums, prepared, step, reduce_fn))
 
 
 def step_agg_loss(

@@ -16,6 +16,7 @@ __all__ = [
     "extract_final_answer",
     "get_task",
     "register_task",
+    "register_task_family",
     "sample_indices",
     "task_names",
 ]
@@ -135,9 +136,31 @@ def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Ta
     return decorator
 
 
+# prefix -> (factory(member, **options) -> Task, placeholder naming the member in task_names())
+_FAMILIES: dict[str, tuple[Callable[..., Task], str]] = {}
+
+
+def register_task_family(prefix: str, placeholder: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
+    """Decorator registering ``factory(member, **options) -> Task`` for every task name
+    ``prefix + member`` (``"rg:"`` + any reasoning-gym dataset); ``placeholder`` names the
+    member in :func:`task_names` (``"<dataset>"``).
+
+    Raises:
+        ValueError: ``prefix`` is already registered.
+    """
+
+    def decorator(factory: Callable[..., Task]) -> Callable[..., Task]:
+        if prefix in _FAMILIES:
+            raise ValueError(f"task family {prefix!r} is already registered")
+        _FAMILIES[prefix] = (factory, placeholder)
+        return factory
+
+    return decorator
+
+
 def task_names() -> list[str]:
-    """Registered task names, plus the ``"rg:<dataset>"`` pattern for any reasoning-gym dataset."""
-    return sorted(_REGISTRY) + ["rg:<dataset>"]
+    """Registered task names, plus each family's pattern (``"rg:<dataset>"``: any reasoning-gym dataset)."""
+    return sorted(_REGISTRY) + [prefix + placeholder for prefix, (_, placeholder) in _FAMILIES.items()]
 
 
 def get_task(name: str, **options: Any) -> Task:
@@ -149,10 +172,9 @@ def get_task(name: str, **options: Any) -> Task:
     """
     if not isinstance(name, str):
         raise TypeError(f"task name must be a str, got {type(name).__name__}")
-    if name.startswith("rg:"):
-        from echotrain.tasks.gym import ReasoningGymTask
-
-        return ReasoningGymTask(name[3:], **options)
+    for prefix, (factory, _) in _FAMILIES.items():
+        if name.startswith(prefix):
+            return factory(name[len(prefix):], **options)
     if name not in _REGISTRY:
         raise KeyError(f"unknown task {name!r}; valid names: {', '.join(task_names())}")
     return _REGISTRY[name](**options)

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from echotrain.tasks.base import Example, build_messages, extract_final_answer, register_task, sample_indices
+from echotrain.tasks.base import (
+    Example,
+    build_messages,
+    extract_final_answer,
+    register_task,
+    register_task_family,
+    sample_indices,
+)
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "DEFAULT_TASK", "ReasoningGymTask"]
 
@@ -158,6 +165,12 @@ class ReasoningGymTask:
 
     def __repr__(self) -> str:
         return f"ReasoningGymTask({self.dataset_name!r}, size={self.size}, seed={self.seed}, config={self.config})"
+
+
+@register_task_family("rg:", "<dataset>")
+def _reasoning_gym(dataset: str, **options: Any) -> ReasoningGymTask:
+    """``rg:<dataset>``: any reasoning-gym dataset; options go to :class:`ReasoningGymTask`."""
+    return ReasoningGymTask(dataset, **options)
 
 
 @register_task("basic_arithmetic")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,13 +32,6 @@ Precedence: defaults < preset < --config file < key=value. Presets: grpo, dapo, 
 echo, each also as <name>+balanced (Balanced Aggregation), e.g. preset=gspo+balanced.
 Booleans: true/false; none/null clears an optional value; task_options.KEY=VALUE nests.
 """
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
 
 
 def register_train(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +120,7 @@ def run_train(args: argparse.Namespace) -> int:
     from echotrain.train.dist import local_world_size
 
     # torchrun: the processes on this machine share its cores
-    torch.set_num_threads(cfg.num_threads or max(1, _cores() // local_world_size()))
+    torch.set_num_threads(cfg.num_threads or max(1, preflight.affinity_cores() // local_world_size()))
     t0 = time.perf_counter()
     from echotrain.train.dist import WorldSizeMismatch
 
@@ -213,7 +205,7 @@ def run_eval(args: argparse.Namespace) -> int:
     try:  # paths, device, threads and the task before the model is loaded
         preflight.check_threads(args.threads, key="--threads")
         preflight.check_device(args.device, key="--device")
-        _check_eval_model(args.model)
+        preflight.check_eval_model(args.model)
         task = preflight.check_task(args.task, options, key="--task")
     except ConfigError as exc:
         if getattr(args, "debug", False):
@@ -224,7 +216,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from echotrain.train.evaluate import evaluate, load_for_eval
 
-    torch.set_num_threads(args.threads or _cores())
+    torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:
         model, tok, desc = load_for_eval(args.model, device=args.device)
     except OSError as exc:
@@ -248,24 +240,3 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_eval_model(model: str | None) -> None:
-    """``--model``: a run directory / checkpoint file must be complete; else as ``model=``."""
-    from echotrain.train import preflight
-    from echotrain.train.checkpoint import is_readable_checkpoint, latest_valid_checkpoint
-
-    if model is not None and os.path.exists(model):
-        p = Path(model)
-        if p.is_file() and p.suffix == ".pt":
-            if not is_readable_checkpoint(p):
-                raise ConfigError(f"--model {model!r}: checkpoint file is damaged (truncated or not a torch archive)")
-            return
-        if p.is_dir() and (p / "config.yaml").is_file():
-            if (p / "final_model").is_dir():
-                return
-            ckpt, damaged = latest_valid_checkpoint(p)
-            if ckpt is None:
-                extra = f" (damaged: {', '.join(map(str, damaged))})" if damaged else ""
-                raise ConfigError(f"--model {model!r}: run directory has neither final_model/ nor a readable "
-                                  f"checkpoint{extra}")
-            return
-    preflight.check_model(model, key="--model")

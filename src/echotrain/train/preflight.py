@@ -30,8 +30,8 @@ from typing import Any
 
 from echotrain.train.config import ConfigError
 
-__all__ = ["check_device", "check_model", "check_resume", "check_task", "check_threads", "cpu_cores",
-           "hub_reachable"]
+__all__ = ["affinity_cores", "check_device", "check_eval_model", "check_model", "check_resume", "check_task",
+           "check_threads", "cpu_cores", "hub_reachable"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 _TRUTHY = ("1", "true", "yes", "on")
@@ -40,6 +40,15 @@ _TRUTHY = ("1", "true", "yes", "on")
 def cpu_cores() -> int:
     """CPU cores of this machine (``os.cpu_count``), at least 1."""
     return os.cpu_count() or 1
+
+
+def affinity_cores() -> int:
+    """CPU cores this process may run on (``os.sched_getaffinity``; ``os.cpu_count`` elsewhere),
+    at least 1: the default thread count of ``echotrain train`` / ``eval``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
 
 
 def _offline_env() -> bool:
@@ -302,3 +311,31 @@ def check_chat_template(value: str | None) -> None:
         read_chat_template(value)
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_eval_model(model: str | None) -> None:
+    """``--model`` of ``echotrain eval``: a run directory / checkpoint file must be complete;
+    anything else is checked as ``model=`` (:func:`check_model`).
+
+    Raises:
+        ConfigError: a damaged checkpoint file, a run directory with neither ``final_model/`` nor
+            a readable checkpoint, or what :func:`check_model` raises.
+    """
+    from echotrain.train.checkpoint import is_readable_checkpoint, latest_valid_checkpoint
+
+    if model is not None and os.path.exists(model):
+        p = Path(model)
+        if p.is_file() and p.suffix == ".pt":
+            if not is_readable_checkpoint(p):
+                raise ConfigError(f"--model {model!r}: checkpoint file is damaged (truncated or not a torch archive)")
+            return
+        if p.is_dir() and (p / "config.yaml").is_file():
+            if (p / "final_model").is_dir():
+                return
+            ckpt, damaged = latest_valid_checkpoint(p)
+            if ckpt is None:
+                extra = f" (damaged: {', '.join(map(str, damaged))})" if damaged else ""
+                raise ConfigError(f"--model {model!r}: run directory has neither final_model/ nor a readable "
+                                  f"checkpoint{extra}")
+            return
+    check_model(model, key="--model")

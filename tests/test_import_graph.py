@@ -1,0 +1,109 @@
+"""No import cycles in src/echotrain: every ``import`` between its modules, at module level or
+inside a function (a lazy import still ties the two modules together), under ``TYPE_CHECKING``
+or not, must form a graph without cycles (docs/design/architecture.md: one direction of
+dependency)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "echotrain"
+
+
+def module_names(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` below ``root`` (a package)."""
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same tree it imports (``from pkg import sub`` names ``pkg.sub``
+    when that is a module, else ``pkg``); relative imports resolved."""
+    mods = module_names(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in mods}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                for a in node.names:
+                    target = f"{base}.{a.name}"
+                    edges.add(target if target in mods else base)
+        graph[name] = {e for e in edges if e in mods and e != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_no_import_cycles_in_src():
+    graph = import_graph(SRC)
+    assert len(graph) > 50 and "echotrain.rl.stepwise" in graph["echotrain.rl"]  # the walk sees the tree
+    assert cycles(graph) == []
+
+
+def test_the_walk_finds_lazy_and_type_checking_cycles(tmp_path):
+    """The detector itself: a lazy (function-level) import and a TYPE_CHECKING import each close a
+    cycle; ``from pkg import sub`` and relative imports resolve to the submodule."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import x\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.d\n")
+    (pkg / "d.py").write_text("from pkg.c import y\n")
+    (pkg / "e.py").write_text("from pkg import a\n")  # imports into a cycle, not part of one
+    graph = import_graph(pkg)
+    assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.a"}
+    assert sorted(cycles(graph)) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]

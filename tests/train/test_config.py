@@ -37,7 +37,7 @@ def test_defaults_are_the_echo_preset():
 def test_presets_and_balanced(name):
     p = PRESETS[name]
     cfg = resolve_config(overrides={"preset": name})
-    assert (cfg.adv_estimator, cfg.loss_mode, cfg.loss_agg_mode) == (p.adv_method, p.loss_mode, p.loss_agg_mode)
+    assert (cfg.adv_estimator, cfg.loss_mode, cfg.loss_agg_mode) == (p.adv_estimator, p.loss_mode, p.loss_agg_mode)
     assert (cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.kl_coef) == (p.config.clip_ratio_low,
                                                                       p.config.clip_ratio_high, p.kl_coef)
     assert cfg.dynamic_sampling == p.dynamic_sampling
@@ -135,7 +135,8 @@ def test_echo_flags_reach_the_policy_loss_config_and_the_preset_keeps_its_defaul
     assert (cfg.echo_pessimistic, cfg.echo_token_clip, cfg.echo_token_cap) == (False, "ppo", 2.0)
     cfg = resolve_config(overrides=parse_overrides(
         ["preset=echo", "echo_pessimistic=true", "echo_token_clip=truncate", "echo_token_cap=1.5", "batch_ratio=arith"]))
-    plc = PolicyLossConfig(**cfg.policy_loss_config())
+    plc = cfg.policy_loss_config()
+    assert isinstance(plc, PolicyLossConfig)
     assert (plc.echo_pessimistic, plc.echo_token_clip, plc.echo_token_cap, plc.batch_ratio) == (True, "truncate", 1.5,
                                                                                                  "arith")
 

@@ -1,7 +1,7 @@
 """echotrain.rl: the pure tensor math of RL-from-verifiable-rewards objectives.
 
 Everything here takes tensors and returns tensors (no models, no I/O, no logging). The
-specification is ``design/objectives.md``; names follow verl's ``core_algos`` so that the policy
+specification is ``docs/design/objectives.md``; names follow verl's ``core_algos`` so that the policy
 losses drop into its registry unchanged.
 
 - :mod:`~echotrain.rl.advantages`  group advantages (GRPO, Dr. GRPO, batch-std), zero-variance flags

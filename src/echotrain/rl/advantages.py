@@ -1,6 +1,6 @@
 """Outcome-reward advantages: one scalar reward r_i per response, grouped by prompt.
 
-design/objectives.md §1. All methods return ``(B,)`` float32; broadcast to tokens with
+docs/design/objectives.md §1. All estimators return ``(B,)`` float32; broadcast to tokens with
 ``advantages[:, None] * response_mask`` (or pass ``(B,)`` to the policy losses directly).
 """
 
@@ -54,7 +54,7 @@ def zero_variance_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> to
 def compute_advantages(
     rewards: torch.Tensor,
     group_index: torch.Tensor,
-    method: str = "grpo",
+    adv_estimator: str = "grpo",
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Group-relative outcome advantages ``(B,)`` float32.
@@ -71,15 +71,15 @@ def compute_advantages(
     Args:
         rewards: ``(B,)`` rewards (any real dtype).
         group_index: ``(B,)`` int prompt ids (any integers; responses of one prompt share one).
-        method: one of :data:`ADV_METHODS`.
+        adv_estimator: one of :data:`ADV_METHODS` (the trainer's ``adv_estimator`` key).
         eps: added to the std (> 0).
 
     Raises:
-        ValueError: unknown method (lists the valid ones), NaN/Inf rewards, shape mismatch,
+        ValueError: unknown estimator (lists the valid ones), NaN/Inf rewards, shape mismatch,
             eps <= 0.
         TypeError: non-tensor inputs or non-integer ``group_index``.
     """
-    check_choice("method", method, ADV_METHODS)
+    check_choice("adv_estimator", adv_estimator, ADV_METHODS)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
     r = rewards.to(torch.float64)
@@ -89,10 +89,10 @@ def compute_advantages(
     count = _group_sum(torch.ones_like(r), ids, n)
     mean = _group_sum(r, ids, n) / count
     centred = r - mean[ids]
-    if method == "grpo":
+    if adv_estimator == "grpo":
         var = _group_sum(centred**2, ids, n) / (count - 1).clamp(min=1)
         adv = centred / (var.sqrt()[ids] + eps)
-    elif method == "grpo_no_std":
+    elif adv_estimator == "grpo_no_std":
         adv = centred
     else:
         batch_std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)

@@ -424,7 +424,7 @@ def compute_policy_loss_echo(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """ECHO: clip the batch ratio R, rescale every token ratio by kappa, token-clip on top.
 
-    Our formulation (design/objectives.md §4; the paper's equations are not public):
+    Our formulation (docs/design/objectives.md §4; the paper's equations are not public):
     R = exp(mean log rho) (``geo``) or mean rho (``arith``) over the step's N valid tokens;
     kappa = clip(R, 1 - eps_b_low, 1 + eps_b_high) / R; rho~ = kappa rho;
     l_{i,t} = -min(rho~ A, clip(rho~, 1 - eps_low, 1 + eps_high) A), aggregated (defaults).

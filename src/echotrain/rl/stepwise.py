@@ -97,7 +97,7 @@ MAX_GROUP_IDS = 10_000_000
 
 @dataclass(frozen=True)
 class EchoStats:
-    """ECHO's step-global batch statistics (design/objectives.md §4)."""
+    """ECHO's step-global batch statistics (docs/design/objectives.md §4)."""
 
     R: float  # batch ratio over all valid tokens of the step
     R_bar: float  # clip(R, 1 - eps_b_low, 1 + eps_b_high)

@@ -145,3 +145,46 @@ def test_testbed_model_needs_the_testbed_task():
     with pytest.raises(ConfigError, match="model=testbed .* use task=testbed"):
         resolve_config(overrides=parse_overrides(["model=testbed"]))
     assert resolve_config(overrides=parse_overrides(["model=testbed", "task=testbed"])).task == "testbed"
+
+
+def test_loss_settings_are_policy_loss_config_fields_declared_once():
+    """Every PolicyLossConfig field is a TrainConfig key with the same type, default, help and
+    choices (derived, not restated), in the objective group right after loss_agg_mode."""
+    from echotrain.rl.config import POLICY_LOSS_FIELDS
+
+    train = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    names = list(train)
+    at = names.index("loss_agg_mode") + 1
+    assert names[at:at + len(POLICY_LOSS_FIELDS)] == list(POLICY_LOSS_FIELDS)
+    for name, f in POLICY_LOSS_FIELDS.items():
+        t = train[name]
+        assert (t.type, t.default, t.metadata["help"], t.metadata["choices"]) == (
+            f.type, f.default, f.metadata["help"], f.metadata["choices"]), name
+        assert t.metadata["group"] == "objective"
+
+
+@pytest.mark.parametrize("tokens, needles", [
+    (["norm_constant=-2"], ["norm_constant=-2.0", "must be > 0"]),
+    (["clip_ratio_low=1"], ["clip_ratio_low=1.0", "must be < 1"]),
+    (["log_ratio_clamp=0"], ["log_ratio_clamp=0.0", "> 0"]),
+])
+def test_loss_settings_use_the_policy_loss_config_checks(tokens, needles):
+    with pytest.raises(ConfigError) as exc:
+        resolve_config(overrides=parse_overrides(tokens))
+    for n in needles:
+        assert n in str(exc.value), (n, str(exc.value))
+
+
+def test_norm_constant_unset_is_the_max_response_length_and_old_zero_still_loads():
+    cfg = resolve_config(overrides=parse_overrides(["max_new_tokens=24"]))
+    assert cfg.norm_constant is None and cfg.policy_loss_config().norm_constant == 24.0
+    cfg = resolve_config(overrides=parse_overrides(["max_new_tokens=24", "norm_constant=16"]))
+    assert cfg.policy_loss_config().norm_constant == 16.0
+    # a config.yaml saved before: norm_constant 0.0 meant max_new_tokens, and no log_ratio_clamp key
+    old = resolve_config(overrides=parse_overrides(["preset=dr_grpo", "max_new_tokens=24"])).to_dict()
+    old["norm_constant"] = 0.0
+    del old["log_ratio_clamp"]
+    resumed = resolve_config(base=yaml.safe_load(yaml.safe_dump(old)))
+    assert resumed.norm_constant is None and resumed.log_ratio_clamp == 20.0
+    assert resumed.policy_loss_config().norm_constant == 24.0
+    assert resolve_config(overrides=parse_overrides(["norm_constant=0"])).norm_constant is None

@@ -86,7 +86,8 @@ class EchoGRPOConfig(GRPOConfig):
 
     loss_mode: str = field(default="echo", metadata={"help": (
         "echotrain policy loss (echotrain.rl.POLICY_LOSSES): vanilla (token PPO clip; GRPO/DAPO), gspo (arXiv "
-        "2507.18071), gspo_token, echo (batch-level clip of R, then token clip; docs/design/objectives.md section 4).")})
+        "2507.18071), gspo_token, echo (batch-level clip of R, then token clip; docs/design/objectives.md "
+        "section 4).")})
     loss_agg_mode: str = field(default="token-mean", metadata={"help": (
         "echotrain loss aggregation (echotrain.rl.AGG_MODES): token-mean (DAPO), seq-mean-token-mean (GRPO), "
         "seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO, C = norm_constant), balanced (Balanced "

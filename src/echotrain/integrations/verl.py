@@ -110,6 +110,7 @@ __all__ = [
     "make_verl_adv_estimator",
     "make_verl_policy_loss",
     "register_with_verl",
+    "verl_core_algos",
 ]
 
 #: verl policy-loss name -> echotrain loss_mode.
@@ -149,10 +150,12 @@ def _loss_config(verl_config: Any, base: PolicyLossConfig, loss_mode: str) -> Po
     config where it sets them, else from ``base``; dual-clip only for :data:`DUAL_CLIP_LOSSES`,
     as verl applies it."""
     clip_c = _get(verl_config, "clip_ratio_c", base.clip_ratio_c)
+    low = _get(verl_config, "clip_ratio_low", _get(verl_config, "clip_ratio", base.clip_ratio_low))
+    high = _get(verl_config, "clip_ratio_high", _get(verl_config, "clip_ratio", base.clip_ratio_high))
     return dataclasses.replace(
         base,
-        clip_ratio_low=float(_get(verl_config, "clip_ratio_low", _get(verl_config, "clip_ratio", base.clip_ratio_low))),
-        clip_ratio_high=float(_get(verl_config, "clip_ratio_high", _get(verl_config, "clip_ratio", base.clip_ratio_high))),
+        clip_ratio_low=float(low),
+        clip_ratio_high=float(high),
         clip_ratio_c=None if clip_c is None or loss_mode not in DUAL_CLIP_LOSSES else float(clip_c),
     )
 
@@ -307,6 +310,23 @@ def make_verl_adv_estimator(config: PolicyLossConfig | Mapping[str, Any] | None 
     return echotrain_grpo_balanced
 
 
+def verl_core_algos() -> Any:
+    """verl's ``verl.trainer.ppo.core_algos`` module (the policy-loss and advantage registries).
+
+    Raises:
+        ImportError: verl cannot be imported (missing, or a dependency clash at import time); the
+            message names the cause and says how to install it.
+    """
+    try:
+        from verl.trainer.ppo import core_algos
+    except Exception as exc:  # ImportError or a dependency clash raised at import time
+        raise ImportError(
+            f"verl's core_algos cannot be imported ({type(exc).__name__}: {exc}); install verl==0.9.1 "
+            "(pip install --no-deps verl==0.9.1 plus the packages of requirements-extras.txt)"
+        ) from exc
+    return core_algos
+
+
 def register_with_verl(config: PolicyLossConfig | Mapping[str, Any] | None = None) -> list[str]:
     """Register echotrain's policy losses and BA advantage estimator in verl's registries.
 
@@ -327,13 +347,7 @@ def register_with_verl(config: PolicyLossConfig | Mapping[str, Any] | None = Non
             says how to install it.
         ValueError: invalid ``config``.
     """
-    try:
-        from verl.trainer.ppo import core_algos
-    except Exception as exc:  # ImportError or a dependency clash raised at import time
-        raise ImportError(
-            f"register_with_verl needs verl's core_algos ({type(exc).__name__}: {exc}); install verl==0.9.1 "
-            "(pip install --no-deps verl==0.9.1 plus the packages of requirements-extras.txt)"
-        ) from exc
+    core_algos = verl_core_algos()
     base = as_policy_loss_config(config)
     names = []
     for verl_name, loss_mode in POLICY_LOSS_NAMES.items():

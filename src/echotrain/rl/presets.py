@@ -27,7 +27,8 @@ class Preset:
     kl_coef: float = 0.0  # beta of the KL-to-reference loss term (0: no reference model)
     kl_penalty: str = "k3"  # estimator when kl_coef > 0
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill
-    overlong_shaping: bool = False  # DAPO: soft overlong penalty + overlong filtering (trainer: overlong_buffer_len=-1, overlong_filtering)
+    # DAPO: soft overlong penalty + overlong filtering (trainer: overlong_buffer_len=-1, overlong_filtering)
+    overlong_shaping: bool = False
     source: str = ""
 
 

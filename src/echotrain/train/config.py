@@ -105,7 +105,7 @@ class TrainConfig:
     # ---- objective (defaults come from the preset) ------------------------------------------
     adv_estimator: str = _f("grpo", "Advantage estimator (echotrain.rl.compute_advantages): grpo = (r-mean)/std per group; "
                             "grpo_no_std = Dr. GRPO r-mean; batch_std = group-centred, batch-std scaled.",
-                            ("grpo", "grpo_no_std", "batch_std"), group="objective")
+                            group="objective")
     loss_mode: str = _f("echo", "Policy loss from echotrain.rl.POLICY_LOSSES: vanilla (token PPO clip), gspo, gspo_token, echo.",
                         group="objective")
     loss_agg_mode: str = _f("token-mean", "Loss aggregation (echotrain.rl.AGG_MODES): token-mean (DAPO), seq-mean-token-mean "
@@ -114,7 +114,7 @@ class TrainConfig:
     kl_coef: float = _f(0.0, "beta of the KL penalty to the initial (reference) policy; 0 disables and skips the reference "
                         "model. GRPO used 0.04; DAPO and Dr. GRPO drop it (0).", group="objective")
     kl_penalty: str = _f("k3", "KL estimator (echotrain.rl.kl_penalty): k1, k2 or k3 (Schulman's unbiased, low-variance; "
-                         "GRPO's choice).", ("k1", "k2", "k3"), group="objective")
+                         "GRPO's choice).", group="objective")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose correctness is all 0 or all 1 and refill "
                                 "the batch with new prompts.", group="objective")
     max_sampling_rounds: int = _f(3, "Dynamic sampling: at most this many generate rounds per step; a step keeps whatever "
@@ -497,6 +497,11 @@ def validate(cfg: TrainConfig) -> None:
         problem = f.metadata["check"](v) if f.metadata.get("check") else None  # PolicyLossConfig's checks
         if problem:
             raise ConfigError(f"{f.name}={v!r}: {problem}")
+    from echotrain.rl import ADV_METHODS, KL_ESTIMATORS
+
+    for key, names in (("adv_estimator", ADV_METHODS), ("kl_penalty", KL_ESTIMATORS)):  # the registries' names
+        if getattr(cfg, key) not in names:
+            raise ConfigError(_unknown_msg(key, getattr(cfg, key), list(names)))
     if cfg.preset not in preset_names():
         raise ConfigError(_unknown_msg("preset", cfg.preset, preset_names()))
     if cfg.loss_mode not in POLICY_LOSSES:

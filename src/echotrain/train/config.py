@@ -478,6 +478,14 @@ def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[st
     return cfg
 
 
+def _registry_choices() -> dict[str, tuple[str, ...]]:
+    """Keys whose valid values are the names in an :mod:`echotrain.rl` registry, read at call time."""
+    import echotrain.rl as rl
+
+    return {"adv_estimator": tuple(rl.ADV_METHODS), "loss_mode": tuple(rl.POLICY_LOSSES),
+            "loss_agg_mode": tuple(rl.AGG_MODES), "kl_penalty": tuple(rl.KL_ESTIMATORS)}
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check every value of ``cfg`` before any work.
 
@@ -497,9 +505,7 @@ def validate(cfg: TrainConfig) -> None:
         problem = f.metadata["check"](v) if f.metadata.get("check") else None  # PolicyLossConfig's checks
         if problem:
             raise ConfigError(f"{f.name}={v!r}: {problem}")
-    from echotrain.rl import ADV_METHODS, KL_ESTIMATORS
-
-    for key, names in (("adv_estimator", ADV_METHODS), ("kl_penalty", KL_ESTIMATORS)):  # the registries' names
+    for key, names in _registry_choices().items():
         if getattr(cfg, key) not in names:
             raise ConfigError(_unknown_msg(key, getattr(cfg, key), list(names)))
     if cfg.preset not in preset_names():
@@ -604,13 +610,14 @@ def _check_learning_signal(cfg: TrainConfig) -> None:
 def format_help() -> str:
     """The option reference printed by ``echotrain train --help``: every key, its default and help."""
     lines, group = [], None
+    registry_choices = _registry_choices()
     for f in fields(TrainConfig):
         g = f.metadata.get("group", "run")
         if g != group:
             lines.append(f"\n{g} keys:")
             group = g
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        choices = f.metadata.get("choices")
+        choices = f.metadata.get("choices") or registry_choices.get(f.name)
         extra = f" choices: {', '.join(map(str, choices))}." if choices else ""
         body = textwrap.fill(f"{f.metadata['help']}{extra}", width=96, initial_indent="      ",
                              subsequent_indent="      ")

@@ -192,3 +192,25 @@ def test_echo_flags_reach_the_policy_loss_config(tmp_path):
     assert (plc.echo_pessimistic, plc.echo_token_clip, plc.echo_token_cap) == (True, "truncate", 1.5)
     with pytest.raises(ValueError, match="echo_token_clip='clip'"):
         EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, echo_token_clip="clip")
+
+
+def test_loss_fields_are_policy_loss_config_fields(tmp_path):
+    """EchoGRPOConfig declares no loss setting itself: each PolicyLossConfig field but the token
+    clip (TRL's epsilon / epsilon_high) is derived with its default and help; unset norm_constant
+    is max_completion_length."""
+    import dataclasses
+
+    from echotrain.integrations.trl import TRL_OWNED
+    from echotrain.rl.config import POLICY_LOSS_FIELDS
+
+    trl_fields = {f.name: f for f in dataclasses.fields(EchoGRPOConfig)}
+    for name, f in POLICY_LOSS_FIELDS.items():
+        if name in TRL_OWNED:
+            continue
+        assert (trl_fields[name].default, trl_fields[name].metadata["help"]) == (f.default, f.metadata["help"]), name
+    args = EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_completion_length=12,
+                          epsilon=0.1, epsilon_high=0.3, log_ratio_clamp=5.0)
+    plc = args.policy_loss_config()
+    assert (plc.norm_constant, plc.clip_ratio_low, plc.clip_ratio_high, plc.log_ratio_clamp) == (12.0, 0.1, 0.3, 5.0)
+    with pytest.raises(ValueError, match="norm_constant must be > 0"):
+        EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, norm_constant=0)

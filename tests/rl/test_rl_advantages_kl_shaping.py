@@ -60,7 +60,8 @@ def test_zero_variance_flags_and_errors():
     rewards = torch.tensor([1, 1, 0, 1, 0, 0])
     gid = torch.tensor([0, 0, 1, 1, 2, 2])
     assert zero_variance_groups(rewards, gid).tolist() == [True, True, False, False, True, True]
-    with pytest.raises(ValueError, match=r"method='rloo' is unknown; valid: \['batch_std', 'grpo', 'grpo_no_std'\]"):
+    with pytest.raises(ValueError,
+                       match=r"adv_estimator='rloo' is unknown; valid: \['batch_std', 'grpo', 'grpo_no_std'\]"):
         compute_advantages(rewards.float(), gid, "rloo")
     with pytest.raises(ValueError, match="rewards has 1 NaN/Inf"):
         compute_advantages(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))
@@ -140,9 +141,9 @@ def test_truncated_responses_are_masked_out():
 def test_presets_bundle_the_papers_settings():
     assert set(PRESETS) == {"grpo", "dapo", "dr_grpo", "gspo", "echo"}
     dapo = get_preset("dapo")
-    assert (dapo.adv_method, dapo.loss_mode, dapo.loss_agg_mode) == ("grpo", "vanilla", "token-mean")
+    assert (dapo.adv_estimator, dapo.loss_mode, dapo.loss_agg_mode) == ("grpo", "vanilla", "token-mean")
     assert (dapo.config.clip_ratio_low, dapo.config.clip_ratio_high) == (0.2, 0.28) and dapo.dynamic_sampling
-    assert get_preset("dr_grpo").adv_method == "grpo_no_std"
+    assert get_preset("dr_grpo").adv_estimator == "grpo_no_std"
     assert get_preset("gspo").config.clip_ratio_high == 4e-4
     assert get_preset("echo").loss_mode == "echo"
     with pytest.raises(ValueError, match="preset='ppo' is unknown"):
@@ -154,7 +155,7 @@ def test_every_preset_runs(name):
     p = get_preset(name, norm_constant=8) if name == "dr_grpo" else get_preset(name)
     old = torch.zeros(4, 8) - 1
     lp = (old + 0.01).requires_grad_(True)
-    adv = compute_advantages(torch.tensor([1.0, 0, 1, 0]), torch.tensor([0, 0, 1, 1]), p.adv_method)
+    adv = compute_advantages(torch.tensor([1.0, 0, 1, 0]), torch.tensor([0, 0, 1, 1]), p.adv_estimator)
     loss, m = compute_policy_loss(p.loss_mode, old, lp, adv, torch.ones(4, 8), p.loss_agg_mode, p.config)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and "ppo_kl" in m

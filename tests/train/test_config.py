@@ -37,7 +37,7 @@ def test_defaults_are_the_echo_preset():
 def test_presets_and_balanced(name):
     p = PRESETS[name]
     cfg = resolve_config(overrides={"preset": name})
-    assert (cfg.adv_estimator, cfg.loss_mode, cfg.loss_agg_mode) == (p.adv_method, p.loss_mode, p.loss_agg_mode)
+    assert (cfg.adv_estimator, cfg.loss_mode, cfg.loss_agg_mode) == (p.adv_estimator, p.loss_mode, p.loss_agg_mode)
     assert (cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.kl_coef) == (p.config.clip_ratio_low,
                                                                       p.config.clip_ratio_high, p.kl_coef)
     assert cfg.dynamic_sampling == p.dynamic_sampling
@@ -62,6 +62,9 @@ def test_precedence_preset_yaml_overrides(tmp_path):
     (["preset=gpro"], ["preset", "grpo", "echo+balanced"]),
     (["batch_ratio=mean"], ["batch_ratio", "geo", "arith"]),
     (["clip_ratio_c=1.0"], ["clip_ratio_c", "> 1"]),
+    (["norm_constant=-2"], ["norm_constant=-2.0", "must be > 0"]),  # PolicyLossConfig's checks
+    (["clip_ratio_low=1"], ["clip_ratio_low=1.0", "must be < 1"]),
+    (["log_ratio_clamp=0"], ["log_ratio_clamp=0.0", "> 0"]),
     (["optimizer=adamx"], ["optimizer", "adamw"]),
     (["steps=1.5"], ["steps", "int"]),
     (["temperature=0"], ["temperature"]),
@@ -135,7 +138,8 @@ def test_echo_flags_reach_the_policy_loss_config_and_the_preset_keeps_its_defaul
     assert (cfg.echo_pessimistic, cfg.echo_token_clip, cfg.echo_token_cap) == (False, "ppo", 2.0)
     cfg = resolve_config(overrides=parse_overrides(
         ["preset=echo", "echo_pessimistic=true", "echo_token_clip=truncate", "echo_token_cap=1.5", "batch_ratio=arith"]))
-    plc = PolicyLossConfig(**cfg.policy_loss_config())
+    plc = cfg.policy_loss_config()
+    assert isinstance(plc, PolicyLossConfig)
     assert (plc.echo_pessimistic, plc.echo_token_clip, plc.echo_token_cap, plc.batch_ratio) == (True, "truncate", 1.5,
                                                                                                  "arith")
 
@@ -144,3 +148,34 @@ def test_testbed_model_needs_the_testbed_task():
     with pytest.raises(ConfigError, match="model=testbed .* use task=testbed"):
         resolve_config(overrides=parse_overrides(["model=testbed"]))
     assert resolve_config(overrides=parse_overrides(["model=testbed", "task=testbed"])).task == "testbed"
+
+
+def test_loss_settings_are_policy_loss_config_fields_declared_once():
+    """Every PolicyLossConfig field is a TrainConfig key with the same type, default, help and
+    choices (derived, not restated), in the objective group right after loss_agg_mode."""
+    from echotrain.rl.config import POLICY_LOSS_FIELDS
+
+    train = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    names = list(train)
+    at = names.index("loss_agg_mode") + 1
+    assert names[at:at + len(POLICY_LOSS_FIELDS)] == list(POLICY_LOSS_FIELDS)
+    for name, f in POLICY_LOSS_FIELDS.items():
+        t = train[name]
+        assert (t.type, t.default, t.metadata["help"], t.metadata["choices"]) == (
+            f.type, f.default, f.metadata["help"], f.metadata["choices"]), name
+        assert t.metadata["group"] == "objective"
+
+
+def test_norm_constant_unset_is_the_max_response_length_and_old_zero_still_loads():
+    cfg = resolve_config(overrides=parse_overrides(["max_new_tokens=24"]))
+    assert cfg.norm_constant is None and cfg.policy_loss_config().norm_constant == 24.0
+    cfg = resolve_config(overrides=parse_overrides(["max_new_tokens=24", "norm_constant=16"]))
+    assert cfg.policy_loss_config().norm_constant == 16.0
+    # a config.yaml saved before: norm_constant 0.0 meant max_new_tokens, and no log_ratio_clamp key
+    old = resolve_config(overrides=parse_overrides(["preset=dr_grpo", "max_new_tokens=24"])).to_dict()
+    old["norm_constant"] = 0.0
+    del old["log_ratio_clamp"]
+    resumed = resolve_config(base=yaml.safe_load(yaml.safe_dump(old)))
+    assert resumed.norm_constant is None and resumed.log_ratio_clamp == 20.0
+    assert resumed.policy_loss_config().norm_constant == 24.0
+    assert resolve_config(overrides=parse_overrides(["norm_constant=0"])).norm_constant is None

@@ -14,11 +14,11 @@ from echotrain.train.config import ConfigError, resolve_config
 @pytest.mark.parametrize("adv", ADV_METHODS)
 def test_one_generation_is_refused_naming_the_key(preset, adv):
     # groups of one give every advantage exactly 0 under every estimator we have ...
-    assert not compute_advantages(torch.tensor([0.0, 1.0, 5.0]), torch.arange(3), method=adv).any()
+    assert not compute_advantages(torch.tensor([0.0, 1.0, 5.0]), torch.arange(3), adv_estimator=adv).any()
     with pytest.raises(ConfigError, match=rf"num_generations=1: adv_estimator='{adv}'.*exactly 0"):
         resolve_config(overrides={"preset": preset, "adv_estimator": adv, "num_generations": 1})
     # ... and two already carry signal
-    assert compute_advantages(torch.tensor([0.0, 1.0]), torch.tensor([0, 0]), method=adv).abs().sum() > 0
+    assert compute_advantages(torch.tensor([0.0, 1.0]), torch.tensor([0, 0]), adv_estimator=adv).abs().sum() > 0
     assert resolve_config(overrides={"preset": preset, "adv_estimator": adv, "num_generations": 2}).num_generations == 2
 
 

@@ -65,45 +65,33 @@ from echotrain.rl import (
     compute_step_stats,
     needs_log_prob_prepass,
 )
-from echotrain.rl.config import BA_SCOPES, BATCH_RATIOS, ECHO_DEFAULT_BATCH_BAND, ECHO_TOKEN_CLIPS
+from echotrain.rl.config import POLICY_LOSS_FIELDS, with_policy_loss_fields
 
 __all__ = ["EchoGRPOConfig", "EchoGRPOTrainer"]
 
+#: PolicyLossConfig fields that TRL already has under its own names (``epsilon``, ``epsilon_high``).
+TRL_OWNED = ("clip_ratio_low", "clip_ratio_high")
+
 
 @dataclass
+@with_policy_loss_fields(exclude=TRL_OWNED, keep=("help",))
 class EchoGRPOConfig(GRPOConfig):
     """:class:`trl.GRPOConfig` plus echotrain's objective fields (TRL's ``loss_type`` is ignored).
 
-    Token clip: TRL's ``epsilon`` (eps_low) and ``epsilon_high`` (eps_high, default eps_low).
+    The loss settings are :class:`echotrain.rl.PolicyLossConfig`'s fields (same names, defaults
+    and help; checked by it), except the token clip, which is TRL's ``epsilon`` (eps_low) and
+    ``epsilon_high`` (eps_high, default eps_low). ``norm_constant`` unset (None) = TRL's
+    ``max_completion_length``.
     """
 
     loss_mode: str = field(default="echo", metadata={"help": (
         "echotrain policy loss (echotrain.rl.POLICY_LOSSES): vanilla (token PPO clip; GRPO/DAPO), gspo (arXiv "
-        "2507.18071), gspo_token, echo (batch-level clip of R, then token clip; design/objectives.md section 4).")})
+        "2507.18071), gspo_token, echo (batch-level clip of R, then token clip; docs/design/objectives.md "
+        "section 4).")})
     loss_agg_mode: str = field(default="token-mean", metadata={"help": (
         "echotrain loss aggregation (echotrain.rl.AGG_MODES): token-mean (DAPO), seq-mean-token-mean (GRPO), "
         "seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO, C = norm_constant), balanced (Balanced "
         "Aggregation, arXiv 2605.04077). Always exact over the optimizer step.")})
-    clip_ratio_c: float | None = field(default=None, metadata={"help": (
-        "Dual-clip constant c > 1 (arXiv 1912.09729): caps the loss of A < 0 tokens at -c A. None disables.")})
-    batch_clip_low: float = field(default=ECHO_DEFAULT_BATCH_BAND[0], metadata={"help": (
-        "ECHO: batch ratio R floor 1 - batch_clip_low. No published value; echotrain's provisional default.")})
-    batch_clip_high: float = field(default=ECHO_DEFAULT_BATCH_BAND[1], metadata={"help": (
-        "ECHO: batch ratio R ceiling 1 + batch_clip_high (provisional default, see batch_clip_low).")})
-    batch_ratio: str = field(default="geo", metadata={"help": (
-        "ECHO batch ratio: geo = exp(mean log rho) (default, bounds the KL estimate) or arith = mean rho.")})
-    detach_kappa: bool = field(default=False, metadata={"help": (
-        "ECHO: treat kappa = clip(R)/R as a constant (no L/R baseline term in the gradient).")})
-    echo_pessimistic: bool = field(default=False, metadata={"help": (
-        "ECHO: apply kappa only where it lowers the surrogate (per-token min of the unrescaled and rescaled terms).")})
-    echo_token_clip: str = field(default="ppo", metadata={"help": (
-        "ECHO token term on top of the batch clip: ppo (token clip, default), none, truncate (min(rho~, cap)).")})
-    echo_token_cap: float = field(default=2.0, metadata={"help": "ECHO echo_token_clip=truncate: cap c >= 1 on rho~."})
-    ba_scope: str = field(default="group", metadata={"help": "Balanced Aggregation: per prompt group or pooled batch."})
-    ba_count_zero_adv: bool = field(default=True, metadata={"help": (
-        "Balanced Aggregation: zero-advantage responses count in the group size G.")})
-    norm_constant: float | None = field(default=None, metadata={"help": (
-        "C of seq-mean-token-sum-norm (Dr. GRPO); None = max_completion_length (never the padded width).")})
     disable_dropout: bool = field(default=True, metadata={"help": (
         "Disable dropout (TRL's default is False): the ECHO pre-pass and the with-grad pass must agree.")})
 
@@ -113,36 +101,25 @@ class EchoGRPOConfig(GRPOConfig):
             raise ValueError(f"loss_mode={self.loss_mode!r} is not one of {sorted(POLICY_LOSSES)}")
         if self.loss_agg_mode not in AGG_MODES:
             raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r} is not one of {list(AGG_MODES)}")
-        if self.batch_ratio not in BATCH_RATIOS:
-            raise ValueError(f"batch_ratio={self.batch_ratio!r} is not one of {list(BATCH_RATIOS)}")
-        if self.echo_token_clip not in ECHO_TOKEN_CLIPS:
-            raise ValueError(f"echo_token_clip={self.echo_token_clip!r} is not one of {list(ECHO_TOKEN_CLIPS)}")
-        if self.ba_scope not in BA_SCOPES:
-            raise ValueError(f"ba_scope={self.ba_scope!r} is not one of {list(BA_SCOPES)}")
         if self.steps_per_generation % self.gradient_accumulation_steps:
             raise ValueError(
                 f"steps_per_generation ({self.steps_per_generation}) must be a multiple of "
                 f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) so that each optimizer step's "
                 "micro-batches are in one rollout buffer (exact step statistics)"
             )
+        self.policy_loss_config()  # PolicyLossConfig checks every loss setting (ValueError naming it)
 
     def policy_loss_config(self) -> PolicyLossConfig:
-        """The :class:`echotrain.rl.PolicyLossConfig` these fields describe."""
-        return PolicyLossConfig(
-            clip_ratio_low=self.epsilon,
-            clip_ratio_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
-            clip_ratio_c=self.clip_ratio_c,
-            batch_clip_low=self.batch_clip_low,
-            batch_clip_high=self.batch_clip_high,
-            batch_ratio=self.batch_ratio,
-            detach_kappa=self.detach_kappa,
-            echo_pessimistic=self.echo_pessimistic,
-            echo_token_clip=self.echo_token_clip,
-            echo_token_cap=self.echo_token_cap,
-            norm_constant=float(self.norm_constant or self.max_completion_length),
-            ba_scope=self.ba_scope,
-            ba_count_zero_adv=self.ba_count_zero_adv,
-        )
+        """The :class:`echotrain.rl.PolicyLossConfig` these fields describe.
+
+        Raises:
+            ValueError: a setting that fails its PolicyLossConfig check (naming it).
+        """
+        values = {name: getattr(self, name) for name in POLICY_LOSS_FIELDS if name not in TRL_OWNED}
+        if values["norm_constant"] is None:
+            values["norm_constant"] = float(self.max_completion_length)
+        eps_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        return PolicyLossConfig(clip_ratio_low=self.epsilon, clip_ratio_high=eps_high, **values)
 
 
 class EchoGRPOTrainer(GRPOTrainer):

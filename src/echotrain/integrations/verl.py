@@ -37,7 +37,7 @@ verl name              echotrain     compared with verl
 ``echotrain_echo``     ``echo``      R is the micro-batch's (see below)
 ====================== ============= ==============================================================
 
-Documented differences from verl (design/objectives.md §8, each an explicit expectation in
+Documented differences from verl (docs/design/objectives.md §8, each an explicit expectation in
 tests/integrations/test_verl_adapter.py and tests/rl/test_rl_verl_parity.py; the upstream run
 of ``scripts/verl_upstream_tests.py`` is recorded in docs/design/objectives.md): our token
 log-ratios are clamped at +-``log_ratio_clamp`` (20) with zero gradient beyond, where verl's
@@ -46,16 +46,19 @@ above at 10; ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` raises (v
 the padded width); ECHO's R is per micro-batch; ``rollout_is_weights`` are refused.
 
 Config mapping: the token clip comes from verl's actor config (``clip_ratio_low`` /
-``clip_ratio_high``, falling back to ``clip_ratio``); ``clip_ratio_c`` (dual-clip, verl's default
-3.0) is applied where verl's own counterpart applies it -- ``echotrain_vanilla`` and
+``clip_ratio_high``, falling back to ``clip_ratio``, then to the ``config`` given to
+:func:`register_with_verl`); ``clip_ratio_c`` (dual-clip; verl's actor config sets 3.0) is
+applied where verl's own counterpart applies it -- ``echotrain_vanilla`` and
 ``echotrain_echo`` (a token-PPO loss) -- and never to ``echotrain_gspo`` /
 ``echotrain_gspo_token``, because verl's ``gspo`` has no dual-clip (:data:`DUAL_CLIP_LOSSES`);
 ECHO's batch band and the other echotrain-only knobs
-(``batch_clip_low/high``, ``batch_ratio``, ``detach_kappa``, ``echo_pessimistic``,
-``echo_token_clip``, ``echo_token_cap``, ``log_ratio_clamp``) come from the
-``config`` given to :func:`register_with_verl` (ECHO band default
-:data:`echotrain.rl.ECHO_DEFAULT_BATCH_BAND`). ``seq-mean-token-sum-norm`` uses verl's
-``loss_scale_factor`` and raises if it is unset (verl would silently use the padded width).
+(every :class:`echotrain.rl.PolicyLossConfig` field verl does not have: ``batch_clip_low/high``,
+``batch_ratio``, ``detach_kappa``, ``echo_pessimistic``, ``echo_token_clip``, ``echo_token_cap``,
+``log_ratio_clamp``, and the Balanced-Aggregation flags ``ba_scope`` / ``ba_count_zero_adv`` of
+``echotrain_grpo_balanced``) come from the ``config`` given to :func:`register_with_verl` (its
+defaults are PolicyLossConfig's; ECHO band :data:`echotrain.rl.ECHO_DEFAULT_BATCH_BAND`).
+``seq-mean-token-sum-norm`` uses verl's ``loss_scale_factor`` (else the config's
+``norm_constant``) and raises if both are unset (verl would silently use the padded width).
 
 Normalisers: verl calls the loss once per micro-batch and passes the step-global counts in
 ``config.global_batch_info`` (``batch_num_tokens``, ``global_batch_size``, ``dp_size``). The
@@ -66,7 +69,7 @@ accumulation and data parallelism give verl's global-batch gradient. Without
 ``global_batch_info`` the call is taken to be the whole step.
 
 ECHO is approximate here: its batch ratio R must be a statistic of the whole optimizer step
-(design/objectives.md §4), but a verl loss only sees one micro-batch on one rank, so R (and
+(docs/design/objectives.md §4), but a verl loss only sees one micro-batch on one rank, so R (and
 kappa, and the baseline in the gradient) is the micro-batch's. It is exact when verl passes the
 whole mini-batch in one call: one data-parallel rank and ``ppo_micro_batch_size_per_gpu`` equal
 to the mini-batch (no dynamic batch size). The metric ``actor/echo/R_token_share`` (this call's
@@ -107,6 +110,7 @@ __all__ = [
     "make_verl_adv_estimator",
     "make_verl_policy_loss",
     "register_with_verl",
+    "verl_core_algos",
 ]
 
 #: verl policy-loss name -> echotrain loss_mode.
@@ -127,11 +131,6 @@ ADV_ESTIMATORS: dict[str, str] = {
 
 # verl aggregation modes that echotrain implements identically
 _SHARED_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-# echotrain-only PolicyLossConfig fields taken from register_with_verl(config=...)
-_ECHOTRAIN_KNOBS = ("batch_clip_low", "batch_clip_high", "batch_ratio", "detach_kappa", "echo_pessimistic",
-                    "echo_token_clip", "echo_token_cap", "log_ratio_clamp")
-
-
 def _get(config: Any, key: str, default: Any = None) -> Any:
     """``config.key`` for verl's ActorConfig / AlgoConfig (dataclasses with ``.get``), omegaconf
     DictConfig or a plain dict; ``default`` when absent or None."""
@@ -147,16 +146,18 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
 
 
 def _loss_config(verl_config: Any, base: PolicyLossConfig, loss_mode: str) -> PolicyLossConfig:
-    """echotrain's PolicyLossConfig for one call: token clip from verl, the rest from ``base``;
-    dual-clip only for :data:`DUAL_CLIP_LOSSES`, as verl applies it."""
-    clip = _get(verl_config, "clip_ratio", 0.2)
-    values = {k: getattr(base, k) for k in _ECHOTRAIN_KNOBS}
-    values.update(
-        clip_ratio_low=float(_get(verl_config, "clip_ratio_low", clip)),
-        clip_ratio_high=float(_get(verl_config, "clip_ratio_high", clip)),
-        clip_ratio_c=float(_get(verl_config, "clip_ratio_c", 3.0)) if loss_mode in DUAL_CLIP_LOSSES else None,
+    """echotrain's PolicyLossConfig for one call: token clip (and dual-clip) from verl's actor
+    config where it sets them, else from ``base``; dual-clip only for :data:`DUAL_CLIP_LOSSES`,
+    as verl applies it."""
+    clip_c = _get(verl_config, "clip_ratio_c", base.clip_ratio_c)
+    low = _get(verl_config, "clip_ratio_low", _get(verl_config, "clip_ratio", base.clip_ratio_low))
+    high = _get(verl_config, "clip_ratio_high", _get(verl_config, "clip_ratio", base.clip_ratio_high))
+    return dataclasses.replace(
+        base,
+        clip_ratio_low=float(low),
+        clip_ratio_high=float(high),
+        clip_ratio_c=None if clip_c is None or loss_mode not in DUAL_CLIP_LOSSES else float(clip_c),
     )
-    return PolicyLossConfig(**values)
 
 
 def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str, Any] | None = None) -> Callable:
@@ -251,9 +252,7 @@ def balanced_advantage_scale(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     group_index: torch.Tensor,
-    *,
-    ba_scope: str = "group",
-    ba_count_zero_adv: bool = True,
+    config: PolicyLossConfig | Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Per-response factor ``s_i = N * w_i`` that turns ``seq-mean-token-sum`` into BA.
 
@@ -266,24 +265,32 @@ def balanced_advantage_scale(
         advantages: ``(N, T)`` or ``(N,)`` float (only the sign per response is used).
         response_mask: ``(N, T)`` bool / 0-1.
         group_index: ``(N,)`` int prompt-group ids.
-        ba_scope, ba_count_zero_adv: the BA flags of :class:`echotrain.rl.PolicyLossConfig`.
+        config: :class:`echotrain.rl.PolicyLossConfig` or dict; its BA flags ``ba_scope`` and
+            ``ba_count_zero_adv`` are used (None: defaults).
 
     Returns:
         ``(N,)`` float32, 0 for zero-advantage or empty responses.
     """
+    cfg = as_policy_loss_config(config)
     w = agg_weights(response_mask, "balanced", advantages=advantages, group_index=group_index,
-                    ba_scope=ba_scope, ba_count_zero_adv=ba_count_zero_adv)
+                    ba_scope=cfg.ba_scope, ba_count_zero_adv=cfg.ba_count_zero_adv)
     return (w * response_mask.shape[0]).to(torch.float32)
 
 
-def make_verl_adv_estimator(*, ba_scope: str = "group", ba_count_zero_adv: bool = True, eps: float = 1e-6) -> Callable:
-    """A verl advantage estimator: echotrain GRPO advantages scaled for Balanced Aggregation.
+def make_verl_adv_estimator(config: PolicyLossConfig | Mapping[str, Any] | None = None, *,
+                            eps: float = 1e-6) -> Callable:
+    """A verl advantage estimator: echotrain GRPO advantages scaled for Balanced Aggregation
+    with the BA flags (``ba_scope``, ``ba_count_zero_adv``) of ``config`` (None: defaults).
 
     Signature (verl's): ``fn(token_level_rewards (bs, T), response_mask (bs, T), index
     (bs,) array of prompt uids, config=AlgoConfig | None, **kwargs) -> (advantages, returns)``,
     both ``(bs, T)`` float32. ``config.norm_adv_by_std_in_grpo=False`` selects Dr. GRPO's
     ``grpo_no_std``. Use with ``loss_agg_mode=seq-mean-token-sum`` (see the module docstring).
+
+    Raises:
+        ValueError: invalid ``config``.
     """
+    base = as_policy_loss_config(config)
 
     def echotrain_grpo_balanced(token_level_rewards, response_mask, index=None, config=None, **kwargs):
         if index is None:
@@ -293,23 +300,34 @@ def make_verl_adv_estimator(*, ba_scope: str = "group", ba_count_zero_adv: bool 
         _, group = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
         group_index = torch.as_tensor(group.reshape(-1), dtype=torch.long, device=token_level_rewards.device)
         rewards = token_level_rewards.sum(-1).float()
-        method = "grpo" if _get(config, "norm_adv_by_std_in_grpo", True) else "grpo_no_std"
-        adv = compute_advantages(rewards, group_index, method=method, eps=eps)
+        adv_estimator = "grpo" if _get(config, "norm_adv_by_std_in_grpo", True) else "grpo_no_std"
+        adv = compute_advantages(rewards, group_index, adv_estimator=adv_estimator, eps=eps)
         mask = response_mask.bool()
-        scale = balanced_advantage_scale(adv, mask, group_index, ba_scope=ba_scope,
-                                         ba_count_zero_adv=ba_count_zero_adv)
+        scale = balanced_advantage_scale(adv, mask, group_index, base)
         scores = (adv * scale).unsqueeze(-1) * mask
         return scores, scores
 
     return echotrain_grpo_balanced
 
 
-def register_with_verl(
-    config: PolicyLossConfig | Mapping[str, Any] | None = None,
-    *,
-    ba_scope: str = "group",
-    ba_count_zero_adv: bool = True,
-) -> list[str]:
+def verl_core_algos() -> Any:
+    """verl's ``verl.trainer.ppo.core_algos`` module (the policy-loss and advantage registries).
+
+    Raises:
+        ImportError: verl cannot be imported (missing, or a dependency clash at import time); the
+            message names the cause and says how to install it.
+    """
+    try:
+        from verl.trainer.ppo import core_algos
+    except Exception as exc:  # ImportError or a dependency clash raised at import time
+        raise ImportError(
+            f"verl's core_algos cannot be imported ({type(exc).__name__}: {exc}); install verl==0.9.1 "
+            "(pip install --no-deps verl==0.9.1 plus the packages of requirements-extras.txt)"
+        ) from exc
+    return core_algos
+
+
+def register_with_verl(config: PolicyLossConfig | Mapping[str, Any] | None = None) -> list[str]:
     """Register echotrain's policy losses and BA advantage estimator in verl's registries.
 
     Idempotent (re-registering replaces echotrain's own entries; other entries are untouched).
@@ -317,8 +335,9 @@ def register_with_verl(
     Args:
         config: echotrain-only loss knobs (:class:`PolicyLossConfig` or dict), e.g.
             ``{"batch_clip_low": 0.02, "batch_clip_high": 0.02, "batch_ratio": "geo"}`` for
-            ECHO; default :class:`PolicyLossConfig` (ECHO band ``ECHO_DEFAULT_BATCH_BAND``).
-        ba_scope, ba_count_zero_adv: Balanced-Aggregation flags for ``echotrain_grpo_balanced``.
+            ECHO, and the Balanced-Aggregation flags ``ba_scope`` / ``ba_count_zero_adv`` of
+            ``echotrain_grpo_balanced``; default :class:`PolicyLossConfig` (ECHO band
+            ``ECHO_DEFAULT_BATCH_BAND``).
 
     Returns:
         the registered names (policy losses, then the advantage estimator).
@@ -328,13 +347,7 @@ def register_with_verl(
             says how to install it.
         ValueError: invalid ``config``.
     """
-    try:
-        from verl.trainer.ppo import core_algos
-    except Exception as exc:  # ImportError or a dependency clash raised at import time
-        raise ImportError(
-            f"register_with_verl needs verl's core_algos ({type(exc).__name__}: {exc}); install verl==0.9.1 "
-            "(pip install --no-deps verl==0.9.1 plus the packages of requirements-extras.txt)"
-        ) from exc
+    core_algos = verl_core_algos()
     base = as_policy_loss_config(config)
     names = []
     for verl_name, loss_mode in POLICY_LOSS_NAMES.items():
@@ -343,8 +356,7 @@ def register_with_verl(
         names.append(verl_name)
     for adv_name in ADV_ESTIMATORS:
         # register_adv_est refuses a different function under an existing name: replace ours
-        core_algos.ADV_ESTIMATOR_REGISTRY[adv_name] = make_verl_adv_estimator(
-            ba_scope=ba_scope, ba_count_zero_adv=ba_count_zero_adv)
+        core_algos.ADV_ESTIMATOR_REGISTRY[adv_name] = make_verl_adv_estimator(base)
         names.append(adv_name)
     return names
 

@@ -1,6 +1,6 @@
 """Outcome-reward advantages: one scalar reward r_i per response, grouped by prompt.
 
-design/objectives.md §1. All methods return ``(B,)`` float32; broadcast to tokens with
+docs/design/objectives.md §1. All estimators return ``(B,)`` float32; broadcast to tokens with
 ``advantages[:, None] * response_mask`` (or pass ``(B,)`` to the policy losses directly).
 """
 
@@ -92,7 +92,7 @@ def zero_variance_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> to
 def compute_advantages(
     rewards: torch.Tensor,
     group_index: torch.Tensor,
-    method: str = "grpo",
+    adv_estimator: str = "grpo",
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Group-relative outcome advantages ``(B,)`` float32.
@@ -109,15 +109,15 @@ def compute_advantages(
     Args:
         rewards: ``(B,)`` rewards (any real dtype).
         group_index: ``(B,)`` int prompt ids (any integers; responses of one prompt share one).
-        method: one of :data:`ADV_METHODS`.
+        adv_estimator: one of :data:`ADV_METHODS` (the trainer's ``adv_estimator`` key).
         eps: added to the std (> 0).
 
     Raises:
-        ValueError: unknown method (lists the valid ones), NaN/Inf rewards, shape mismatch,
+        ValueError: unknown estimator (lists the valid ones), NaN/Inf rewards, shape mismatch,
             eps <= 0.
         TypeError: non-tensor inputs or non-integer ``group_index``.
     """
-    check_choice("method", method, ADV_METHODS)
+    check_choice("adv_estimator", adv_estimator, ADV_METHODS)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
     r = rewards.to(torch.float64)
@@ -126,7 +126,7 @@ def compute_advantages(
         return torch.zeros(0, dtype=torch.float32, device=rewards.device)
     count = _group_sum(torch.ones_like(r), ids, n)
     mean = _group_sum(r, ids, n) / count
-    adv = ADV_ESTIMATOR_REGISTRY[method](GroupedRewards(r, ids, n, count, r - mean[ids], eps))
+    adv = ADV_ESTIMATOR_REGISTRY[adv_estimator](GroupedRewards(r, ids, n, count, r - mean[ids], eps))
     adv = torch.where(zero_variance_groups(r, group_index), 0.0, adv)
     return adv.to(torch.float32)
 

@@ -1,7 +1,7 @@
 """Loss aggregation (``loss_agg_mode``): from a per-token loss matrix to the scalar loss.
 
 Every mode is a weighted sum ``loss = sum_i w_i * sum_t M_{i,t} l_{i,t}`` with one weight per
-sequence (``agg_weights``); the modes differ only in the weights (design/objectives.md §5):
+sequence (``agg_weights``); the modes differ only in the weights (docs/design/objectives.md §5):
 
 =========================  ==========================================================
 ``token-mean``             w_i = 1 / N_tokens                     (DAPO)
@@ -127,7 +127,7 @@ class BalancedStats:
         With ``count_zero_adv=True`` (G counts every response) that is every group with a
         response; with ``count_zero_adv=False`` a group whose advantages are all 0 has G = 0 and
         is left out of the mean too, so the loss equals BA on the batch with its zero-advantage
-        responses removed (as DAPO's dynamic sampling would) -- design/objectives.md §5.
+        responses removed (as DAPO's dynamic sampling would) -- docs/design/objectives.md §5.
         """
         return (self.group_size > 0).sum().to(torch.float64)
 
@@ -330,7 +330,7 @@ def agg_loss(
     dp_size: int = 1,
     **weight_args: Any,
 ) -> torch.Tensor:
-    """Aggregate a per-token loss matrix into the scalar loss (design/objectives.md §5).
+    """Aggregate a per-token loss matrix into the scalar loss (docs/design/objectives.md §5).
 
     Args:
         loss_mat: ``(B, T)`` float per-token loss; masked positions are ignored (may hold

@@ -1,16 +1,25 @@
-"""``PolicyLossConfig``: the knobs of every policy loss, named as in verl's actor config.
+"""``PolicyLossConfig``: the single declaration of every policy-loss setting, named as in verl.
 
-One dataclass for all loss modes, so that a config reads the same in the trainer, the CLI, the
-presets and a verl adapter. A plain ``dict`` with the same keys is accepted everywhere a config
-is (see :func:`as_policy_loss_config`).
+One dataclass for all loss modes. Each field carries its default, its help text
+(``metadata["help"]``), its valid choices (``metadata["choices"]``) and its check
+(``metadata["check"]``); :class:`echotrain.train.TrainConfig` and
+:class:`echotrain.integrations.trl.EchoGRPOConfig` add these fields to themselves with
+:func:`with_policy_loss_fields` and validate them with :func:`check_setting`, and the verl adapter
+takes its fallbacks from a :class:`PolicyLossConfig`, so none of them restates a default or a
+check. A new setting is one field here. A plain ``dict`` with the same keys is accepted wherever a
+config is (see :func:`as_policy_loss_config`).
+
+"Unset" has one meaning: ``norm_constant=None`` is the maximum response length of the run
+(the trainer's ``max_new_tokens``, TRL's ``max_completion_length``, verl's ``loss_scale_factor``);
+the pure functions of :mod:`echotrain.rl` raise if it is still None where it is needed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 from echotrain.rl.validation import check_choice
 
@@ -25,86 +34,172 @@ from echotrain.rl.validation import check_choice
 ECHO_DEFAULT_BATCH_BAND: tuple[float, float] = (0.01, 0.01)
 
 BATCH_RATIOS = ("geo", "arith")
-#: ECHO's token-level clip on top of the batch clip (design/objectives.md §4, "open choices").
+#: ECHO's token-level clip on top of the batch clip (docs/design/objectives.md §4, "open choices").
 ECHO_TOKEN_CLIPS = ("ppo", "none", "truncate")
 BA_SCOPES = ("group", "batch")
+
+#: A field's check: value -> None if valid, else what is wrong ("must be ...").
+Check = Callable[[Any], "str | None"]
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _eps(upper: str | None = None) -> Check:
+    """Check of a clip half-width: finite, >= 0 and, with ``upper``, < 1 (``upper`` says why)."""
+
+    def check(v: Any) -> str | None:
+        if not (_is_real(v) and v >= 0):
+            return "must be a finite float >= 0"
+        if upper is not None and v >= 1:
+            return f"must be < 1 ({upper})"
+        return None
+
+    return check
+
+
+def _is_bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "must be a bool"
+
+
+def _setting(default: Any, help: str, check: Check | None = None, choices: tuple | None = None) -> Any:
+    """A :class:`PolicyLossConfig` field: its default, help text, valid choices and check."""
+    return field(default=default, metadata={"help": help, "choices": choices, "check": check})
 
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """Configuration of the policy losses in :data:`echotrain.rl.POLICY_LOSSES`.
 
-    Field names are verl's (``actor_rollout_ref.actor.*``) where verl has the field.
+    Field names are verl's (``actor_rollout_ref.actor.*``) where verl has the field. Each
+    field's help text is ``dataclasses.fields(PolicyLossConfig)[i].metadata["help"]`` (printed by
+    ``echotrain train --help``).
+
+    Raises:
+        ValueError: a value that fails its field's check, naming the field (at construction).
     """
 
-    clip_ratio_low: float = 0.2
-    """Token clip eps_low: rho is clipped below at 1 - eps_low (PPO, arXiv 1707.06347). GRPO 0.2."""
-    clip_ratio_high: float = 0.2
-    """Token clip eps_high: rho is clipped above at 1 + eps_high. DAPO clip-higher: 0.28
-    (arXiv 2503.14476). GSPO uses 3e-4 / 4e-4 on its sequence ratio (arXiv 2507.18071)."""
-    clip_ratio_c: float | None = None
-    """Dual-clip constant c > 1 (arXiv 1912.09729): for A < 0 the loss is capped at -c A.
-    None disables dual-clip (our default; verl's default is 3.0)."""
-    batch_clip_low: float = ECHO_DEFAULT_BATCH_BAND[0]
-    """ECHO: the batch ratio R is clipped below at 1 - batch_clip_low. Provisional default."""
-    batch_clip_high: float = ECHO_DEFAULT_BATCH_BAND[1]
-    """ECHO: the batch ratio R is clipped above at 1 + batch_clip_high. Provisional default."""
-    batch_ratio: str = "geo"
-    """ECHO batch ratio: "geo" = exp(mean log rho) (default, bounds the KL estimate) or
-    "arith" = mean rho (the abstract's "average importance sampling ratio")."""
-    detach_kappa: bool = False
-    """ECHO: True treats kappa = clip(R)/R as a constant (uniform rescaling, no baseline term)."""
-    echo_pessimistic: bool = False
-    """ECHO: apply the batch factor only where it lowers the surrogate: per token
-    J = min(J(rho), J(kappa rho)) (PPO's ``min``, one level up). False (default, provisional):
-    J = J(kappa rho) everywhere, so with R outside the band and every token moving the same way
-    the gradient can vanish. Design §4; the study (issue 12) decides the default."""
-    echo_token_clip: str = "ppo"
-    """ECHO token-level term on top of the batch clip: "ppo" (default: the PPO/DAPO token clip
-    with clip_ratio_low/high and clip_ratio_c), "none" (batch clip only: J = rho~ A) or
-    "truncate" (truncated importance weight, no PPO clip: value min(rho~, c) A, gradient
-    min(rho~, c) A grad log pi, c = echo_token_cap). clip_ratio_low/high/c apply only to "ppo".
-    Design §4; the study decides the default."""
-    echo_token_cap: float = 2.0
-    """ECHO ``echo_token_clip="truncate"``: the cap c >= 1 on rho~ (truncated IS; 2.0 is the
-    cap of truncated importance sampling in Yao et al. 2025, "Your efficient RL framework
-    secretly brings you off-policy RL training"). Unused by the other token clips."""
-    norm_constant: float | None = None
-    """Constant C of ``seq-mean-token-sum-norm`` (Dr. GRPO, arXiv 2503.20783), e.g. the maximum
-    response length. Required by that mode; never the padded width of a batch."""
-    ba_scope: str = "group"
-    """Balanced Aggregation: "group" (per prompt group, default) or "batch" (pooled)."""
-    ba_count_zero_adv: bool = True
-    """Balanced Aggregation: zero-advantage responses count in the group size G (default)."""
-    log_ratio_clamp: float = 20.0
-    """log rho is clamped to +-this before ``exp`` (verl uses 20)."""
+    clip_ratio_low: float = _setting(
+        0.2, "Token clip eps_low: ratio floor 1 - eps_low (PPO, arXiv 1707.06347). PPO/GRPO/DAPO: 0.2; GSPO: 3e-4 "
+        "on its sequence ratio (arXiv 2507.18071).", _eps("ratio floor 1 - eps_low > 0"))
+    clip_ratio_high: float = _setting(
+        0.2, "Token clip eps_high: ratio ceiling 1 + eps_high. GRPO 0.2; DAPO clip-higher 0.28 (arXiv 2503.14476); "
+        "GSPO 4e-4.", _eps())
+    clip_ratio_c: float | None = _setting(
+        None, "Dual-clip constant c (> 1) capping the loss of negative-advantage tokens at -A*c (Dual-clip PPO, "
+        "arXiv 1912.09729; verl uses 3.0). Empty/none disables dual-clip (our default).",
+        lambda v: None if v is None or (_is_real(v) and v > 1) else
+        "must be > 1 for dual-clip PPO (or None to disable)")
+    batch_clip_low: float = _setting(
+        ECHO_DEFAULT_BATCH_BAND[0], "ECHO batch band eps_b_low: R_batch floor 1 - eps_b_low. No published value; "
+        "ours (echotrain.rl.ECHO_DEFAULT_BATCH_BAND): with geo R, 1 - R estimates the step's KL, so the band bounds "
+        "it; a PPO-sized 0.2 would never fire. The logged echo/R_batch_min/max show how often it does "
+        "(docs/benchmarks.md, trainer section). Provisional.", _eps("R floor 1 - eps_b_low > 0"))
+    batch_clip_high: float = _setting(
+        ECHO_DEFAULT_BATCH_BAND[1], "ECHO batch band eps_b_high: R_batch ceiling 1 + eps_b_high (ours, see "
+        "batch_clip_low).", _eps())
+    batch_ratio: str = _setting(
+        "geo", "ECHO batch ratio: geo = exp(mean log rho) (estimates -KL drift; default) or arith = mean rho (the "
+        "abstract's \"average importance sampling ratio\").", choices=BATCH_RATIOS)
+    detach_kappa: bool = _setting(
+        False, "ECHO: detach kappa = R_bar/R (uniform rescaling, no L/R baseline term). Default False.", _is_bool)
+    echo_pessimistic: bool = _setting(
+        False, "ECHO: apply the batch factor kappa only where it lowers the surrogate, per token J = min(J(rho), "
+        "J(kappa*rho)) (PPO's min one level up), so a batch ratio outside the band still pulls back. Default False "
+        "(symmetric rescaling: with R outside the band and every token moving the same way the gradient can "
+        "vanish); open choice decided by the issue-12 study (docs/design/objectives.md §4).", _is_bool)
+    echo_token_clip: str = _setting(
+        "ppo", "ECHO token-level term on top of the batch clip: ppo (PPO/DAPO token clip with clip_ratio_low/high "
+        "and clip_ratio_c; default), none (batch clip only: J = rho~ A), truncate (truncated importance weight "
+        "min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). clip_ratio_* apply only to ppo. Open "
+        "choice decided by the issue-12 study (docs/design/objectives.md §4).", choices=ECHO_TOKEN_CLIPS)
+    echo_token_cap: float = _setting(
+        2.0, "ECHO echo_token_clip=truncate: cap c >= 1 on the rescaled token ratio rho~ (truncated IS; 2.0 as in "
+        "Yao et al. 2025, \"Your efficient RL framework secretly brings you off-policy RL training\"). Unused by "
+        "the other token clips.",
+        lambda v: None if _is_real(v) and v >= 1 else
+        "must be a finite float >= 1 (the truncation cap on rho~; c < 1 would truncate on-policy tokens)")
+    ba_scope: str = _setting(
+        "group", "Balanced Aggregation (arXiv 2605.04077) scope: per prompt group (default) or pooled over the "
+        "batch.", choices=BA_SCOPES)
+    ba_count_zero_adv: bool = _setting(
+        True, "Balanced Aggregation: zero-advantage responses count in the group size G (default).", _is_bool)
+    norm_constant: float | None = _setting(
+        None, "Constant C of seq-mean-token-sum-norm (Dr. GRPO, arXiv 2503.20783). Unset (none) = the maximum "
+        "response length of the run (max_new_tokens; TRL: max_completion_length; verl: loss_scale_factor); never "
+        "the padded width of a batch.",
+        lambda v: None if v is None or (_is_real(v) and v > 0) else "must be > 0 (or none: the max response length)")
+    log_ratio_clamp: float = _setting(
+        20.0, "log rho is clamped to +-this before exp, with zero gradient beyond (verl uses 20).",
+        lambda v: None if _is_real(v) and v > 0 else "must be finite and > 0")  # inf: exp overflows
 
     def __post_init__(self) -> None:
-        for name in ("clip_ratio_low", "clip_ratio_high", "batch_clip_low", "batch_clip_high"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
-        if self.clip_ratio_low >= 1:
-            raise ValueError(f"clip_ratio_low must be < 1 (ratio floor 1 - eps_low > 0), got {self.clip_ratio_low}")
-        if self.batch_clip_low >= 1:
-            raise ValueError(f"batch_clip_low must be < 1, got {self.batch_clip_low}")
-        if self.clip_ratio_c is not None and not (math.isfinite(self.clip_ratio_c) and self.clip_ratio_c > 1.0):
-            raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO (or None to disable), got {self.clip_ratio_c}")
-        check_choice("batch_ratio", self.batch_ratio, BATCH_RATIOS)
-        check_choice("echo_token_clip", self.echo_token_clip, ECHO_TOKEN_CLIPS)
-        if not isinstance(self.echo_pessimistic, bool):
-            raise ValueError(f"echo_pessimistic must be a bool, got {self.echo_pessimistic!r}")
-        c = self.echo_token_cap
-        if isinstance(c, bool) or not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 1):
-            raise ValueError(f"echo_token_cap must be a finite float >= 1 (the truncation cap on rho~), got {c!r}")
-        check_choice("ba_scope", self.ba_scope, BA_SCOPES)
-        if self.norm_constant is not None and not (math.isfinite(self.norm_constant) and self.norm_constant > 0):
-            raise ValueError(f"norm_constant must be > 0, got {self.norm_constant}")
-        if not (self.log_ratio_clamp > 0 and math.isfinite(self.log_ratio_clamp)):  # inf: exp overflows
-            raise ValueError(f"log_ratio_clamp must be finite and > 0, got {self.log_ratio_clamp}")
+        for f in dataclasses.fields(self):
+            check_setting(f, getattr(self, f.name))
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(PolicyLossConfig))
+def check_setting(f: dataclasses.Field, value: Any) -> None:
+    """Validate ``value`` for the :class:`PolicyLossConfig` field ``f`` (its choices, then its check).
+
+    Raises:
+        ValueError: ``"<name>=<value> is unknown; valid: [...]"`` or ``"<name> must be ..., got <value>"``.
+    """
+    if f.metadata.get("choices"):
+        check_choice(f.name, value, f.metadata["choices"])
+    problem = f.metadata["check"](value) if f.metadata.get("check") else None
+    if problem:
+        raise ValueError(f"{f.name} {problem}, got {value!r}")
+
+
+def policy_loss_fields(exclude: tuple[str, ...] = (), keep: tuple[str, ...] | None = None,
+                       **metadata: Any) -> list[tuple[str, Any, dataclasses.Field]]:
+    """``(name, type, Field)`` of every :class:`PolicyLossConfig` setting not in ``exclude``: fresh
+    fields with the same default and metadata (only the keys in ``keep`` if given, plus
+    ``metadata``), for another dataclass."""
+    out = []
+    for f in dataclasses.fields(PolicyLossConfig):
+        if f.name not in exclude:
+            meta = {k: v for k, v in f.metadata.items() if keep is None or k in keep}
+            out.append((f.name, f.type, field(default=f.default, metadata={**meta, **metadata})))
+    return out
+
+
+def with_policy_loss_fields(after: str | None = None, exclude: tuple[str, ...] = (),
+                            keep: tuple[str, ...] | None = None, **metadata: Any):
+    """Class decorator, applied under ``@dataclass``: add every :class:`PolicyLossConfig` field
+    (default and metadata: help, choices, check, or only the keys in ``keep``; ``metadata``
+    added) to the class, right after its field ``after`` (None: at the end), except those in
+    ``exclude``.
+
+    Raises:
+        ValueError: ``after`` is not a field of the class, or a field is declared twice.
+    """
+
+    def wrap(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        extra = policy_loss_fields(exclude, keep, **metadata)
+        clash = sorted(set(own) & {name for name, _, _ in extra})
+        if clash:
+            raise ValueError(f"{cls.__name__} restates PolicyLossConfig field(s) {clash}")
+        if after is not None and after not in own:
+            raise ValueError(f"{cls.__name__} has no field {after!r} to add the PolicyLossConfig fields after")
+        annotations: dict[str, Any] = {}
+        for name, typ in own.items():
+            annotations[name] = typ
+            if name == after:
+                annotations.update({n: t for n, t, _ in extra})
+        annotations.update({n: t for n, t, _ in extra})  # after=None: at the end (no-op otherwise)
+        for name, _, fld in extra:
+            setattr(cls, name, fld)
+        cls.__annotations__ = annotations
+        return cls
+
+    return wrap
+
+
+POLICY_LOSS_FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(PolicyLossConfig)}
+_FIELDS = tuple(POLICY_LOSS_FIELDS)
 
 
 def as_policy_loss_config(config: PolicyLossConfig | Mapping[str, Any] | None) -> PolicyLossConfig:

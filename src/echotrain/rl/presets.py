@@ -1,4 +1,9 @@
-"""Named recipes: advantage method + loss mode + aggregation + clip bands, as the papers set them."""
+"""Named recipes: advantage estimator + loss mode + aggregation + clip bands, as the papers set them.
+
+A preset is data over the trainer's own keys: each field but ``name``, ``config``,
+``overlong_shaping`` and ``source`` is the :class:`echotrain.train.TrainConfig` key of the same
+name, and ``config`` holds the :class:`PolicyLossConfig` fields (also TrainConfig keys).
+"""
 
 from __future__ import annotations
 
@@ -15,14 +20,15 @@ class Preset:
     """One objective recipe. The trainer reads these fields; nothing else is implied."""
 
     name: str
-    adv_method: str  # echotrain.rl.ADV_METHODS
+    adv_estimator: str  # echotrain.rl.ADV_METHODS
     loss_mode: str  # echotrain.rl.POLICY_LOSSES
     loss_agg_mode: str  # echotrain.rl.AGG_MODES
     config: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     kl_coef: float = 0.0  # beta of the KL-to-reference loss term (0: no reference model)
     kl_penalty: str = "k3"  # estimator when kl_coef > 0
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill
-    overlong_shaping: bool = False  # DAPO: soft overlong penalty + overlong filtering
+    # DAPO: soft overlong penalty + overlong filtering (trainer: overlong_buffer_len=-1, overlong_filtering)
+    overlong_shaping: bool = False
     source: str = ""
 
 
@@ -46,7 +52,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "echo": Preset(
         "echo", "grpo", "echo", "token-mean", PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28),
-        source="ECHO (OpenReview); our formulation, design/objectives.md §4; batch band provisional",
+        source="ECHO (OpenReview); our formulation, docs/design/objectives.md §4; batch band provisional",
     ),
 }
 

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from echotrain.optim.schedules import LR_DECAYS
-from echotrain.rl.config import ECHO_DEFAULT_BATCH_BAND
+from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, with_policy_loss_fields
 
 BALANCED_SUFFIX = "+balanced"
 
@@ -45,9 +45,14 @@ def _f(default: Any, help: str, choices: tuple | None = None, group: str = "run"
 
 
 @dataclass
+@with_policy_loss_fields(after="loss_agg_mode", group="objective")
 class TrainConfig:
     """Everything one ``echotrain train`` run needs. Defaults are the embedded default run
-    (ECHO on SmolLM2-135M-Instruct, the tasks module's default task, 2 CPU cores, < 15 min)."""
+    (ECHO on SmolLM2-135M-Instruct, the tasks module's default task, 2 CPU cores, < 15 min).
+
+    The policy-loss settings (``clip_ratio_low`` ... ``log_ratio_clamp``, right after
+    ``loss_agg_mode``) are :class:`echotrain.rl.PolicyLossConfig`'s fields, added by
+    :func:`echotrain.rl.config.with_policy_loss_fields` with their defaults, help and checks."""
 
     # ---- run -------------------------------------------------------------------------------
     preset: str = _f("echo", "Objective preset from echotrain.rl.PRESETS: grpo (DeepSeekMath 2402.03300), dapo (2503.14476), "
@@ -101,52 +106,16 @@ class TrainConfig:
     # ---- objective (defaults come from the preset) ------------------------------------------
     adv_estimator: str = _f("grpo", "Advantage estimator (echotrain.rl.compute_advantages): grpo = (r-mean)/std per group; "
                             "grpo_no_std = Dr. GRPO r-mean; batch_std = group-centred, batch-std scaled.",
-                            ("grpo", "grpo_no_std", "batch_std"), group="objective")
+                            group="objective")
     loss_mode: str = _f("echo", "Policy loss from echotrain.rl.POLICY_LOSSES: vanilla (token PPO clip), gspo, gspo_token, echo.",
                         group="objective")
     loss_agg_mode: str = _f("token-mean", "Loss aggregation (echotrain.rl.AGG_MODES): token-mean (DAPO), seq-mean-token-mean "
                             "(GRPO), seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO), balanced (BA, 2605.04077). "
                             "Normalisers are global to the optimizer step.", group="objective")
-    clip_ratio_low: float = _f(0.2, "Token clip eps_low: ratio floor 1 - eps_low. PPO/GRPO/DAPO: 0.2; GSPO: 3e-4.", group="objective")
-    clip_ratio_high: float = _f(0.28, "Token clip eps_high: ratio ceiling 1 + eps_high. GRPO 0.2; DAPO clip-higher 0.28; "
-                                "GSPO 4e-4.", group="objective")
-    clip_ratio_c: float | None = _f(None, "Dual-clip constant c (> 1) capping the loss of negative-advantage tokens at "
-                                    "-A*c (Dual-clip PPO, 1912.09729; verl uses 3.0). Empty/none disables dual-clip.",
-                                    group="objective")
-    batch_clip_low: float = _f(ECHO_DEFAULT_BATCH_BAND[0], "ECHO batch band eps_b_low: R_batch floor 1 - eps_b_low. No "
-                               "published value; ours (echotrain.rl.ECHO_DEFAULT_BATCH_BAND): with geo R, 1 - R estimates "
-                               "the step's KL, so the band bounds it; a PPO-sized 0.2 would never fire. The logged "
-                               "echo/R_batch_min/max show how often it does (docs/benchmarks.md, trainer section).",
-                               group="objective")
-    batch_clip_high: float = _f(ECHO_DEFAULT_BATCH_BAND[1], "ECHO batch band eps_b_high: R_batch ceiling 1 + eps_b_high (ours, see batch_clip_low).",
-                                group="objective")
-    batch_ratio: str = _f("geo", "ECHO batch ratio: geo = exp(mean log rho) (estimates -KL drift; default) or arith = mean rho.",
-                          ("geo", "arith"), group="objective")
-    detach_kappa: bool = _f(False, "ECHO: detach kappa = R_bar/R (uniform rescaling, no L/R baseline term). Default False.",
-                            group="objective")
-    echo_pessimistic: bool = _f(False, "ECHO: apply the batch factor kappa only where it lowers the surrogate, per token "
-                                "J = min(J(rho), J(kappa*rho)) (PPO's min one level up), so a batch ratio outside the band "
-                                "still pulls back. Default False (today's symmetric rescaling); open choice decided by the "
-                                "issue-12 study (docs/design/objectives.md §4).", group="objective")
-    echo_token_clip: str = _f("ppo", "ECHO token-level term on top of the batch clip: ppo (PPO/DAPO token clip with "
-                              "clip_ratio_low/high; default), none (batch clip only), truncate (truncated importance "
-                              "weight min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). clip_ratio_* "
-                              "apply only to ppo. Open choice decided by the issue-12 study "
-                              "(docs/design/objectives.md §4).",
-                              ("ppo", "none", "truncate"), group="objective")
-    echo_token_cap: float = _f(2.0, "ECHO echo_token_clip=truncate: cap c >= 1 on the rescaled token ratio rho~ "
-                               "(truncated IS; 2.0 as in Yao et al. 2025's truncated importance sampling).",
-                               group="objective")
-    ba_scope: str = _f("group", "Balanced Aggregation scope: per prompt group (default) or pooled over the batch.",
-                       ("group", "batch"), group="objective")
-    ba_count_zero_adv: bool = _f(True, "Balanced Aggregation: zero-advantage responses count in the group size G (default).",
-                                 group="objective")
-    norm_constant: float = _f(0.0, "Constant C of seq-mean-token-sum-norm (Dr. GRPO); 0 = max_new_tokens. Never the padded "
-                              "width of a batch.", group="objective")
     kl_coef: float = _f(0.0, "beta of the KL penalty to the initial (reference) policy; 0 disables and skips the reference "
                         "model. GRPO used 0.04; DAPO and Dr. GRPO drop it (0).", group="objective")
     kl_penalty: str = _f("k3", "KL estimator (echotrain.rl.kl_penalty): k1, k2 or k3 (Schulman's unbiased, low-variance; "
-                         "GRPO's choice).", ("k1", "k2", "k3"), group="objective")
+                         "GRPO's choice).", group="objective")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose correctness is all 0 or all 1 and refill "
                                 "the batch with new prompts.", group="objective")
     max_sampling_rounds: int = _f(3, "Dynamic sampling: at most this many generate rounds per step; a step keeps whatever "
@@ -258,23 +227,13 @@ class TrainConfig:
         """Plain dict of every field (what config.yaml stores)."""
         return dataclasses.asdict(self)
 
-    def policy_loss_config(self) -> dict[str, Any]:
-        """The keys of :class:`echotrain.rl.PolicyLossConfig` taken from this config."""
-        return {
-            "clip_ratio_low": self.clip_ratio_low,
-            "clip_ratio_high": self.clip_ratio_high,
-            "clip_ratio_c": self.clip_ratio_c,
-            "batch_clip_low": self.batch_clip_low,
-            "batch_clip_high": self.batch_clip_high,
-            "batch_ratio": self.batch_ratio,
-            "detach_kappa": self.detach_kappa,
-            "echo_pessimistic": self.echo_pessimistic,
-            "echo_token_clip": self.echo_token_clip,
-            "echo_token_cap": self.echo_token_cap,
-            "norm_constant": float(self.norm_constant or self.max_new_tokens),
-            "ba_scope": self.ba_scope,
-            "ba_count_zero_adv": self.ba_count_zero_adv,
-        }
+    def policy_loss_config(self) -> PolicyLossConfig:
+        """The :class:`echotrain.rl.PolicyLossConfig` of this run (unset ``norm_constant`` =
+        ``max_new_tokens``, the run's maximum response length)."""
+        values = {name: getattr(self, name) for name in POLICY_LOSS_FIELDS}
+        if values["norm_constant"] is None:
+            values["norm_constant"] = float(self.max_new_tokens)
+        return PolicyLossConfig(**values)
 
     @property
     def overlong_buffer(self) -> int:
@@ -305,20 +264,10 @@ def preset_values(name: str) -> dict[str, Any]:
     if base not in PRESETS:
         raise ConfigError(_unknown_msg("preset", name, preset_names()))
     preset = get_preset(base)
-    raw: dict[str, Any] = {
-        "adv_estimator": preset.adv_method,
-        "loss_mode": preset.loss_mode,
-        "loss_agg_mode": preset.loss_agg_mode,
-        "kl_coef": preset.kl_coef,
-        "kl_penalty": preset.kl_penalty,
-        "dynamic_sampling": preset.dynamic_sampling,
-        "overlong_buffer_len": -1 if preset.overlong_shaping else 0,
-        "overlong_filtering": bool(preset.overlong_shaping),
-    }
-    for key, value in dataclasses.asdict(preset.config).items():
-        if key in FIELDS and value is not None:
-            raw[key] = value
-    raw["clip_ratio_c"] = preset.config.clip_ratio_c
+    raw = {f.name: getattr(preset, f.name) for f in fields(preset) if f.name in FIELDS}
+    raw.update(dataclasses.asdict(preset.config))
+    raw["overlong_buffer_len"] = -1 if preset.overlong_shaping else 0
+    raw["overlong_filtering"] = bool(preset.overlong_shaping)
     if balanced:
         raw["loss_agg_mode"] = "balanced"
     return raw
@@ -461,14 +410,24 @@ def _safe_load_file(p: Path, what: str) -> Any:
 LEGACY_REPORT_KEYS = ("tensorboard", "wandb")
 
 
+def _is_zero(value: Any) -> bool:
+    try:
+        return value is not None and not isinstance(value, bool) and float(value) == 0
+    except (TypeError, ValueError):
+        return False
+
+
 def _legacy_keys(values: dict[str, Any] | None) -> dict[str, Any]:
-    """Map the old ``tensorboard=``/``wandb=`` booleans onto ``report_to`` (a config.yaml saved
-    before ``report_to`` existed still resumes).
+    """Map the old ``tensorboard=``/``wandb=`` booleans onto ``report_to``, and the old
+    ``norm_constant=0`` (then: use max_new_tokens) onto unset ``None`` (same meaning), so a
+    config.yaml saved before either change still resumes.
 
     Raises:
         ConfigError: a value that is not a boolean.
     """
     values = dict(values or {})
+    if _is_zero(values.get("norm_constant")):  # before one meaning of unset: 0 = max_new_tokens
+        values["norm_constant"] = None
     extra = []
     for key in LEGACY_REPORT_KEYS:
         if key in values:
@@ -520,6 +479,14 @@ def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[st
     return cfg
 
 
+def _registry_choices() -> dict[str, tuple[str, ...]]:
+    """Keys whose valid values are the names in an :mod:`echotrain.rl` registry, read at call time."""
+    import echotrain.rl as rl
+
+    return {"adv_estimator": tuple(rl.ADV_METHODS), "loss_mode": tuple(rl.POLICY_LOSSES),
+            "loss_agg_mode": tuple(rl.AGG_MODES), "kl_penalty": tuple(rl.KL_ESTIMATORS)}
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check every value of ``cfg`` before any work.
 
@@ -536,6 +503,12 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(_unknown_msg(f.name, v, list(choices)))
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"{f.name}={v!r} must be finite")
+        problem = f.metadata["check"](v) if f.metadata.get("check") else None  # PolicyLossConfig's checks
+        if problem:
+            raise ConfigError(f"{f.name}={v!r}: {problem}")
+    for key, names in _registry_choices().items():
+        if getattr(cfg, key) not in names:
+            raise ConfigError(_unknown_msg(key, getattr(cfg, key), list(names)))
     if cfg.preset not in preset_names():
         raise ConfigError(_unknown_msg("preset", cfg.preset, preset_names()))
     if cfg.loss_mode not in POLICY_LOSSES:
@@ -563,17 +536,8 @@ def validate(cfg: TrainConfig) -> None:
          f"must be <= prompts_per_step={cfg.prompts_per_step} (mini-batches hold whole groups)")
     need(cfg.temperature > 0, "temperature", "must be > 0 (RL needs sampling)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
-    need(0 <= cfg.clip_ratio_low < 1, "clip_ratio_low", "must be in [0, 1)")
-    need(cfg.clip_ratio_high >= 0, "clip_ratio_high", "must be >= 0")
-    need(cfg.clip_ratio_c is None or cfg.clip_ratio_c > 1, "clip_ratio_c",
-         "must be > 1 (dual-clip constant; Dual-clip PPO 1912.09729) or none to disable")
-    need(0 <= cfg.batch_clip_low < 1, "batch_clip_low", "must be in [0, 1)")
-    need(cfg.batch_clip_high >= 0, "batch_clip_high", "must be >= 0")
     need(cfg.model != "testbed" or cfg.task == "testbed", "task",
          "model=testbed speaks bare arithmetic with a byte tokenizer (no chat template): use task=testbed")
-    need(cfg.echo_token_cap >= 1, "echo_token_cap", "must be >= 1 (cap c on the rescaled token ratio rho~; "
-         "c < 1 would truncate on-policy tokens)")
-    need(cfg.norm_constant >= 0, "norm_constant", "must be >= 0 (0 = max_new_tokens)")
     need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
     need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",
          f"must be -1 (auto), 0 (off) or in [1, max_new_tokens={cfg.max_new_tokens})")
@@ -630,7 +594,7 @@ def _check_learning_signal(cfg: TrainConfig) -> None:
     from echotrain.rl import compute_advantages
 
     if cfg.num_generations == 1:
-        probe = compute_advantages(torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), method=cfg.adv_estimator)
+        probe = compute_advantages(torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), adv_estimator=cfg.adv_estimator)
         if not probe.any():
             raise ConfigError(
                 f"num_generations=1: adv_estimator={cfg.adv_estimator!r} centres rewards within each prompt's group, "
@@ -647,13 +611,14 @@ def _check_learning_signal(cfg: TrainConfig) -> None:
 def format_help() -> str:
     """The option reference printed by ``echotrain train --help``: every key, its default and help."""
     lines, group = [], None
+    registry_choices = _registry_choices()
     for f in fields(TrainConfig):
         g = f.metadata.get("group", "run")
         if g != group:
             lines.append(f"\n{g} keys:")
             group = g
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        choices = f.metadata.get("choices")
+        choices = f.metadata.get("choices") or registry_choices.get(f.name)
         extra = f" choices: {', '.join(map(str, choices))}." if choices else ""
         body = textwrap.fill(f"{f.metadata['help']}{extra}", width=96, initial_indent="      ",
                              subsequent_indent="      ")

@@ -550,7 +550,7 @@ class Trainer:
         t_update = time.perf_counter()
 
         # 3. advantages (one scalar per response, broadcast over its tokens)
-        adv = compute_advantages(rewards, batch.group_index, method=cfg.adv_estimator)
+        adv = compute_advantages(rewards, batch.group_index, adv_estimator=cfg.adv_estimator)
         advantages = adv.unsqueeze(-1) * response_mask
 
         # the mini-batches of whole groups, per PPO epoch (rank 0 draws the split; every rank uses it)

@@ -21,6 +21,19 @@ from echotrain.train.rollout import concat_rollouts, generate_rollouts, generate
 from echotrain.train.step import StepData
 
 
+def default_reward_fn(task: Any, reward: str = "") -> Any:
+    """``echotrain.rewards.RewardFunction`` of ``task`` (timeouts, format check), scoring with
+    the custom reward ``reward`` (a ``module:function`` spec, see :mod:`echotrain.rewards.custom`)
+    when given, else with the task's own scorer."""
+    from echotrain.rewards import RewardFunction
+
+    if reward:
+        from echotrain.rewards.custom import CustomRewardTask, load_reward
+
+        return RewardFunction(CustomRewardTask(task, load_reward(reward)))
+    return RewardFunction(task)
+
+
 class PromptStream:
     """Reproducible prompts with a resumable position: draw ``d`` is ``task.sample(n, seed_d)``
     with ``seed_d`` derived from the run seed and ``d``; the position is the draw counter."""

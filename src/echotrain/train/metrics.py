@@ -123,6 +123,40 @@ def sample_rows(step: int, data: StepData, log_samples: int) -> list[dict[str, A
     ]
 
 
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` via a temporary file and ``os.replace``."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, p)
+
+
+def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: str, model: Any, task_name: str,
+             task: Any, world_size: int, dist_backend: str, lora: bool) -> dict[str, Any]:
+    """``run_info.json``'s content: what ``auto`` / ``0`` / empty config values resolved to in a
+    run (device, threads, model, task) and the library versions, for reproducing it."""
+    import platform
+
+    import transformers
+
+    import echotrain
+
+    return {
+        "run_dir": str(run_dir),
+        "device": str(device),
+        "torch_num_threads": torch.get_num_threads(),
+        "model": model_name or "smollm2-135m-instruct (embedded default)",
+        "model_class": type(model).__name__,
+        "task": task_name,
+        "task_class": type(task).__name__,
+        "world_size": world_size,
+        "dist_backend": dist_backend,
+        "lora": lora,
+        "versions": {"echotrain": echotrain.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+    }
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of a JSONL file ([] if missing)."""
     p = Path(path)

@@ -1,23 +1,18 @@
 """The RL trainer: orchestration only; every formula comes from :mod:`echotrain.rl`.
 
-One training step, top to bottom (:meth:`Trainer.train_step`), in the spirit of CleanRL's ppo.py:
+One training step (:meth:`Trainer.train_step`) reads top to bottom, in the spirit of CleanRL's ppo.py:
 
-1. rollout   sample B prompts, G completions each, in one batched ``generate`` call (KV cache)
-2. reward    score the completions (task scorer with timeouts); DAPO overlong shaping;
+1. collect   B prompts x G completions per round, each round scored (``train/collect.py``);
              DAPO dynamic sampling keeps only groups with mixed correctness and refills
+2. score     DAPO overlong reward shaping; overlong filtering of the loss mask
 3. advantage group-relative advantages (``compute_advantages``)
-4. old log-probs of the sampled tokens under the rollout policy (no grad), the reference
-   policy's when ``kl_coef > 0``, and the token entropy
-5. update    for each PPO epoch, for each mini-batch of whole groups (one optimizer step each):
-             [ECHO no-grad pre-pass] -> step-global statistics -> per micro-batch forward,
-             ``compute_policy_loss(..., step=stats)`` (+ KL) and ``backward`` -> clip grad norm
-             -> optimizer step -> scheduler step. With ``optimizer=sam`` / ``late_sam`` the
-             forward/backward passes and the clipping form a closure that SAM calls twice
-             (at w and at w + e; Foret et al. 2021), from ``sam_start`` on for late_sam.
-6. metrics   one line of metrics.jsonl, sample completions, progress bar, checkpoint
+4. old log-probs of the sampled tokens under the rollout policy (no grad), the token entropy,
+   and the reference policy's when ``kl_coef > 0``
+5. update    one optimizer step per mini-batch of whole groups, exactly micro-batched
+             (``train/update.py``: ECHO pre-pass, step statistics, SAM closure)
+6. metrics   one line of metrics.jsonl (``train/metrics.py``), samples, progress bar, checkpoint
 
-With more than one mini-batch (or epoch) the later optimizer steps are off-policy, which is
-where ECHO's batch clip and GSPO's sequence ratio differ from token-level PPO.
+The step's data travels as one :class:`echotrain.train.step.StepData`.
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
 import math
 import os
 import time
@@ -37,15 +31,16 @@ import torch
 
 from echotrain.optim.sam import SAM
 from echotrain.rl import compute_advantages, overlong_reward_penalty, truncated_response_mask
-from echotrain.train.checkpoint import (latest_valid_checkpoint, load_checkpoint, save_checkpoint, seed_everything,
-                                        set_rng_state)
-from echotrain.train.collect import Collector, PromptStream
+from echotrain.train.checkpoint import resume_from, save_checkpoint, seed_everything
+from echotrain.train.collect import Collector, PromptStream, default_reward_fn
 from echotrain.train.config import TrainConfig, save_config
-from echotrain.train.dist import WorldSizeMismatch, init_distributed, rank_seed
-from echotrain.train.lora import apply_lora, is_lora, load_model_state, model_state, reference_policy, save_final_model
-from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, read_jsonl, sample_rows, step_record,
-                                     truncate_jsonl)
+from echotrain.train.dist import init_distributed, rank_seed
+from echotrain.train.features import prepare_policy
+from echotrain.train.lora import is_lora, model_state, reference_policy, save_final_model
+from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, read_jsonl, run_info, sample_rows,
+                                     step_record, write_json_atomic)
 from echotrain.train.rollout import RolloutBatch
+from echotrain.train.stability import stability_flags
 from echotrain.train.step import StepData
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
                                     update_mini_batch)
@@ -124,47 +119,17 @@ class Trainer:
             from echotrain.models import load_policy
 
             model, tokenizer = load_policy(cfg.model, dtype=dtype, device=str(self.device))
-        self.model = model.to(self.device)
-        if cfg.lora_r > 0:
-            self.model = apply_lora(self.model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                                    target_modules=cfg.lora_target_modules)
-        self.dist.broadcast_params(self.model)  # every rank starts from rank 0's weights (and adapters)
-        # no dropout: the ECHO pre-pass and the with-grad pass must see the same function
-        self.model.eval()
-        if cfg.gradient_checkpointing:
-            from echotrain.train.features import enable_gradient_checkpointing
-
-            enable_gradient_checkpointing(self.model)
-        if cfg.chat_template:
-            from echotrain.train.features import read_chat_template
-
-            tokenizer.chat_template = read_chat_template(cfg.chat_template)
-        self.tokenizer = tokenizer
+        self.model, self.tokenizer = prepare_policy(model, tokenizer, cfg, self.device, self.dist)
         if task is None:
             from echotrain.tasks import get_task
 
             task = get_task(cfg.task, **cfg.task_options)
-        if eval_task is None and cfg.eval_prompts > 0 and callable(getattr(task, "eval_task", None)):
-            eval_task = task.eval_task()  # the task's own held-out split (e.g. the testbed task)
         if eval_task is None and cfg.eval_prompts > 0:
-            eval_task = task
-            if "seed" in getattr(task, "__dict__", {}):  # other questions than the training ones
-                from echotrain.tasks import get_task
+            from echotrain.train.evaluate import default_eval_task
 
-                try:
-                    eval_task = get_task(cfg.task, **{**cfg.task_options, "seed": int(task.seed) + 1})
-                except (KeyError, TypeError, ValueError):
-                    eval_task = task
+            eval_task = default_eval_task(task, cfg.task, cfg.task_options)
         self.task, self.eval_task = task, eval_task
-        if reward_fn is None:
-            from echotrain.rewards import RewardFunction
-
-            if cfg.reward:
-                from echotrain.rewards.custom import CustomRewardTask, load_reward
-
-                reward_fn = RewardFunction(CustomRewardTask(task, load_reward(cfg.reward)))
-            else:
-                reward_fn = RewardFunction(task)
+        reward_fn = default_reward_fn(task, cfg.reward) if reward_fn is None else reward_fn
         self.ref_model = None
         if cfg.kl_coef > 0 and not is_lora(self.model):  # LoRA: the reference is the model with adapters off
             self.ref_model = copy.deepcopy(self.model).eval()
@@ -184,41 +149,19 @@ class Trainer:
         if cfg.rollout_rng == "stream" and self.dist.rank > 0:  # each rank samples its own stream
             seed_everything(rank_seed(cfg.seed, self.dist.rank))
         if resume:
-            self._resume()
+            self.start_step = resume_from(self.run_dir, model=self.model, optimizer=self.optimizer,
+                                          scheduler=self.scheduler, data=self.prompts, dist=self.dist,
+                                          device=self.device)
         self.logger: Any = NullLogger()
         if self.dist.is_main:  # rank 0 alone writes the run directory
             # the run directory actually used, so the saved config reruns / resumes into it
             save_config(dataclasses.replace(cfg, output_dir=str(self.run_dir)), self.run_dir / "config.yaml")
-            self._write_run_info()
+            write_json_atomic(self.run_dir / "run_info.json", run_info(
+                run_dir=self.run_dir, device=self.device, model_name=cfg.model, model=self.model, task_name=cfg.task,
+                task=self.task, world_size=self.dist.world_size, dist_backend=self.dist.backend,
+                lora=is_lora(self.model)))
             self.logger = MetricsLogger(self.run_dir, report_to=cfg.report_to, project=cfg.wandb_project,
                                         config=cfg.to_dict())
-
-    def _write_run_info(self) -> None:
-        """``run_info.json``: what ``auto`` / ``0`` / empty config values resolved to in this run
-        (device, threads, model, task) and the library versions, for reproducing it."""
-        import platform
-
-        import transformers
-
-        import echotrain
-
-        info = {
-            "run_dir": str(self.run_dir),
-            "device": str(self.device),
-            "torch_num_threads": torch.get_num_threads(),
-            "model": self.cfg.model or "smollm2-135m-instruct (embedded default)",
-            "model_class": type(self.model).__name__,
-            "task": self.cfg.task,
-            "task_class": type(self.task).__name__,
-            "world_size": self.dist.world_size,
-            "dist_backend": self.dist.backend,
-            "lora": is_lora(self.model),
-            "versions": {"echotrain": echotrain.__version__, "torch": torch.__version__,
-                         "transformers": transformers.__version__, "python": platform.python_version()},
-        }
-        tmp = self.run_dir / "run_info.json.tmp"
-        tmp.write_text(json.dumps(info, indent=2) + "\n")
-        os.replace(tmp, self.run_dir / "run_info.json")
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """``cfg.optimizer`` on the trainable parameters. ``sam`` / ``late_sam`` wrap ``cfg.sam_base``
@@ -239,33 +182,6 @@ class Trainer:
                               sam_start_unit="fraction", total_steps=self.total_updates,
                               restart_momentum=cfg.sam_restart_momentum)
         return build_optimizer(cfg.optimizer, params, **opt_kwargs)
-
-    # ------------------------------------------------------------------ resume
-    def _resume(self) -> None:
-        path, damaged = latest_valid_checkpoint(self.run_dir)
-        if path is None:
-            extra = f"; damaged: {', '.join(map(str, damaged))}" if damaged else ""
-            raise FileNotFoundError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}{extra}")
-        state = load_checkpoint(path, map_location=self.device)
-        saved_world = int(state.get("extra", {}).get("world_size", 1))
-        if saved_world != self.dist.world_size:
-            raise WorldSizeMismatch(
-                f"--resume: {path} was written by a run of {saved_world} process(es) and this run has "
-                f"{self.dist.world_size}; resume with the same number (torchrun --nproc_per_node {saved_world}): "
-                "each rank's RNG stream is part of the checkpoint, so another world size cannot continue it exactly")
-        load_model_state(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.prompts.load_state_dict(state["data"])
-        rngs = state.get("extra", {}).get("rng_ranks")
-        set_rng_state(rngs[self.dist.rank] if rngs else state["rng"])
-        self.start_step = int(state["step"])
-        if not self.dist.is_main:
-            return
-        truncate_jsonl(self.run_dir / "metrics.jsonl", self.start_step)
-        truncate_jsonl(self.run_dir / "samples.jsonl", self.start_step)
-        truncate_jsonl(self.run_dir / "eval.jsonl", self.start_step)
 
     # ------------------------------------------------------------------ 4. log-probs
     def _log_probs(self, model: Any, batch: RolloutBatch, with_entropy: bool = False,
@@ -377,13 +293,11 @@ class Trainer:
         """Run steps ``start_step+1 .. cfg.steps``; returns all metrics records of the run."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        bar = None
         main = self.dist.is_main
-        if cfg.progress and main:
-            from tqdm.auto import tqdm
+        from tqdm.auto import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"echotrain {cfg.preset}", unit="step",
-                       dynamic_ncols=True)
+        bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"echotrain {cfg.preset}", unit="step",
+                   dynamic_ncols=True, disable=not (cfg.progress and main))
         try:
             if cfg.eval_prompts and self.start_step == 0 and main:
                 self.evaluate(0)
@@ -393,10 +307,9 @@ class Trainer:
                     record.update(self.evaluate(step))
                 self.logger.log(record)
                 self.logger.log_samples(self._samples)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{record['reward/mean']:.3f}", acc=f"{record['accuracy']:.3f}",
-                                    len=f"{record['response_length/mean']:.0f}")
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward/mean']:.3f}", acc=f"{record['accuracy']:.3f}",
+                                len=f"{record['response_length/mean']:.0f}")
                 for cb in self.callbacks:
                     cb(step, record)
                 if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
@@ -404,14 +317,14 @@ class Trainer:
                     if cfg.plots and step != cfg.steps and main:
                         self.write_plots()
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
             self.logger.close()
         self.dist.barrier()
         records = read_jsonl(self.run_dir / "metrics.jsonl")
         if not main:
             return records
-        stability = self.write_stability(records)
+        stability = stability_flags(records)
+        write_json_atomic(self.run_dir / "stability.json", stability)
         if cfg.plots:
             self.write_plots(records)
         if cfg.save_final_model and hasattr(self.model, "save_pretrained"):
@@ -423,16 +336,6 @@ class Trainer:
             print_summary(records, self.run_dir, self.train_seconds, evals=read_jsonl(self.run_dir / "eval.jsonl"),
                           steps_run=(self.start_step + 1, cfg.steps), stability=stability)
         return records
-
-    def write_stability(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """``stability.json``: the run's stability flags (:func:`echotrain.train.stability.stability_flags`)."""
-        from echotrain.train.stability import stability_flags
-
-        result = stability_flags(records)
-        tmp = self.run_dir / "stability.json.tmp"
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, self.run_dir / "stability.json")
-        return result
 
     def write_plots(self, records: list[dict[str, Any]] | None = None) -> list[Path]:
         from echotrain.train.plots import plot_metrics

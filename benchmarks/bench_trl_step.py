@@ -236,10 +236,10 @@ def main(argv=None) -> dict:
     records: dict[str, list[dict]] = {"trl": [], "echotrain": []}
     loads: list[float] = []
     ours_t, trl_t = Timers(), Timers()
-    import echotrain.train.trainer as trainer_module
+    import echotrain.train.collect as collect_module
 
-    _wrap(trainer_module, "generate_rollouts", ours_t, "generation")
-    _wrap(ours, "reward_fn", ours_t, "scoring")
+    _wrap(collect_module, "generate_rollouts", ours_t, "generation")
+    _wrap(ours.collector, "reward_fn", ours_t, "scoring")
     _wrap(ours, "_log_probs", ours_t, "forward")
     _wrap(ours, "_log_probs_batched", ours_t, "old_log_prob")
     _wrap(ours.optimizer, "step", ours_t, "optimizer")

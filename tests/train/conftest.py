@@ -114,3 +114,31 @@ def digit_task():
 def make_tiny_model():
     """The factory ``make_model(tokenizer, seed=0)`` (a fresh model per call)."""
     return make_model
+
+
+@pytest.fixture
+def build_trainer(tmp_path, tiny_tokenizer, make_tiny_model, digit_task):
+    """build_trainer(base, name="run", model=None, resume=False, callbacks=(), **config overrides) -> a
+    Trainer of config ``{**base, **overrides}`` on the tiny Llama (a fresh one unless ``model``) and the
+    digit task, writing to ``tmp_path / name``."""
+    from echotrain.train.config import resolve_config
+    from echotrain.train.trainer import Trainer
+
+    def _build(base, name="run", model=None, resume=False, callbacks=(), **over):
+        cfg = resolve_config(overrides={**base, "output_dir": str(tmp_path / name), **over})
+        model = make_tiny_model(tiny_tokenizer) if model is None else model
+        return Trainer(cfg, model=model, tokenizer=tiny_tokenizer, task=digit_task, resume=resume,
+                       callbacks=callbacks)
+
+    return _build
+
+
+@pytest.fixture
+def run_trainer(build_trainer):
+    """run_trainer(base, name="run", **as build_trainer) -> (trainer, trainer.train())."""
+
+    def _run(base, name="run", **kw):
+        trainer = build_trainer(base, name, **kw)
+        return trainer, trainer.train()
+
+    return _run

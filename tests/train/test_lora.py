@@ -3,6 +3,8 @@ copy), checkpoints hold adapters + optimizer state and resume exactly, final_mod
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -13,7 +15,6 @@ from echotrain.train.config import ConfigError, resolve_config  # noqa: E402
 from echotrain.train.lora import reference_policy  # noqa: E402
 from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES  # noqa: E402
 from echotrain.train.rollout import forward_log_probs, generate_rollouts  # noqa: E402
-from echotrain.train.trainer import Trainer  # noqa: E402
 
 BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=8,
             num_mini_batches=2, lr=2e-2, device="cpu", progress=False, plots=False, save_final_model=False,
@@ -21,14 +22,8 @@ BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, mi
 
 
 @pytest.fixture
-def lora_run(tmp_path, tiny_tokenizer, make_tiny_model, digit_task):
-    def _run(name="run", callbacks=(), resume=False, **over):
-        cfg = resolve_config(overrides={**BASE, "output_dir": str(tmp_path / name), **over})
-        trainer = Trainer(cfg, model=make_tiny_model(tiny_tokenizer), tokenizer=tiny_tokenizer, task=digit_task,
-                          resume=resume, callbacks=callbacks)
-        return trainer, trainer.train()
-
-    return _run
+def lora_run(run_trainer):
+    return functools.partial(run_trainer, BASE)
 
 
 def test_only_adapters_change_and_reference_is_the_base_model(lora_run, tiny_tokenizer, make_tiny_model):

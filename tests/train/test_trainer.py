@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -9,9 +10,7 @@ import pytest
 import torch
 import yaml
 
-from echotrain.train.config import resolve_config
 from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES, read_jsonl
-from echotrain.train.trainer import Trainer
 
 BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=4,
             num_mini_batches=2, lr=1e-2, temperature=1.0, device="cpu", progress=False, plots=False,
@@ -24,16 +23,9 @@ REQUIRED = ["step", "reward/mean", "reward/std", "accuracy", "format_rate", "res
 
 
 @pytest.fixture
-def run(tmp_path, tiny_tokenizer, make_tiny_model, digit_task):
+def run(run_trainer):
     """run(name, callbacks=(), resume=False, **config overrides) -> (trainer, records)."""
-
-    def _run(name="run", callbacks=(), resume=False, **over):
-        cfg = resolve_config(overrides={**BASE, "output_dir": str(tmp_path / name), **over})
-        trainer = Trainer(cfg, model=make_tiny_model(tiny_tokenizer), tokenizer=tiny_tokenizer, task=digit_task,
-                          resume=resume, callbacks=callbacks)
-        return trainer, trainer.train()
-
-    return _run
+    return functools.partial(run_trainer, BASE)
 
 
 def test_train_loop_writes_metrics_and_outputs(run, tmp_path, tiny_tokenizer, make_tiny_model):

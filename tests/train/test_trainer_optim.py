@@ -3,6 +3,7 @@ KL penalty aggregated with the step's normalisers (all on the tiny Llama of conf
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -19,16 +20,9 @@ BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, mi
 
 
 @pytest.fixture
-def make_trainer(tmp_path, tiny_tokenizer, make_tiny_model, digit_task):
+def make_trainer(build_trainer):
     """make_trainer(name, model=None, resume=False, callbacks=(), **config overrides) -> Trainer."""
-
-    def _make(name="run", model=None, resume=False, callbacks=(), **over):
-        cfg = resolve_config(overrides={**BASE, "output_dir": str(tmp_path / name), **over})
-        model = make_tiny_model(tiny_tokenizer) if model is None else model
-        return Trainer(cfg, model=model, tokenizer=tiny_tokenizer, task=digit_task, resume=resume,
-                       callbacks=callbacks)
-
-    return _make
+    return functools.partial(build_trainer, BASE)
 
 
 def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:

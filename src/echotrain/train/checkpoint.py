@@ -160,3 +160,47 @@ def latest_valid_checkpoint(run_dir: str | os.PathLike) -> tuple[Path | None, li
             return p, damaged
         damaged.append(p)
     return None, damaged
+
+
+def resume_from(run_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: Any, data: Any, dist: Any, device: torch.device) -> int:
+    """Restore a run from the latest valid checkpoint in ``run_dir``: model (or LoRA adapters),
+    optimizer, scheduler, ``data`` (``load_state_dict``: the prompt stream position) and this
+    rank's RNG state. Rank 0 then drops the metrics / samples / eval lines after it (they are
+    recomputed). ``dist``: the run's :class:`echotrain.train.dist.DistContext`.
+
+    Returns:
+        the checkpoint's step.
+
+    Raises:
+        FileNotFoundError: no readable checkpoint (names the damaged ones).
+        echotrain.train.dist.WorldSizeMismatch: written by another number of processes.
+    """
+    from echotrain.train.dist import WorldSizeMismatch
+    from echotrain.train.lora import load_model_state
+    from echotrain.train.metrics import truncate_jsonl
+
+    run_dir = Path(run_dir)
+    path, damaged = latest_valid_checkpoint(run_dir)
+    if path is None:
+        extra = f"; damaged: {', '.join(map(str, damaged))}" if damaged else ""
+        raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}{extra}")
+    state = load_checkpoint(path, map_location=device)
+    saved_world = int(state.get("extra", {}).get("world_size", 1))
+    if saved_world != dist.world_size:
+        raise WorldSizeMismatch(
+            f"--resume: {path} was written by a run of {saved_world} process(es) and this run has "
+            f"{dist.world_size}; resume with the same number (torchrun --nproc_per_node {saved_world}): "
+            "each rank's RNG stream is part of the checkpoint, so another world size cannot continue it exactly")
+    load_model_state(model, state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    data.load_state_dict(state["data"])
+    rngs = state.get("extra", {}).get("rng_ranks")
+    set_rng_state(rngs[dist.rank] if rngs else state["rng"])
+    step = int(state["step"])
+    if dist.is_main:
+        for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
+            truncate_jsonl(run_dir / name, step)
+    return step

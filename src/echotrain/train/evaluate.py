@@ -30,6 +30,23 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def default_eval_task(task: Any, task_name: str, task_options: dict[str, Any]) -> Any:
+    """The task of a training run's greedy evaluation: ``task.eval_task()`` when the task has one
+    (its held-out split), else the task built by ``get_task(task_name, **task_options)`` with
+    ``seed + 1`` when it takes a seed (other questions than the training ones), else ``task``."""
+    own = task.eval_task() if callable(getattr(task, "eval_task", None)) else None
+    if own is not None:
+        return own
+    if "seed" in getattr(task, "__dict__", {}):
+        from echotrain.tasks import get_task
+
+        try:
+            return get_task(task_name, **{**task_options, "seed": int(task.seed) + 1})
+        except (KeyError, TypeError, ValueError):
+            return task
+    return task
+
+
 def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n: int = 4,
              ks: Sequence[int] = (1,), max_new_tokens: int = 48, temperature: float = 0.7, seed: int = 1234,
              batch_prompts: int = 16, reward_fn: Any = None, keep_samples: int = 0) -> dict[str, Any]:

@@ -12,7 +12,33 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["checkpointed_forward", "enable_gradient_checkpointing", "read_chat_template", "spread_sample_rows"]
+__all__ = ["checkpointed_forward", "enable_gradient_checkpointing", "prepare_policy", "read_chat_template",
+           "spread_sample_rows"]
+
+
+def prepare_policy(model: Any, tokenizer: Any, cfg: Any, device: torch.device, dist: Any) -> tuple[Any, Any]:
+    """The trainer's policy from a loaded ``model`` / ``tokenizer`` and the run config ``cfg``:
+    moved to ``device``, wrapped with LoRA adapters when ``cfg.lora_r > 0``, rank 0's weights
+    broadcast to every rank (``dist``: :class:`echotrain.train.dist.DistContext`), in eval mode
+    (no dropout: the ECHO pre-pass and the with-grad pass must compute the same function),
+    gradient checkpointing and the chat-template override applied when configured.
+
+    Raises:
+        ValueError: ``gradient_checkpointing`` on a model without support for it.
+    """
+    from echotrain.train.lora import apply_lora
+
+    model = model.to(device)
+    if cfg.lora_r > 0:
+        model = apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                           target_modules=cfg.lora_target_modules)
+    dist.broadcast_params(model)  # every rank starts from rank 0's weights (and adapters)
+    model.eval()
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if cfg.chat_template:
+        tokenizer.chat_template = read_chat_template(cfg.chat_template)
+    return model, tokenizer
 
 
 def enable_gradient_checkpointing(model: Any) -> None:

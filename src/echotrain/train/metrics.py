@@ -33,10 +33,14 @@ import json
 import os
 import resource
 import sys
+import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
+
+if TYPE_CHECKING:
+    from echotrain.train.step import StepData
 
 #: keys that depend on wall time or the machine, not on the computation (excluded when comparing runs)
 NONDETERMINISTIC_PREFIXES = ("time/", "throughput/", "memory/")
@@ -48,6 +52,109 @@ def peak_memory_mb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def step_record(step: int, data: StepData, updates: list[dict[str, float]], *, last_lr: float, t_start: float,
+                cpu_start: float, t_update: float, device: torch.device) -> dict[str, Any]:
+    """The ``metrics.jsonl`` record of step ``step`` (keys in the module docstring).
+
+    Args:
+        data: the step's data after the update (rewards shaped, advantages and entropy set).
+        updates: the metrics of each optimizer step (:func:`echotrain.train.update.update_mini_batch`);
+            a key's value in the record is its mean over the updates that have it.
+        last_lr: the scheduler's lr now (used when there was no update).
+        t_start, cpu_start: ``time.perf_counter()`` / ``time.process_time()`` at the step's start.
+        t_update: wall seconds of steps 3-5 (advantages, log-probs, update).
+        device: the policy's device (for ``memory/peak_mb``).
+    """
+    batch, rewards = data.batch, data.rewards
+    lengths = batch.response_length
+    valid = batch.response_mask.bool()
+    n_tokens = float(batch.response_mask.sum())
+    step_time = time.perf_counter() - t_start
+    record: dict[str, Any] = {
+        "step": step,
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "accuracy": float(data.correct.mean()),
+        "format_rate": float(data.format_ok.float().mean()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "truncated_frac": float(batch.truncated.float().mean()),
+        "entropy": float(data.entropy[valid].mean()) if valid.any() else 0.0,
+        "advantages/abs_mean": float(data.seq_advantages.abs().mean()),
+        "groups/kept": data.n_groups,
+        "groups/zero_variance_frac": data.zero_variance_frac,
+        "sampling_rounds": data.rounds,
+        "optimizer_steps": len(updates),
+        "reward/timeouts": data.reward_timeouts,
+        "reward/exceptions": data.reward_exceptions,
+    }
+    keys = sorted({k for u in updates for k in u})
+    for k in keys:
+        vals = [u[k] for u in updates if k in u]
+        record[k] = sum(vals) / len(vals)
+    if updates and "echo/R_batch" in keys:
+        rs = [u["echo/R_batch"] for u in updates if "echo/R_batch" in u]
+        record["echo/R_batch_min"], record["echo/R_batch_max"] = min(rs), max(rs)
+    record["lr"] = updates[-1]["lr"] if updates else last_lr
+    record.update({
+        "time/generation": data.time_generation,
+        "time/scoring": data.time_scoring,
+        "time/update": t_update,
+        "time/step": step_time,
+        "time/step_cpu": time.process_time() - cpu_start,
+        "throughput/tokens_per_s": n_tokens / max(step_time, 1e-9),
+        "memory/peak_mb": peak_memory_mb(device),
+    })
+    return record
+
+
+def sample_rows(step: int, data: StepData, log_samples: int) -> list[dict[str, Any]]:
+    """The ``samples.jsonl`` rows of a step: ``log_samples`` completions spread over its groups."""
+    from echotrain.train.features import spread_sample_rows
+
+    rows = spread_sample_rows(data.batch.group_index, log_samples)
+    return [
+        {"step": step, "question": getattr(data.examples[i], "question", None),
+         "answer": getattr(data.examples[i], "answer", None), "group": int(data.batch.group_index[i]),
+         "completion": data.texts[i], "reward": float(data.rewards[i]), "correct": float(data.correct[i])}
+        for i in rows
+    ]
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` via a temporary file and ``os.replace``."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, p)
+
+
+def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: str, model: Any, task_name: str,
+             task: Any, world_size: int, dist_backend: str, lora: bool) -> dict[str, Any]:
+    """``run_info.json``'s content: what ``auto`` / ``0`` / empty config values resolved to in a
+    run (device, threads, model, task) and the library versions, for reproducing it."""
+    import platform
+
+    import transformers
+
+    import echotrain
+
+    return {
+        "run_dir": str(run_dir),
+        "device": str(device),
+        "torch_num_threads": torch.get_num_threads(),
+        "model": model_name or "smollm2-135m-instruct (embedded default)",
+        "model_class": type(model).__name__,
+        "task": task_name,
+        "task_class": type(task).__name__,
+        "world_size": world_size,
+        "dist_backend": dist_backend,
+        "lora": lora,
+        "versions": {"echotrain": echotrain.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+    }
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

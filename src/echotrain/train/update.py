@@ -1,0 +1,245 @@
+"""Steps 4-5 of a training step: log-probs and the policy update (one optimizer step per mini-batch).
+
+Per PPO epoch the step's prompt groups are shuffled and split into ``num_mini_batches``
+mini-batches of whole groups (:func:`mini_batch_splits`). Each mini-batch is one optimizer
+step (:func:`update_mini_batch`): split into micro-batches (:func:`echotrain.rl.split_micro_batches`;
+with torchrun each rank takes its whole groups first), [ECHO no-grad pre-pass] -> step-global
+statistics (:func:`echotrain.rl.compute_step_stats`) -> per micro-batch forward,
+``compute_policy_loss(..., step=stats)`` (+ KL aggregated with the same normalisers) and
+``backward`` -> all-reduce (sum) of the gradients -> clip grad norm -> optimizer step -> scheduler
+step. With ``optimizer=sam`` / ``late_sam`` the passes and the clipping form a closure that SAM
+calls twice (at w and at w + e; Foret et al. 2021, arXiv 2010.01412).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from echotrain.optim.sam import SAM
+from echotrain.rl import compute_policy_loss, compute_step_stats, kl_penalty, needs_log_prob_prepass, step_agg_loss
+from echotrain.rl.config import PolicyLossConfig
+from echotrain.rl.stepwise import split_micro_batches
+from echotrain.train.config import TrainConfig
+from echotrain.train.dist import DistContext
+from echotrain.train.rollout import RolloutBatch, forward_log_probs
+from echotrain.train.step import StepData
+
+#: ``forward(model, batch, with_entropy=False, grad=False) -> (log_prob (b, T), entropy (b, T) | None)``
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def policy_log_probs(model: Any, batch: RolloutBatch, cfg: TrainConfig, with_entropy: bool = False,
+                     grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``(b, T)`` (and entropy) of ``batch``'s response tokens at ``cfg.temperature``,
+    with grad if ``grad``; on the model's device. Under gradient checkpointing the with-grad
+    pass runs without the shared-prefix KV cache."""
+    if grad and cfg.gradient_checkpointing:
+        from echotrain.train.features import checkpointed_forward
+
+        with torch.set_grad_enabled(True), checkpointed_forward(model):
+            return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                     batch.response_mask, temperature=cfg.temperature,
+                                     with_entropy=with_entropy, share_prefix=False)  # no KV cache under checkpointing
+    with torch.set_grad_enabled(grad):
+        return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                 batch.response_mask, temperature=cfg.temperature, with_entropy=with_entropy,
+                                 share_prefix=cfg.share_prompt_prefix)
+
+
+@torch.no_grad()
+def batched_log_probs(forward: Forward, model: Any, batch: RolloutBatch, micro_batch_size: int, dist: DistContext,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """No-grad log-probs (and entropy) of all rows, in micro-batches; (N, T) float32 on CPU.
+
+    With several processes each rank computes its contiguous share of the rows and all
+    ranks receive all of them."""
+    lps, ents = [], []
+    mine = dist.shard(len(batch))
+    for idx in torch.arange(mine.start, mine.stop).split(micro_batch_size):
+        if not len(idx):  # this rank has no rows (fewer groups than processes)
+            continue
+        lp, ent = forward(model, batch.select(idx), with_entropy=with_entropy)
+        lps.append(lp.cpu())
+        if ent is not None:
+            ents.append(ent.cpu())
+    if dist.enabled:
+        parts = dist.gather((lps, ents))
+        lps, ents = [t for p in parts for t in p[0]], [t for p in parts for t in p[1]]
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+def old_log_probs(batched: Callable[[RolloutBatch], tuple[torch.Tensor, torch.Tensor]], batch: RolloutBatch,
+                  first_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Old log-probs and entropy ``(N, T)`` of the rollout policy, from ``batched(rows)`` (no grad).
+
+    ``first_rows`` (``reuse_on_policy_log_probs``): the first update's rows, left as 0
+    placeholders because its with-grad forward supplies them (:func:`update_mini_batch` with
+    ``fill_old``); None computes all rows."""
+    if first_rows is None:
+        return batched(batch)
+    if len(first_rows) == len(batch):
+        old_log_prob = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        return old_log_prob, torch.zeros_like(old_log_prob)
+    rest = torch.ones(len(batch), dtype=torch.bool)
+    rest[first_rows] = False
+    rest = rest.nonzero().squeeze(-1)
+    lp_rest, ent_rest = batched(batch.select(rest))
+    old_log_prob = torch.zeros(len(batch), lp_rest.shape[1], dtype=lp_rest.dtype)
+    entropy = torch.zeros_like(old_log_prob)
+    old_log_prob[rest], entropy[rest] = lp_rest, ent_rest
+    return old_log_prob, entropy
+
+
+def mini_batch_splits(group_index: torch.Tensor, num_mini_batches: int, ppo_epochs: int,
+                      dist: DistContext) -> list[torch.Tensor]:
+    """Row indices of each mini-batch, epoch after epoch: a random permutation of the groups
+    (``torch.randperm``, drawn by rank 0 and broadcast) cut into ``min(num_mini_batches, n_groups)``
+    parts of whole groups. ``group_index``: (N,) dense int64 group ids."""
+    n_groups = int(group_index.max()) + 1
+    splits = []
+    for _epoch in range(ppo_epochs):
+        group_perm = dist.broadcast(torch.randperm(n_groups) if dist.is_main else None)
+        splits += [torch.isin(group_index, groups).nonzero().squeeze(-1)
+                   for groups in group_perm.tensor_split(min(num_mini_batches, n_groups))]
+    return splits
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch of a mini-batch: ``rows`` (b,) index the step's rows; ``batch`` holds their
+    tokens; the others are those rows of :class:`~echotrain.train.step.StepData` (``group_index``
+    dense over the mini-batch); ``log_prob`` is the ECHO pre-pass (None otherwise)."""
+
+    rows: torch.Tensor
+    batch: RolloutBatch
+    old_log_prob: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+    group_index: torch.Tensor
+    ref_log_prob: torch.Tensor | None = None
+    log_prob: torch.Tensor | None = None
+
+    def stats_inputs(self) -> dict[str, torch.Tensor | None]:
+        """The tensors :func:`echotrain.rl.compute_step_stats` reads."""
+        return dict(old_log_prob=self.old_log_prob, advantages=self.advantages, response_mask=self.response_mask,
+                    group_index=self.group_index, log_prob=self.log_prob)
+
+
+def micro_batches(data: StepData, rows: torch.Tensor, micro_batch_size: int, dist: DistContext) -> list[MicroBatch]:
+    """The micro-batches of the mini-batch ``rows`` on this rank (its whole groups of the
+    mini-batch under torchrun; possibly none, the rank still joins the collectives)."""
+    batch = data.batch.select(rows)
+    _, batch.group_index = torch.unique(batch.group_index, return_inverse=True)
+    if dist.enabled:  # this rank's whole groups of the mini-batch (step-wide group ids kept)
+        mine = dist.shard(int(batch.group_index.max()) + 1 if len(batch) else 0)
+        local = ((batch.group_index >= mine.start) & (batch.group_index < mine.stop)).nonzero().squeeze(-1)
+        rows, batch = rows[local], batch.select(local)
+    token_fields = [f.name for f in dataclasses.fields(RolloutBatch)]
+    tensors = {"rows": rows, "old_log_prob": data.old_log_prob[rows], "advantages": data.advantages[rows],
+               "response_mask": data.response_mask[rows], "group_index": batch.group_index,
+               **{"batch." + k: getattr(batch, k) for k in token_fields}}
+    if data.ref_log_prob is not None:
+        tensors["ref_log_prob"] = data.ref_log_prob[rows]
+    return [MicroBatch(batch=RolloutBatch(**{k: mb.pop("batch." + k) for k in token_fields}), **mb)
+            for mb in split_micro_batches(tensors, micro_batch_size)]
+
+
+def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, loss_config: PolicyLossConfig,
+                      model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, dist: DistContext,
+                      forward: Forward, on_policy: bool = False, fill_old: bool = False) -> dict[str, float]:
+    """One optimizer step on the sequences ``rows`` of the step's data, exactly micro-batched.
+
+    ``on_policy``: no optimizer step has happened since the old log-probs were computed (the
+    first mini-batch of the first epoch), so the ECHO pre-pass is the old log-probs themselves.
+    ``fill_old`` (on-policy only, ``reuse_on_policy_log_probs``): ``data.old_log_prob`` and
+    ``data.entropy`` of ``rows`` are not computed yet; the with-grad forward supplies them
+    (detached, written into ``data``), and the step statistics use ratio 1 (old = current = 0
+    placeholders). ``forward`` is :func:`policy_log_probs` (or a wrapper of it).
+
+    Returns this optimizer step's metrics (token-weighted over micro-batches), ``lr`` and, with
+    SAM, ``sam/active``. With SAM the forward/backward passes run twice (closure at w and at
+    w + e) and the metrics are those of the first pass; the step statistics (ECHO's R, BA's
+    group counts) stay those at w.
+
+    Raises:
+        ValueError: ``fill_old`` without ``on_policy``.
+    """
+    if fill_old and not on_policy:
+        raise ValueError("fill_old needs an on-policy update")
+    mbs = micro_batches(data, rows, cfg.micro_batch_size, dist)
+    if needs_log_prob_prepass(cfg.loss_mode, loss_config):
+        with torch.no_grad():
+            for mb in mbs:
+                # same parameters as the old-log-prob pass: reuse it (saves one forward)
+                mb.log_prob = mb.old_log_prob.clone() if on_policy else forward(model, mb.batch)[0].cpu()
+    # all-reduced over ranks when torch.distributed is initialised; dp_size=1 because
+    # dist.all_reduce_grads sums the ranks' gradients (each rank's loss is its share of the step's)
+    stats = compute_step_stats([mb.stats_inputs() for mb in mbs], loss_mode=cfg.loss_mode,
+                               loss_agg_mode=cfg.loss_agg_mode, config=loss_config, dp_size=1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+    first: dict[str, float] = {}
+
+    def closure() -> torch.Tensor:
+        """Forward + backward over all micro-batches, then clip; metrics of the first call."""
+        sums: dict[str, float] = {}
+        weight = 0.0
+        batch_metrics: dict[str, float] = {}
+        total = torch.zeros(())
+        for mb in mbs:
+            log_prob, ent = forward(model, mb.batch, grad=True, with_entropy=fill_old)
+            if fill_old:  # on-policy: the old log-probs are these, and no update has happened yet
+                mb.old_log_prob = log_prob.detach().cpu()
+                data.old_log_prob[mb.rows] = mb.old_log_prob
+                data.entropy[mb.rows] = ent.cpu()
+            mask = mb.response_mask.to(log_prob.device)
+            advantages, group_index = mb.advantages.to(log_prob.device), mb.group_index.to(log_prob.device)
+            loss, m = compute_policy_loss(
+                cfg.loss_mode, mb.old_log_prob.to(log_prob.device), log_prob, advantages,
+                mask, cfg.loss_agg_mode, loss_config, group_index=group_index, step=stats)
+            if mb.ref_log_prob is not None:  # kl_coef > 0 (a reference copy, or LoRA adapters off)
+                kl_mat = kl_penalty(log_prob, mb.ref_log_prob.to(log_prob.device), cfg.kl_penalty)
+                # aggregated exactly like the policy loss, with the step's normalisers
+                kl_loss = step_agg_loss(kl_mat, mask, stats, loss_config, advantages=advantages,
+                                        group_index=group_index)
+                loss = loss + cfg.kl_coef * kl_loss
+                kl_mean = torch.where(mask.bool(), kl_mat.detach(), 0).sum() / mask.sum().clamp(min=1)
+                m = dict(m, **{"kl/ref": float(kl_mean)})
+            loss.backward()
+            total += loss.detach().float().cpu()
+            n_tok = float(mask.sum())
+            for k, v in m.items():
+                if k.startswith("echo/"):
+                    batch_metrics[k] = float(v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + float(v) * n_tok
+            weight += n_tok
+        dist.all_reduce_grads(params)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if not first:  # SAM calls this twice; the metrics are those at w, not at w + e
+            if dist.enabled:  # token-weighted over the whole step, as in one process
+                parts = dist.gather((sums, weight, batch_metrics))
+                sums, weight = {}, sum(p[1] for p in parts)
+                for p in parts:
+                    for k, v in p[0].items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    batch_metrics = batch_metrics or p[2]
+            first.update({k: v / weight for k, v in sums.items()} if weight > 0 else {k: 0.0 for k in sums})
+            first.update(batch_metrics)
+            first["grad_norm"] = float(grad_norm)
+        return total
+
+    out = {"lr": scheduler.get_last_lr()[0]}
+    if isinstance(optimizer, SAM):  # SAM and LateSAM: step() zeroes the grads and calls the closure
+        # 1 if this update is a SAM step (always for sam; from sam_start on for late_sam)
+        out["sam/active"] = float(getattr(optimizer, "sam_active", lambda: True)())
+        optimizer.step(closure)
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        closure()
+        optimizer.step()
+    scheduler.step()
+    return {**first, **out}

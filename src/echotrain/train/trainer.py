@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import math
 import os
 import time
 from datetime import datetime, timezone

@@ -1,6 +1,6 @@
 """Checkpoints: atomic writes, keep-last-k, and the RNG states that make resume exact.
 
-A checkpoint is one ``torch.save`` file ``<run>/checkpoints/step_XXXXXXXX.pt`` holding the
+A checkpoint is one ``torch.save`` file ``<run>/checkpoints/step_<step, 8 digits>.pt`` holding the
 model, optimizer and scheduler state dicts, every RNG state (python, numpy, torch CPU and CUDA),
 the data position and the step. It is written to a temporary file in the same folder, flushed
 to disk and renamed over the final name, so a run killed at any moment leaves either the old
@@ -126,14 +126,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
 
 def checkpoint_step(path: str | os.PathLike) -> int:
-    """The step in a checkpoint file name ``step_XXXXXXXX.pt``.
+    """The step in a checkpoint file name ``step_<step, 8 digits>.pt``.
 
     Raises:
         ValueError: the name does not follow that pattern.
     """
     m = _NAME.match(Path(path).name)
     if not m:
-        raise ValueError(f"{str(path)!r} is not a checkpoint file name (step_XXXXXXXX.pt)")
+        raise ValueError(f"{str(path)!r} is not a checkpoint file name (step_<step, 8 digits>.pt)")
     return int(m.group(1))
 
 

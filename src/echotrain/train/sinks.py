@@ -22,6 +22,7 @@ the config is validated (before any model is loaded). To add a backend::
 from __future__ import annotations
 
 import importlib.util
+import abc
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +31,7 @@ from typing import Any, Callable
 SINKS: dict[str, type["Sink"]] = {}
 
 
-class Sink:
+class Sink(abc.ABC):
     """One tracker. Subclasses receive ``(run_dir, config, project)`` and implement :meth:`log`
     and :meth:`close`. ``extra``/``module`` (set by :func:`register_sink`): the pip extra to
     install and the module that must be importable."""
@@ -42,9 +43,9 @@ class Sink:
     def __init__(self, run_dir: Path, config: dict[str, Any], project: str):
         self.run_dir = Path(run_dir)
 
+    @abc.abstractmethod
     def log(self, record: dict[str, Any], step: int) -> None:
         """Record the numeric entries of ``record`` (a metrics.jsonl line) at ``step``."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Flush and release the backend."""

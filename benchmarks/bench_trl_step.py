@@ -17,7 +17,9 @@ one optimizer step over the whole rollout batch (gradient accumulation over micr
   ``loss_type="dapo"``), group-std advantages, beta = 0 (no reference model), one optimizer step
   per rollout batch (TRL: ``steps_per_generation == gradient_accumulation_steps``,
   ``num_iterations=1``), AdamW lr 1e-6 betas (0.9, 0.99), grad-norm clip 1.0;
-- no vLLM, no bf16/fp16, no gradient checkpointing (TRL's default is on; it would make TRL
+- float32 (echotrain ``autocast=off``, TRL ``bf16=False``), or with ``--bf16`` both in bfloat16
+  mixed precision (echotrain ``autocast=bfloat16``, TRL ``bf16=True``: autocast through
+  accelerate); no vLLM, no gradient checkpointing (TRL's default is on; it would make TRL
   slower, so it is off for equal settings), ``report_to="none"``, offline.
 
 How: TRL's ``trainer.train()`` runs ``warmup + reps`` steps; a ``TrainerCallback`` times each of
@@ -77,6 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed steps of each side")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both sides)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="both sides in bfloat16 mixed precision (autocast)")
     p.add_argument("--model", default=None, help="policy (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p.parse_args(argv)
@@ -174,7 +177,7 @@ def build_echotrain(args, model, tokenizer, task, out_dir):
         optimizer="adamw", lr=args.lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8,
         max_grad_norm=1.0, lr_scheduler="constant", warmup_steps=0,
         steps=args.warmup + args.reps, seed=args.seed, device="cpu", num_threads=args.threads,
-        dtype="float32", output_dir=out_dir, save_every=0, save_final_model=False, plots=False,
+        dtype="float32", autocast="bfloat16" if args.bf16 else "off", output_dir=out_dir, save_every=0, save_final_model=False, plots=False,
         progress=False, log_samples=0, share_prompt_prefix=args.share_prefix,
     ))
     return Trainer(cfg, model=model, tokenizer=tokenizer, task=task)
@@ -210,7 +213,7 @@ def build_trl(args, model, tokenizer, task, out_dir, callback, timers):
         mask_truncated_completions=False, learning_rate=args.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8,
         optim="adamw_torch", max_grad_norm=1.0, max_steps=args.warmup + args.reps,
-        bf16=False, fp16=False, gradient_checkpointing=False, disable_dropout=True, use_vllm=False,
+        bf16=args.bf16, fp16=False, gradient_checkpointing=False, disable_dropout=True, use_vllm=False,
         log_completions=False, shuffle_dataset=True,
     )
     cls = make_timed_grpo_trainer_class(timers)

@@ -14,6 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # AdamW4bit compiles its update by default; tests that want the compiled path opt in explicitly.
 os.environ.setdefault("ECHOTRAIN_OPTIM_COMPILE", "0")
+# autocast=auto means bfloat16 on CPUs with native bf16; the suite pins it to float32 so that its
+# exact comparisons hold on every machine (tests of bfloat16 set autocast=bfloat16 explicitly).
+os.environ.setdefault("ECHOTRAIN_NATIVE_BF16", "0")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

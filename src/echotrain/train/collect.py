@@ -17,6 +17,7 @@ import torch
 from echotrain.rl import zero_variance_groups
 from echotrain.train.config import TrainConfig
 from echotrain.train.dist import DistContext
+from echotrain.train.precision import autocast
 from echotrain.train.rollout import concat_rollouts, generate_rollouts, generate_rollouts_per_group, group_seed
 from echotrain.train.step import StepData
 
@@ -64,12 +65,26 @@ class Collector:
         prompts: the run's :class:`PromptStream`.
         dist: the data-parallel context (one process: everything local).
         pad_id: the padding token id used when concatenating rounds.
+        autocast_dtype: generate under ``torch.autocast`` in this dtype (the run's resolved
+            ``autocast`` setting, :mod:`echotrain.train.precision`); None: no autocast.
     """
 
     def __init__(self, cfg: TrainConfig, model: Any, tokenizer: Any, reward_fn: Any, prompts: PromptStream,
-                 dist: DistContext, pad_id: int):
+                 dist: DistContext, pad_id: int, autocast_dtype: torch.dtype | None = None):
         self.cfg, self.model, self.tokenizer, self.reward_fn = cfg, model, tokenizer, reward_fn
         self.prompts, self.dist, self.pad_id = prompts, dist, pad_id
+        self.autocast_dtype = autocast_dtype
+
+    def _generate(self, local: list[Any], mine: range, group_offset: int, draw: int, sampling: dict[str, Any]) -> Any:
+        """This rank's rollouts of ``local`` (its share ``mine`` of the round's prompt groups)."""
+        cfg = self.cfg
+        if cfg.rollout_rng == "group":
+            return generate_rollouts_per_group(
+                self.model, self.tokenizer, [ex.messages for ex in local], cfg.num_generations,
+                seeds=[group_seed(cfg.seed, draw, g) for g in mine], group_offset=group_offset + mine.start,
+                pad_token_id=self.pad_id, **sampling)
+        return generate_rollouts(self.model, self.tokenizer, [ex.messages for ex in local], cfg.num_generations,
+                                 group_offset=group_offset + mine.start, **sampling)
 
     def rollout_round(self, group_offset: int) -> StepData:
         """One round: ``prompts_per_step`` prompts x ``num_generations`` completions, scored.
@@ -88,14 +103,8 @@ class Collector:
             t0 = time.perf_counter()
             sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, batch_size=cfg.rollout_batch_size)
-            if cfg.rollout_rng == "group":
-                batch = generate_rollouts_per_group(
-                    self.model, self.tokenizer, [ex.messages for ex in local], cfg.num_generations,
-                    seeds=[group_seed(cfg.seed, draw, g) for g in mine], group_offset=group_offset + mine.start,
-                    pad_token_id=self.pad_id, **sampling)
-            else:
-                batch = generate_rollouts(self.model, self.tokenizer, [ex.messages for ex in local],
-                                          cfg.num_generations, group_offset=group_offset + mine.start, **sampling)
+            with autocast(self.model, self.autocast_dtype):
+                batch = self._generate(local, mine, group_offset, draw, sampling)
             t_gen = time.perf_counter() - t0
             t0 = time.perf_counter()
             texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)

@@ -115,6 +115,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    from echotrain.train.precision import describe as describe_precision
     from echotrain.train.trainer import Trainer
 
     from echotrain.train.dist import local_world_size
@@ -132,7 +133,8 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"echotrain train: error: {exc}", file=sys.stderr)
         return 2
     print(f"echotrain: run directory {trainer.run_dir} (config.yaml, metrics.jsonl, samples.jsonl, plots/, "
-          f"checkpoints/); {torch.get_num_threads()} threads, device {trainer.device}", file=sys.stderr)
+          f"checkpoints/); {torch.get_num_threads()} threads, device {trainer.device}, "
+          f"{describe_precision(trainer.autocast_dtype)}", file=sys.stderr)
     trainer.train()
     total = time.perf_counter() - t0
     train_s = getattr(trainer, "train_seconds", total)

@@ -132,9 +132,10 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: str, model: Any, task_name: str,
-             task: Any, world_size: int, dist_backend: str, lora: bool) -> dict[str, Any]:
+             task: Any, world_size: int, dist_backend: str, lora: bool, autocast: str = "off") -> dict[str, Any]:
     """``run_info.json``'s content: what ``auto`` / ``0`` / empty config values resolved to in a
-    run (device, threads, model, task) and the library versions, for reproducing it."""
+    run (device, threads, model, task, autocast: 'bfloat16' or 'off') and the library versions,
+    for reproducing it."""
     import platform
 
     import transformers
@@ -152,6 +153,7 @@ def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: st
         "world_size": world_size,
         "dist_backend": dist_backend,
         "lora": lora,
+        "autocast": autocast,
         "versions": {"echotrain": echotrain.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
     }

@@ -36,6 +36,7 @@ from echotrain.train.config import TrainConfig, save_config
 from echotrain.train.dist import init_distributed, rank_seed
 from echotrain.train.features import prepare_policy
 from echotrain.train.lora import is_lora, model_state, reference_policy, save_final_model
+from echotrain.train.precision import autocast, resolve_autocast
 from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, read_jsonl, run_info, sample_rows,
                                      step_record, write_json_atomic)
 from echotrain.train.rollout import RolloutBatch
@@ -109,6 +110,8 @@ class Trainer:
 
             model, tokenizer = load_policy(cfg.model, dtype=dtype, device=str(self.device))
         self.model, self.tokenizer = prepare_policy(model, tokenizer, cfg, self.device, self.dist)
+        #: bfloat16 for the model's forward passes under ``autocast`` (train/precision.py), else None
+        self.autocast_dtype = resolve_autocast(cfg.autocast, self.device, next(self.model.parameters()).dtype)
         if task is None:
             from echotrain.tasks import get_task
 
@@ -130,7 +133,8 @@ class Trainer:
         self.prompts = PromptStream(task, cfg.seed)
         self.loss_config = cfg.policy_loss_config()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.collector = Collector(cfg, self.model, tokenizer, reward_fn, self.prompts, self.dist, pad_id)
+        self.collector = Collector(cfg, self.model, tokenizer, reward_fn, self.prompts, self.dist, pad_id,
+                                   autocast_dtype=self.autocast_dtype)
         self.start_step = 0
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +152,8 @@ class Trainer:
             write_json_atomic(self.run_dir / "run_info.json", run_info(
                 run_dir=self.run_dir, device=self.device, model_name=cfg.model, model=self.model, task_name=cfg.task,
                 task=self.task, world_size=self.dist.world_size, dist_backend=self.dist.backend,
-                lora=is_lora(self.model)))
+                lora=is_lora(self.model),
+                autocast="bfloat16" if self.autocast_dtype is not None else "off"))
             self.logger = MetricsLogger(self.run_dir, report_to=cfg.report_to, project=cfg.wandb_project,
                                         config=cfg.to_dict())
 
@@ -169,7 +174,8 @@ class Trainer:
     # ------------------------------------------------------------------ 4. log-probs
     def _log_probs(self, model: Any, batch: RolloutBatch, with_entropy: bool = False,
                    grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return policy_log_probs(model, batch, self.cfg, with_entropy=with_entropy, grad=grad)
+        with autocast(model, self.autocast_dtype):
+            return policy_log_probs(model, batch, self.cfg, with_entropy=with_entropy, grad=grad)
 
     def _log_probs_batched(self, model: Any, batch: RolloutBatch,
                            with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -247,7 +253,7 @@ class Trainer:
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), autocast(self.model, self.autocast_dtype):
             res = evaluate(self.model, self.tokenizer, self.eval_task, num_prompts=cfg.eval_prompts, n=1, ks=(1,),
                            max_new_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed + 7,
                            batch_prompts=max(cfg.prompts_per_step * cfg.num_generations, 1))

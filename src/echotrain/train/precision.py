@@ -1,0 +1,102 @@
+"""Mixed precision for the policy's forward passes: ``torch.autocast`` in bfloat16, chosen once.
+
+The ``autocast`` setting of :class:`echotrain.train.config.TrainConfig`:
+
+- ``"off"``: every op in the parameters' dtype (float32 by default).
+- ``"bfloat16"``: the model's forward passes (rollout generation, old/reference log-probs, the
+  with-grad forward, greedy evaluation) run under ``torch.autocast(device, torch.bfloat16)``:
+  matrix products in bfloat16 with float32 accumulation, weights, gradients, optimizer state,
+  ``log_softmax`` of the logits and every loss stay float32 (mixed precision, Micikevicius et
+  al., ICLR 2018, arXiv 1710.03740; bfloat16: Kalamkar et al. 2019, arXiv 1905.12322). The
+  backward pass follows the dtypes autocast recorded.
+- ``"auto"`` (default): ``"bfloat16"`` where the hardware multiplies bfloat16 natively (a CPU
+  with AVX512-BF16 or AMX tiles, a CUDA GPU that supports bfloat16) and the parameters are
+  float32; ``"off"`` elsewhere, where bfloat16 would be emulated and slower than float32.
+
+All passes of a run use the same precision, so an on-policy importance ratio is still exactly 1
+(``old_log_prob`` and ``log_prob`` come from the same computation). Runs are bit-reproducible on
+one machine; a machine that resolves ``auto`` differently computes a different (equally valid)
+run, so set ``autocast`` explicitly to compare runs across machines. Measured speed-up on a 2-core
+AVX512-BF16 CPU: docs/benchmarks.md, "Mixed precision".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Iterator
+
+import torch
+
+#: values of the ``autocast`` setting
+AUTOCAST_CHOICES = ("auto", "off", "bfloat16")
+
+
+#: environment variable that overrides the hardware check of ``auto``: "1" = native bf16, "0" = not
+NATIVE_BF16_ENV = "ECHOTRAIN_NATIVE_BF16"
+
+
+def native_bf16(device_type: str) -> bool:
+    """Whether ``device_type`` ('cpu' | 'cuda' | ...) computes bfloat16 matrix products natively.
+
+    CPU: AVX512-BF16 or AMX tile instructions (``torch.cpu`` capability checks; False when this
+    torch build cannot tell). CUDA: ``torch.cuda.is_bf16_supported()``. Other devices: False.
+    ``ECHOTRAIN_NATIVE_BF16=0`` / ``=1`` overrides the check (the test suite sets 0, so that
+    ``auto`` means float32 on every machine it runs on).
+    """
+    forced = os.environ.get(NATIVE_BF16_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return _probe_native_bf16(device_type)
+
+
+@functools.lru_cache(maxsize=8)
+def _probe_native_bf16(device_type: str) -> bool:
+    if device_type == "cpu":
+        checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+        try:
+            return any(bool(check()) for check in checks if check is not None)
+        except (RuntimeError, AttributeError):
+            return False
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return False
+
+
+def resolve_autocast(setting: str, device: torch.device | str, param_dtype: torch.dtype = torch.float32) -> torch.dtype | None:
+    """The autocast dtype of a run: ``torch.bfloat16`` or None (no autocast).
+
+    Args:
+        setting: ``"auto"`` | ``"off"`` | ``"bfloat16"`` (the ``autocast`` config key).
+        device: the device the policy runs on.
+        param_dtype: the policy's parameter dtype; ``"auto"`` resolves to None unless float32
+            (bfloat16/float16 parameters already compute in low precision).
+    Raises:
+        ValueError: ``setting`` is not one of :data:`AUTOCAST_CHOICES`.
+    """
+    if setting not in AUTOCAST_CHOICES:
+        raise ValueError(f"autocast: {setting!r} is not one of {', '.join(AUTOCAST_CHOICES)}")
+    device_type = torch.device(device).type
+    if setting == "off":
+        return None
+    if setting == "bfloat16":
+        return torch.bfloat16
+    return torch.bfloat16 if param_dtype == torch.float32 and native_bf16(device_type) else None
+
+
+def describe(dtype: torch.dtype | None) -> str:
+    """Short text for logs: 'bfloat16 autocast' or 'no autocast'."""
+    return "bfloat16 autocast" if dtype is not None else "no autocast"
+
+
+@contextlib.contextmanager
+def autocast(model: Any, dtype: torch.dtype | None) -> Iterator[None]:
+    """Run the enclosed forward passes of ``model`` under ``torch.autocast`` in ``dtype`` (on the
+    device of its first parameter); a no-op when ``dtype`` is None."""
+    if dtype is None:
+        yield
+        return
+    device_type = next(model.parameters()).device.type
+    with torch.autocast(device_type, dtype=dtype):
+        yield

@@ -1,0 +1,107 @@
+"""Mixed precision (``autocast``): resolution of the setting and what a bfloat16 run computes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from echotrain.train import precision
+from echotrain.train.config import ConfigError, resolve_config
+
+BASE = dict(steps=2, prompts_per_step=2, num_generations=4, max_new_tokens=6, micro_batch_size=4,
+            num_mini_batches=2, lr=1e-2, device="cpu", progress=False, plots=False, save_final_model=False,
+            seed=0, eval_prompts=2)
+
+
+def test_resolve_explicit_and_auto(monkeypatch):
+    assert precision.resolve_autocast("off", "cpu") is None
+    assert precision.resolve_autocast("bfloat16", "cpu") is torch.bfloat16
+    monkeypatch.setenv(precision.NATIVE_BF16_ENV, "1")
+    assert precision.native_bf16("cpu") is True
+    assert precision.resolve_autocast("auto", "cpu") is torch.bfloat16
+    assert precision.resolve_autocast("auto", "cpu", torch.bfloat16) is None  # low-precision weights: no autocast
+    monkeypatch.setenv(precision.NATIVE_BF16_ENV, "0")
+    assert precision.native_bf16("cpu") is False
+    assert precision.resolve_autocast("auto", torch.device("cpu")) is None
+    monkeypatch.delenv(precision.NATIVE_BF16_ENV)
+    assert precision.native_bf16("meta") is False  # an unknown device type never claims native bf16
+    with pytest.raises(ValueError, match="autocast: 'fp8' is not one of auto, off, bfloat16"):
+        precision.resolve_autocast("fp8", "cpu")
+
+
+def test_config_rejects_a_bad_value():
+    with pytest.raises(ConfigError, match="autocast"):
+        resolve_config(overrides={"autocast": "fp16"})
+    assert resolve_config().autocast == "auto"
+
+
+def test_autocast_context_is_a_no_op_without_dtype():
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    with precision.autocast(model, None):
+        assert model(x).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+    with precision.autocast(model, torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.fixture
+def linear_dtypes():
+    """Records (grad enabled, output dtype) of every nn.Linear call while installed."""
+    seen: list[tuple[bool, torch.dtype]] = []
+
+    def install(model):
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(lambda mod, inp, out: seen.append((torch.is_grad_enabled(), out.dtype)))
+        return seen
+
+    return install
+
+
+@pytest.mark.parametrize("setting", ["off", "bfloat16"])
+def test_bfloat16_run_keeps_float32_state_and_exact_on_policy_ratio(setting, build_trainer, linear_dtypes):
+    trainer = build_trainer(BASE, name=setting, autocast=setting)
+    seen = linear_dtypes(trainer.model)
+    records = trainer.train()
+    want = torch.bfloat16 if setting == "bfloat16" else torch.float32
+    # generation / no-grad passes and the with-grad forward all ran in the resolved precision
+    assert {grad for grad, _ in seen} == {False, True}
+    assert {dtype for _, dtype in seen} == {want}
+    # weights, gradients and optimizer state stay float32
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(t.dtype == torch.float32 for s in trainer.optimizer.state.values() for t in s.values()
+               if torch.is_tensor(t) and t.is_floating_point())
+    for r in records:
+        assert torch.isfinite(torch.tensor(r["grad_norm"])) and r["grad_norm"] > 0
+        # the first mini-batch is on-policy in both precisions: its batch ratio is 1 exactly
+        assert 1.0 in (r["echo/R_batch_min"], r["echo/R_batch_max"])
+    info = json.loads((trainer.run_dir / "run_info.json").read_text())
+    assert info["autocast"] == setting
+
+
+def test_bfloat16_log_probs_are_close_to_float32_but_not_equal(tiny_model):
+    """The with-grad log-probs of a fixed batch: bfloat16 autocast is a different computation
+    (a guard that the setting is not silently ignored) within bf16's precision of float32's;
+    both come back float32 with float32 gradients."""
+    from echotrain.train.rollout import forward_log_probs
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 20, (4, 5), generator=g)
+    response = torch.randint(3, 20, (4, 6), generator=g)
+    ones = torch.ones_like
+    out = {}
+    for dtype in (None, torch.bfloat16):
+        tiny_model.zero_grad()
+        with precision.autocast(tiny_model, dtype):
+            lp, _ = forward_log_probs(tiny_model, prompt, ones(prompt), response, ones(response))
+        lp.sum().backward()
+        grad = next(tiny_model.parameters()).grad
+        assert lp.dtype == torch.float32 and grad.dtype == torch.float32
+        out[dtype] = (lp.detach(), grad.clone())
+    (lp32, g32), (lp16, g16) = out[None], out[torch.bfloat16]
+    assert not torch.equal(lp32, lp16)
+    assert torch.allclose(lp16, lp32, atol=0.05, rtol=0.02)
+    assert torch.nn.functional.cosine_similarity(g16.flatten(), g32.flatten(), dim=0) > 0.99

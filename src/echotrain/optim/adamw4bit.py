@@ -24,6 +24,8 @@ keeps their dtypes (``torch.optim.Optimizer`` would cast float state to the para
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import shutil
@@ -66,9 +68,11 @@ class _Piece(NamedTuple):
     v_col: tuple[int, int]  # factor: column statistics
 
 
-def _pieces(shape: torch.Size, kind: str, block_size: int, chunk_numel: int | None) -> list[_Piece]:
+@functools.lru_cache(maxsize=1024)
+def _pieces(shape: tuple[int, ...], kind: str, block_size: int, chunk_numel: int | None) -> tuple[_Piece, ...]:
     """Split a tensor along its first (squeezed) dim into pieces of at most ``chunk_numel``
-    elements (whole rows; one piece when ``chunk_numel`` is None or the tensor is smaller)."""
+    elements (whole rows; one piece when ``chunk_numel`` is None or the tensor is smaller).
+    Cached: it runs for every parameter at every step."""
     qshape = _squeezed_shape(shape) or (1,)
     rows, row_numel = qshape[0], math.prod(qshape[1:])
     k = 1 if not chunk_numel else max(1, min(rows, -(-rows * row_numel // chunk_numel)))
@@ -89,7 +93,7 @@ def _pieces(shape: torch.Size, kind: str, block_size: int, chunk_numel: int | No
         ranges = {key: (off[key], off[key] + n) for key, n in sizes.items()}
         off = {key: ranges[key][1] for key in off}
         out.append(_Piece(r0, r1, pshape, nb, **ranges))
-    return out
+    return tuple(out)
 
 
 def _v_kind(p: Tensor, group: dict[str, Any]) -> str:
@@ -347,7 +351,7 @@ class AdamW4bit(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=dev)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=dev)
             return state
-        pieces = _pieces(p.shape, kind, group["block_size"], group["chunk_numel"])
+        pieces = _pieces(tuple(p.shape), kind, group["block_size"], group["chunk_numel"])
         last = pieces[-1]
         # Code 0x77: both nibbles are code 7 of the DE map, 0.0 (with scale 0 any code gives 0).
         state["exp_avg_codes"] = torch.full((last.codes[1],), 0x77, dtype=torch.uint8, device=dev)
@@ -386,37 +390,60 @@ class AdamW4bit(torch.optim.Optimizer):
                     self.skipped_steps += 1
                     return loss
                 raise FloatingPointError(nonfinite_grad_message("AdamW4bit", hit))
-        for gi, group in enumerate(self.param_groups):
-            beta1, beta2 = group["betas"]
-            lr = group["lr"]
-            small: list[tuple[Tensor, dict[str, Tensor]]] = []
-            for pi, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(self._init_state(p, group))
-                state["step"] += 1
-                if "exp_avg" in state:
-                    small.append((p, state))
-                    continue
-                self._update_quantized(p, state, group, lr, beta1, beta2, index=(gi, pi))
-            if small:
-                self._update_small(small, group, lr, beta1, beta2)
+        with self._compile_config():
+            for gi, group in enumerate(self.param_groups):
+                self._step_group(gi, group)
         return loss
 
-    def _update_quantized(self, p, state, group, lr, beta1, beta2, index=(0, 0)) -> None:
+    def _compile_config(self):
+        """One kernel per (shape, dtype, v_kind): a model has more distinct shapes than dynamo's
+        default recompile limit (8), past which it silently runs eager; raised for this step
+        only (entered once per step: it costs ~10 us)."""
+        if self.compile is None:  # decided by the device of the first parameter with a gradient
+            p = next((p for g in self.param_groups for p in g["params"] if p.grad is not None), None)
+            if p is None:
+                return contextlib.nullcontext()
+            self.compile = _compile_available(p.device)
+        if not self.compile:
+            return contextlib.nullcontext()
+        return torch._dynamo.config.patch(recompile_limit=max(256, torch._dynamo.config.recompile_limit))
+
+    def _step_group(self, gi: int, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        hp_cache: dict[tuple, tuple] = {}  # 0-d hyperparameter tensors per (step count, device)
+        small: list[tuple[Tensor, dict[str, Tensor]]] = []
+        for pi, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(self._init_state(p, group))
+            state["step"] += 1
+            if "exp_avg" in state:
+                small.append((p, state))
+                continue
+            self._update_quantized(p, state, group, lr, beta1, beta2, index=(gi, pi), hp_cache=hp_cache)
+        if small:
+            self._update_small(small, group, lr, beta1, beta2)
+
+    def _update_quantized(self, p, state, group, lr, beta1, beta2, index=(0, 0), hp_cache=None) -> None:
         kind = _v_kind(p, group)
         stochastic = group["m_rounding"] == "stochastic"
-        pieces = _pieces(p.shape, kind, group["block_size"], group["chunk_numel"])
+        pieces = _pieces(tuple(p.shape), kind, group["block_size"], group["chunk_numel"])
         qshape = _squeezed_shape(p.shape) or (1,)
         target = p if p.is_contiguous() else p.contiguous()
         p_rows, g_rows = target.view(qshape), p.grad.reshape(qshape)
-        hp = (float(state["step"]), float(lr), beta1, beta2, group["eps"], group["weight_decay"])
+        step = float(state["step"])
+        hp = (step, float(lr), beta1, beta2, group["eps"], group["weight_decay"])
         if self.compile is None:
             self.compile = _compile_available(p.device)
         if self.compile:  # 0-d tensors, so that a new lr or step does not recompile
-            hp = tuple(torch.tensor(x, dtype=torch.float32, device=p.device) for x in hp)
+            hp_cache = {} if hp_cache is None else hp_cache  # shared by a group's parameters
+            key = (step, p.device)
+            if key not in hp_cache:
+                hp_cache[key] = tuple(torch.tensor(x, dtype=torch.float32, device=p.device) for x in hp)
+            hp = hp_cache[key]
         for k, piece in enumerate(pieces):
             whole = len(pieces) == 1
             sl = lambda key, rng: state[key][rng[0] : rng[1]] if key in state else None  # noqa: E731
@@ -441,11 +468,8 @@ class AdamW4bit(torch.optim.Optimizer):
         if self.compile:
             if self._compiled is None:
                 self._compiled = torch.compile(adamw4bit_tensor_update_, fullgraph=True, dynamic=False)
-            try:
-                # One kernel per (shape, dtype, v_kind): a model has more distinct shapes than
-                # dynamo's default recompile limit (8), past which it silently runs eager.
-                with torch._dynamo.config.patch(recompile_limit=max(256, torch._dynamo.config.recompile_limit)):
-                    self._compiled(*args, *hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
+            try:  # (inside step's _compile_config: the raised recompile limit)
+                self._compiled(*args, *hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
                 return
             except Exception as err:
                 if not _is_compile_error(err):

@@ -41,6 +41,10 @@ from echotrain.optim.finite import first_nonfinite_grad, nonfinite_grad_message
 __all__ = ["AdamW4bit", "adamw4bit_tensor_update_"]
 
 _TINY = torch.finfo(torch.float32).tiny
+# Inductor inlines (recomputes) a pointwise value in each of its consumers unless it has more
+# than this many ops; its CPU default (50) recomputed the new m's dequantization three times per
+# step, its GPU default (30) stores it once: 11% faster per piece on CPU (docs/benchmarks.md).
+_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 30}
 
 
 def _squeezed_shape(shape: torch.Size) -> tuple[int, ...]:
@@ -202,17 +206,22 @@ def adamw4bit_tensor_update_(
     # Quantize the new m: B128/DE, one half (= one nibble) at a time.
     # (multiplying by a per-block reciprocal instead of dividing every element: same codes up to
     # float rounding at exact midpoints, and a division per element is the costliest op here)
-    m_scales = [mi.abs().amax(dim=1) for mi in new_m]
+    # (one (nb, block) buffer for both halves: inductor then writes the new m once instead of
+    # recomputing its dequantization in the absmax and the quantizer loops)
+    m_all = torch.cat(new_m)
+    m_absmax = m_all.abs().amax(dim=1)
+    m_inv = 1 / m_absmax.clamp(min=_TINY)
+    m_halves = [(m_all[i * bh : (i + 1) * bh], m_inv[i * bh : (i + 1) * bh, None]) for i in (0, 1)]
     if m_seed is None:
-        m_code = [quant._de_code_f(mi * (1 / si.clamp(min=_TINY))[:, None]).view(-1) for mi, si in zip(new_m, m_scales)]
+        m_code = [quant._de_code_f(mi * inv).view(-1) for mi, inv in m_halves]
     else:
         m_code = []
-        for i, (mi, si) in enumerate(zip(new_m, m_scales)):
+        for i, (mi, inv) in enumerate(m_halves):
             index = torch.arange(i * half, (i + 1) * half, device=mi.device, dtype=torch.int64).view(bh, block_size)
             u = quant.hash_uniform(index, m_seed)
-            m_code.append(quant._de_code_sr_f(mi * (1 / si.clamp(min=_TINY))[:, None], u).view(-1))
+            m_code.append(quant._de_code_sr_f(mi * inv, u).view(-1))
     m_codes.copy_((m_code[0] * 16 + m_code[1]).to(torch.uint8))
-    m_scale.copy_(torch.cat(m_scales))
+    m_scale.copy_(m_absmax)
 
     # Quantize the new v: Rank-1/Linear, B128/Linear, or keep the float32 factors.
     if v_kind == "factor":
@@ -234,6 +243,13 @@ def adamw4bit_tensor_update_(
         v_code = [quant._linear_code_f(vb * (1 / s.clamp(min=_TINY))[:, None]).view(-1) for vb, s in zip(v_blocks, v_scales)]
         v_scale.copy_(torch.cat(v_scales))
     v_codes.copy_((v_code[0] * 16 + v_code[1]).to(torch.uint8))
+
+
+def _update_nearest_(*args: Any, **kwargs: Any) -> None:
+    """:func:`adamw4bit_tensor_update_` under its own name: compiled with
+    ``_INDUCTOR_OPTIONS``, which help round-to-nearest m but made the stochastic-rounding update
+    4x slower (its rounding decisions were stored and re-read), so the two are compiled apart."""
+    adamw4bit_tensor_update_(*args, **kwargs)
 
 
 class AdamW4bit(torch.optim.Optimizer):
@@ -339,7 +355,7 @@ class AdamW4bit(torch.optim.Optimizer):
         #: steps skipped because of a bad gradient (``skip_nonfinite=True``)
         self.skipped_steps = 0
         self.seed = int(seed)
-        self._compiled = None
+        self._compiled: dict[bool, Any] | None = None  # compiled update per m_rounding == "stochastic"
 
     # ---------------------------------------------------------------- state layout
 
@@ -467,9 +483,13 @@ class AdamW4bit(torch.optim.Optimizer):
     def _update_piece(self, args, hp, kind: str, block_size: int, m_seed: Tensor | None = None) -> None:
         if self.compile:
             if self._compiled is None:
-                self._compiled = torch.compile(adamw4bit_tensor_update_, fullgraph=True, dynamic=False)
+                self._compiled = {}
+            stochastic = m_seed is not None
+            if stochastic not in self._compiled:
+                fn, options = (adamw4bit_tensor_update_, None) if stochastic else (_update_nearest_, _INDUCTOR_OPTIONS)
+                self._compiled[stochastic] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
             try:  # (inside step's _compile_config: the raised recompile limit)
-                self._compiled(*args, *hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
+                self._compiled[stochastic](*args, *hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
                 return
             except Exception as err:
                 if not _is_compile_error(err):

@@ -237,7 +237,10 @@ def adamw4bit_tensor_update_(
         dims = range(len(qshape))
         factors = [vq.amax(dim=[e for e in dims if e != d]) for d in dims]
         # 1 / min(row_i, col_j) = max(1 / row_i, 1 / col_j): reciprocals of the factors only
-        inv = quant.rank1_scale([-(1 / f.clamp(min=_TINY)) for f in factors])  # min of negatives
+        # (concatenated: one small buffer, so that each reciprocal is computed once, not for
+        # every 16 elements of the loop that reads it)
+        neg_recips = torch.cat([-(1 / f.clamp(min=_TINY)) for f in factors])
+        inv = quant.rank1_scale(torch.split(neg_recips, list(qshape)))  # min of negatives
         inv_all = _pad_to(inv.reshape(-1), length)
         v_code = [quant._linear_code_f(vi * -inv_all[i * half : (i + 1) * half]) for i, vi in enumerate(new_v)]
         v_scale.copy_(torch.cat(factors))

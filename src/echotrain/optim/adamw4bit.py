@@ -252,11 +252,18 @@ def adamw4bit_tensor_update_(
     v_codes.copy_((v_code[0] * 16 + v_code[1]).to(torch.uint8))
 
 
-def _update_nearest_(*args: Any, **kwargs: Any) -> None:
-    """:func:`adamw4bit_tensor_update_` under its own name: compiled with
-    ``_INDUCTOR_OPTIONS``, which help round-to-nearest m but made the stochastic-rounding update
-    4x slower (its rounding decisions were stored and re-read), so the two are compiled apart."""
-    adamw4bit_tensor_update_(*args, **kwargs)
+def _update_nearest_(*args: Any, hp: Tensor, **kwargs: Any) -> None:
+    """:func:`adamw4bit_tensor_update_` with the six hyperparameters (step, lr, beta1, beta2, eps,
+    weight_decay) in one float32 tensor ``hp``: the compiled call then guards one tensor instead
+    of six. Compiled with ``_INDUCTOR_OPTIONS``, which help round-to-nearest m but made the
+    stochastic-rounding update 4x slower (its rounding decisions were stored and re-read), so
+    :func:`_update_stochastic_` is compiled apart (its own code object, its own cache)."""
+    adamw4bit_tensor_update_(*args, *hp.unbind(), **kwargs)
+
+
+def _update_stochastic_(*args: Any, hp: Tensor, **kwargs: Any) -> None:
+    """:func:`_update_nearest_` for ``m_rounding="stochastic"``, compiled without the options."""
+    adamw4bit_tensor_update_(*args, *hp.unbind(), **kwargs)
 
 
 class AdamW4bit(torch.optim.Optimizer):
@@ -461,11 +468,11 @@ class AdamW4bit(torch.optim.Optimizer):
         hp = (step, float(lr), beta1, beta2, group["eps"], group["weight_decay"])
         if self.compile is None:
             self.compile = _compile_available(p.device)
-        if self.compile:  # 0-d tensors, so that a new lr or step does not recompile
+        if self.compile:  # one float32 tensor, so that a new lr or step does not recompile
             hp_cache = {} if hp_cache is None else hp_cache  # shared by a group's parameters
             key = (step, p.device)
             if key not in hp_cache:
-                hp_cache[key] = tuple(torch.tensor(x, dtype=torch.float32, device=p.device) for x in hp)
+                hp_cache[key] = torch.tensor(hp, dtype=torch.float32, device=p.device)
             hp = hp_cache[key]
         for k, piece in enumerate(pieces):
             whole = len(pieces) == 1
@@ -493,10 +500,10 @@ class AdamW4bit(torch.optim.Optimizer):
                 self._compiled = {}
             stochastic = m_seed is not None
             if stochastic not in self._compiled:
-                fn, options = (adamw4bit_tensor_update_, None) if stochastic else (_update_nearest_, _INDUCTOR_OPTIONS)
+                fn, options = (_update_stochastic_, None) if stochastic else (_update_nearest_, _INDUCTOR_OPTIONS)
                 self._compiled[stochastic] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
             try:  # (inside step's _compile_config: the raised recompile limit)
-                self._compiled[stochastic](*args, *hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
+                self._compiled[stochastic](*args, hp=hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
                 return
             except Exception as err:
                 if not _is_compile_error(err):

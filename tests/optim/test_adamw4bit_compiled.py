@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from echotrain.optim import quant
 from echotrain.optim.adamw4bit import AdamW4bit
 
 
@@ -29,3 +30,22 @@ def test_compiled_update_equals_eager(shape, factor):
     # codes may differ only where float rounding moves a value across a midpoint
     assert (s_c["exp_avg_codes"] != s_e["exp_avg_codes"]).float().mean() < 1e-3
     torch.testing.assert_close(s_c["exp_avg_scale"], s_e["exp_avg_scale"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_compiled_de_quantizer_and_dequantizer_are_exact():
+    """The compiled forms (sign-bit midpoint counts, piecewise-linear values) equal the
+    reference nearest rounding and the float32 map bit for bit, at and next to every midpoint."""
+    points = torch.tensor(list(quant._DE_MIDPOINTS) + list(quant.DE_MAP_4BIT) + [1e-38, 0.0], dtype=torch.float32)
+    near = torch.cat([points, torch.nextafter(points, torch.tensor(2.0)), torch.nextafter(points, torch.tensor(-2.0))])
+    torch.manual_seed(4)
+    x = torch.cat([near, -near, torch.tensor([-0.0]), torch.rand(100_000) * 2 - 1])
+    codes = torch.compile(quant.quantize_de, fullgraph=True, dynamic=False)(x)
+    assert torch.equal(codes, quant.quantize_de(x))  # the eager compares
+    # and the general rule, except the exact ties x = -midpoint (which go up here, down there)
+    tie = torch.isin(x, -torch.tensor(quant._DE_MIDPOINTS, dtype=torch.float32))
+    assert int(tie.sum()) == 8
+    assert torch.equal(codes[~tie], quant.quantize_nearest(x, quant.DE_MAP_4BIT)[~tie])
+    table = torch.arange(16, dtype=torch.float32).repeat(64)  # long enough for the vector loop
+    values = torch.compile(quant._de_value, fullgraph=True, dynamic=False)(table)
+    assert torch.equal(values, quant.map_tensor(quant.DE_MAP_4BIT).repeat(64))

@@ -77,6 +77,24 @@ def test_first_nonfinite_grad_threshold_and_order():
     assert first_nonfinite_grad(groups)[:2] == (0, 0)  # the first one in group order
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("numel", [1, 17, 4097, 70001])
+def test_first_nonfinite_grad_finds_a_bad_value_anywhere(dtype, numel):
+    """The CPU path (one aminmax per gradient) sees NaN / +-Inf / a too large value at the
+    first, a middle and the last position (vectorised body and scalar tail)."""
+    ok = nn.Parameter(torch.zeros(5, dtype=dtype))
+    ok.grad = torch.ones(5, dtype=dtype)
+    p = nn.Parameter(torch.zeros(numel, dtype=dtype))
+    groups = [{"params": [ok, p]}]
+    bad_values = [float("nan"), float("inf"), float("-inf")] + ([-3e19, 3e19] if dtype != torch.float16 else [])
+    for pos in sorted({0, numel // 2, numel - 1}):
+        for bad in bad_values:
+            p.grad = torch.randn(numel).to(dtype)
+            assert first_nonfinite_grad(groups) is None
+            p.grad[pos] = bad
+            assert first_nonfinite_grad(groups)[:2] == (0, 1), (pos, bad)
+
 def _linear(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     model = nn.Linear(3, 2).to(dtype)

@@ -176,6 +176,26 @@ def test_fast_quantizers_equal_the_general_nearest_rounding():
     assert torch.equal(quant._pack_f(quant._unpack_f(packed)), packed)
 
 
+
+def _boundary_values() -> torch.Tensor:
+    """Every DE midpoint and DE value as float32, their float32 neighbours, both signs, 0, -0,
+    the smallest normal and subnormal, and random values in [-1, 1]."""
+    points = torch.tensor(list(quant._DE_MIDPOINTS) + list(SPEC_DE) + [1e-38, 1e-45, 0.0], dtype=torch.float32)
+    near = torch.cat([points, torch.nextafter(points, torch.tensor(2.0)), torch.nextafter(points, torch.tensor(-2.0))])
+    torch.manual_seed(3)
+    return torch.cat([near, -near, torch.tensor([-0.0]), torch.rand(200_000) * 2 - 1])
+
+
+def test_sign_bit_count_equals_compares_at_every_midpoint():
+    """The compiled DE quantizer counts midpoints below |x| by sign bits of ``t - |x|``: equal
+    to the compares at and next to every midpoint (a wrong threshold or a >= would fail)."""
+    a = _boundary_values().abs()
+    expected = sum((a > t).float() for t in quant._DE_MIDPOINTS)
+    assert torch.equal(quant._count_above(a, quant._DE_MIDPOINTS), expected)
+    m = torch.tensor(quant._DE_MIDPOINTS, dtype=torch.float32)
+    assert quant._count_above(m, quant._DE_MIDPOINTS).tolist() == list(range(8))  # a == t: not above
+    assert quant._count_above(torch.nextafter(m, torch.tensor(2.0)), quant._DE_MIDPOINTS).tolist() == list(range(1, 9))
+
 def test_quantize_rejects_non_finite():
     with pytest.raises(ValueError, match="NaN or Inf"):
         quant.quantize_blockwise(torch.tensor([1.0, float("nan")]), quant.DE_MAP_4BIT)

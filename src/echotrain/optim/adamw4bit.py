@@ -24,6 +24,8 @@ keeps their dtypes (``torch.optim.Optimizer`` would cast float state to the para
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import shutil
@@ -39,6 +41,11 @@ from echotrain.optim.finite import first_nonfinite_grad, nonfinite_grad_message
 __all__ = ["AdamW4bit", "adamw4bit_tensor_update_"]
 
 _TINY = torch.finfo(torch.float32).tiny
+# Inductor inlines (recomputes) a pointwise value in each of its consumers unless it has more
+# than this many ops; its CPU default (50) recomputed the new m's dequantization three times per
+# step, its GPU default (30) stores it once: with the (nb, block) buffer of the new m, 15% faster
+# per piece on CPU (docs/benchmarks.md, "Faster CPU step").
+_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 30}
 
 
 def _squeezed_shape(shape: torch.Size) -> tuple[int, ...]:
@@ -66,9 +73,11 @@ class _Piece(NamedTuple):
     v_col: tuple[int, int]  # factor: column statistics
 
 
-def _pieces(shape: torch.Size, kind: str, block_size: int, chunk_numel: int | None) -> list[_Piece]:
+@functools.lru_cache(maxsize=1024)
+def _pieces(shape: tuple[int, ...], kind: str, block_size: int, chunk_numel: int | None) -> tuple[_Piece, ...]:
     """Split a tensor along its first (squeezed) dim into pieces of at most ``chunk_numel``
-    elements (whole rows; one piece when ``chunk_numel`` is None or the tensor is smaller)."""
+    elements (whole rows; one piece when ``chunk_numel`` is None or the tensor is smaller).
+    Cached: it runs for every parameter at every step."""
     qshape = _squeezed_shape(shape) or (1,)
     rows, row_numel = qshape[0], math.prod(qshape[1:])
     k = 1 if not chunk_numel else max(1, min(rows, -(-rows * row_numel // chunk_numel)))
@@ -89,7 +98,7 @@ def _pieces(shape: torch.Size, kind: str, block_size: int, chunk_numel: int | No
         ranges = {key: (off[key], off[key] + n) for key, n in sizes.items()}
         off = {key: ranges[key][1] for key in off}
         out.append(_Piece(r0, r1, pshape, nb, **ranges))
-    return out
+    return tuple(out)
 
 
 def _v_kind(p: Tensor, group: dict[str, Any]) -> str:
@@ -164,6 +173,10 @@ def adamw4bit_tensor_update_(
     step_size = lr / (1 - beta1**step)
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     decay = 1 - lr * weight_decay
+    if isinstance(step_size, Tensor):
+        # One small buffer: compiled, the scalars are then computed once per call instead of in
+        # every iteration of the elementwise loop (two powf calls per 16 elements on CPU).
+        step_size, bias_correction2_sqrt, decay = torch.stack([step_size, bias_correction2_sqrt, decay]).unbind()
 
     if v_kind == "factor":
         g2 = (g[:n] * g[:n]).view(qshape)
@@ -198,17 +211,22 @@ def adamw4bit_tensor_update_(
     # Quantize the new m: B128/DE, one half (= one nibble) at a time.
     # (multiplying by a per-block reciprocal instead of dividing every element: same codes up to
     # float rounding at exact midpoints, and a division per element is the costliest op here)
-    m_scales = [mi.abs().amax(dim=1) for mi in new_m]
+    # (one (nb, block) buffer for both halves: inductor then writes the new m once instead of
+    # recomputing its dequantization in the absmax and the quantizer loops)
+    m_all = torch.cat(new_m)
+    m_absmax = m_all.abs().amax(dim=1)
+    m_inv = 1 / m_absmax.clamp(min=_TINY)
+    m_halves = [(m_all[i * bh : (i + 1) * bh], m_inv[i * bh : (i + 1) * bh, None]) for i in (0, 1)]
     if m_seed is None:
-        m_code = [quant._de_code_f(mi * (1 / si.clamp(min=_TINY))[:, None]).view(-1) for mi, si in zip(new_m, m_scales)]
+        m_code = [quant._de_code_f(mi * inv).view(-1) for mi, inv in m_halves]
     else:
         m_code = []
-        for i, (mi, si) in enumerate(zip(new_m, m_scales)):
+        for i, (mi, inv) in enumerate(m_halves):
             index = torch.arange(i * half, (i + 1) * half, device=mi.device, dtype=torch.int64).view(bh, block_size)
             u = quant.hash_uniform(index, m_seed)
-            m_code.append(quant._de_code_sr_f(mi * (1 / si.clamp(min=_TINY))[:, None], u).view(-1))
+            m_code.append(quant._de_code_sr_f(mi * inv, u).view(-1))
     m_codes.copy_((m_code[0] * 16 + m_code[1]).to(torch.uint8))
-    m_scale.copy_(torch.cat(m_scales))
+    m_scale.copy_(m_absmax)
 
     # Quantize the new v: Rank-1/Linear, B128/Linear, or keep the float32 factors.
     if v_kind == "factor":
@@ -220,7 +238,10 @@ def adamw4bit_tensor_update_(
         dims = range(len(qshape))
         factors = [vq.amax(dim=[e for e in dims if e != d]) for d in dims]
         # 1 / min(row_i, col_j) = max(1 / row_i, 1 / col_j): reciprocals of the factors only
-        inv = quant.rank1_scale([-(1 / f.clamp(min=_TINY)) for f in factors])  # min of negatives
+        # (concatenated: one small buffer, so that each reciprocal is computed once, not for
+        # every 16 elements of the loop that reads it)
+        neg_recips = torch.cat([-(1 / f.clamp(min=_TINY)) for f in factors])
+        inv = quant.rank1_scale(torch.split(neg_recips, list(qshape)))  # min of negatives
         inv_all = _pad_to(inv.reshape(-1), length)
         v_code = [quant._linear_code_f(vi * -inv_all[i * half : (i + 1) * half]) for i, vi in enumerate(new_v)]
         v_scale.copy_(torch.cat(factors))
@@ -230,6 +251,20 @@ def adamw4bit_tensor_update_(
         v_code = [quant._linear_code_f(vb * (1 / s.clamp(min=_TINY))[:, None]).view(-1) for vb, s in zip(v_blocks, v_scales)]
         v_scale.copy_(torch.cat(v_scales))
     v_codes.copy_((v_code[0] * 16 + v_code[1]).to(torch.uint8))
+
+
+def _update_nearest_(*args: Any, hp: Tensor, **kwargs: Any) -> None:
+    """:func:`adamw4bit_tensor_update_` with the six hyperparameters (step, lr, beta1, beta2, eps,
+    weight_decay) in one float32 tensor ``hp``: the compiled call then guards one tensor instead
+    of six. Compiled with ``_INDUCTOR_OPTIONS``, which help round-to-nearest m but made the
+    stochastic-rounding update 4x slower (its rounding decisions were stored and re-read), so
+    :func:`_update_stochastic_` is compiled apart (its own code object, its own cache)."""
+    adamw4bit_tensor_update_(*args, *hp.unbind(), **kwargs)
+
+
+def _update_stochastic_(*args: Any, hp: Tensor, **kwargs: Any) -> None:
+    """:func:`_update_nearest_` for ``m_rounding="stochastic"``, compiled without the options."""
+    adamw4bit_tensor_update_(*args, *hp.unbind(), **kwargs)
 
 
 class AdamW4bit(torch.optim.Optimizer):
@@ -335,7 +370,7 @@ class AdamW4bit(torch.optim.Optimizer):
         #: steps skipped because of a bad gradient (``skip_nonfinite=True``)
         self.skipped_steps = 0
         self.seed = int(seed)
-        self._compiled = None
+        self._compiled: dict[bool, Any] | None = None  # compiled update per m_rounding == "stochastic"
 
     # ---------------------------------------------------------------- state layout
 
@@ -347,7 +382,7 @@ class AdamW4bit(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=dev)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=dev)
             return state
-        pieces = _pieces(p.shape, kind, group["block_size"], group["chunk_numel"])
+        pieces = _pieces(tuple(p.shape), kind, group["block_size"], group["chunk_numel"])
         last = pieces[-1]
         # Code 0x77: both nibbles are code 7 of the DE map, 0.0 (with scale 0 any code gives 0).
         state["exp_avg_codes"] = torch.full((last.codes[1],), 0x77, dtype=torch.uint8, device=dev)
@@ -386,37 +421,60 @@ class AdamW4bit(torch.optim.Optimizer):
                     self.skipped_steps += 1
                     return loss
                 raise FloatingPointError(nonfinite_grad_message("AdamW4bit", hit))
-        for gi, group in enumerate(self.param_groups):
-            beta1, beta2 = group["betas"]
-            lr = group["lr"]
-            small: list[tuple[Tensor, dict[str, Tensor]]] = []
-            for pi, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(self._init_state(p, group))
-                state["step"] += 1
-                if "exp_avg" in state:
-                    small.append((p, state))
-                    continue
-                self._update_quantized(p, state, group, lr, beta1, beta2, index=(gi, pi))
-            if small:
-                self._update_small(small, group, lr, beta1, beta2)
+        with self._compile_config():
+            for gi, group in enumerate(self.param_groups):
+                self._step_group(gi, group)
         return loss
 
-    def _update_quantized(self, p, state, group, lr, beta1, beta2, index=(0, 0)) -> None:
+    def _compile_config(self):
+        """One kernel per (shape, dtype, v_kind): a model has more distinct shapes than dynamo's
+        default recompile limit (8), past which it silently runs eager; raised for this step
+        only (entered once per step: it costs ~10 us)."""
+        if self.compile is None:  # decided by the device of the first parameter with a gradient
+            p = next((p for g in self.param_groups for p in g["params"] if p.grad is not None), None)
+            if p is None:
+                return contextlib.nullcontext()
+            self.compile = _compile_available(p.device)
+        if not self.compile:
+            return contextlib.nullcontext()
+        return torch._dynamo.config.patch(recompile_limit=max(256, torch._dynamo.config.recompile_limit))
+
+    def _step_group(self, gi: int, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        hp_cache: dict[tuple, tuple] = {}  # 0-d hyperparameter tensors per (step count, device)
+        small: list[tuple[Tensor, dict[str, Tensor]]] = []
+        for pi, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(self._init_state(p, group))
+            state["step"] += 1
+            if "exp_avg" in state:
+                small.append((p, state))
+                continue
+            self._update_quantized(p, state, group, lr, beta1, beta2, index=(gi, pi), hp_cache=hp_cache)
+        if small:
+            self._update_small(small, group, lr, beta1, beta2)
+
+    def _update_quantized(self, p, state, group, lr, beta1, beta2, index=(0, 0), hp_cache=None) -> None:
         kind = _v_kind(p, group)
         stochastic = group["m_rounding"] == "stochastic"
-        pieces = _pieces(p.shape, kind, group["block_size"], group["chunk_numel"])
+        pieces = _pieces(tuple(p.shape), kind, group["block_size"], group["chunk_numel"])
         qshape = _squeezed_shape(p.shape) or (1,)
         target = p if p.is_contiguous() else p.contiguous()
         p_rows, g_rows = target.view(qshape), p.grad.reshape(qshape)
-        hp = (float(state["step"]), float(lr), beta1, beta2, group["eps"], group["weight_decay"])
+        step = float(state["step"])
+        hp = (step, float(lr), beta1, beta2, group["eps"], group["weight_decay"])
         if self.compile is None:
             self.compile = _compile_available(p.device)
-        if self.compile:  # 0-d tensors, so that a new lr or step does not recompile
-            hp = tuple(torch.tensor(x, dtype=torch.float32, device=p.device) for x in hp)
+        if self.compile:  # one float32 tensor, so that a new lr or step does not recompile
+            hp_cache = {} if hp_cache is None else hp_cache  # shared by a group's parameters
+            key = (step, p.device)
+            if key not in hp_cache:
+                hp_cache[key] = torch.tensor(hp, dtype=torch.float32, device=p.device)
+            hp = hp_cache[key]
         for k, piece in enumerate(pieces):
             whole = len(pieces) == 1
             sl = lambda key, rng: state[key][rng[0] : rng[1]] if key in state else None  # noqa: E731
@@ -440,12 +498,13 @@ class AdamW4bit(torch.optim.Optimizer):
     def _update_piece(self, args, hp, kind: str, block_size: int, m_seed: Tensor | None = None) -> None:
         if self.compile:
             if self._compiled is None:
-                self._compiled = torch.compile(adamw4bit_tensor_update_, fullgraph=True, dynamic=False)
-            try:
-                # One kernel per (shape, dtype, v_kind): a model has more distinct shapes than
-                # dynamo's default recompile limit (8), past which it silently runs eager.
-                with torch._dynamo.config.patch(recompile_limit=max(256, torch._dynamo.config.recompile_limit)):
-                    self._compiled(*args, *hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
+                self._compiled = {}
+            stochastic = m_seed is not None
+            if stochastic not in self._compiled:
+                fn, options = (_update_stochastic_, None) if stochastic else (_update_nearest_, _INDUCTOR_OPTIONS)
+                self._compiled[stochastic] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+            try:  # (inside step's _compile_config: the raised recompile limit)
+                self._compiled[stochastic](*args, hp=hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
                 return
             except Exception as err:
                 if not _is_compile_error(err):

@@ -175,31 +175,53 @@ def _nearest_code_f(x: Tensor, values: tuple[float, ...]) -> Tensor:
 def _de_code_f(x: Tensor) -> Tensor:
     """Nearest :data:`DE_MAP_4BIT` code of ``x`` (float32), using the map's symmetry.
 
-    The magnitude index ``j`` in 0..8 is found against the 8 positive midpoints; negative values
-    use ``7 - min(j, 7)`` (the map has no -1). Half the compares of :func:`_nearest_code_f`.
+    The magnitude index ``j`` in 0..8 is the number of the 8 positive midpoints below ``|x|``;
+    negative values use ``7 - min(j, 7)`` (the map has no -1). Half the compares of
+    :func:`_nearest_code_f`; compiled, the compares are sign bits (:func:`_count_above`).
     """
-    pos = DE_MAP_4BIT[7:]
     a = x.abs()
     if torch.compiler.is_compiling():
-        j = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for lo, hi in zip(pos, pos[1:]):
-            j = j + (a > (lo + hi) / 2).float()
+        j = _count_above(a, _DE_MIDPOINTS)
     else:  # eager: in place, no temporaries per midpoint
         j = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
-        for lo, hi in zip(pos, pos[1:]):
-            j += torch.gt(a, (lo + hi) / 2, out=mask)
+        for m in _DE_MIDPOINTS:
+            j += torch.gt(a, m, out=mask)
     return torch.where(x < 0, 7 - j.clamp(max=7), 7 + j)
 
 
+# the 8 midpoints between consecutive non-negative DE values (0.00275, ..., 0.94375)
+_DE_MIDPOINTS = tuple((lo + hi) / 2 for lo, hi in zip(DE_MAP_4BIT[7:], DE_MAP_4BIT[8:]))
+
+
+def _count_above(a: Tensor, thresholds: Sequence[float]) -> Tensor:
+    """``sum_k [a > t_k]`` as float32, for finite float32 ``a``, exactly.
+
+    Each term is the sign bit of the float32 difference ``t_k - a``: it is negative exactly
+    when ``a > t_k`` (two different floats never subtract to 0, and ``t - t = +0``). An integer
+    shift and add per threshold: in inductor's CPU code a float compare turned into a number
+    costs about twice as many vector instructions (measured: the m quantizer ~11% faster).
+    """
+    acc = None
+    for t in thresholds:
+        bit = (t - a).view(torch.int32) >> 31  # -1 where a > t, else 0
+        acc = bit if acc is None else acc + bit
+    return (-acc).float()
+
+
 def _de_value(code: Tensor) -> Tensor:
-    """:data:`DE_MAP_4BIT` value of a float32 code (exact, by selects on ``|code - 7|``)."""
+    """:data:`DE_MAP_4BIT` value of a float32 code, bit-exact in float32.
+
+    The positive values are piecewise linear in the magnitude index ``a = |code - 7|``:
+    ``0.0055 a`` for a <= 1, ``0.0325 + 0.045 (a - 2)`` for a = 2, 3, ``0.4375 + 0.225 (a - 5)``
+    for a = 4..7 and 1 for a = 8. These float32 formulas reproduce the float32 map exactly
+    (with or without a fused multiply-add; tested for every code), with 3 selects instead of 8.
+    """
     c = code - 7
     a = c.abs()
-    pos = DE_MAP_4BIT[7:]
-    mag = torch.zeros(code.shape, dtype=torch.float32, device=code.device)
-    for k in range(1, 9):
-        mag = torch.where(a >= k, pos[k], mag)
+    mag = torch.where(a >= 4, 0.4375 + (a - 5) * 0.225, 0.0325 + (a - 2) * 0.045)
+    mag = torch.where(a >= 8, 1.0, mag)
+    mag = torch.where(a <= 1, a * 0.0055, mag)
     return torch.where(c < 0, -mag, mag)
 
 

@@ -58,18 +58,66 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def set_omp_wait_policy(environ: dict[str, str] | None = None) -> str:
-    """Make OpenMP worker threads sleep, not spin, while they wait (unless the user chose).
+#: other processes using at least this many cores' worth of CPU at start -> passive OpenMP waits
+BUSY_CORES = 0.5
+#: libgomp spin count of a waiting worker thread on a quiet machine (its default: 300000)
+SPINCOUNT = 3000
 
-    Sets ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` (default ``os.environ``) when it is unset,
-    and returns the policy in force. It must run before torch is imported (libgomp reads it
-    once). Why: with the default (active) policy a 2-thread step next to one other busy
-    process took 2.4-4x the 1-thread step on 2 cores, as idle threads spin for their turn;
-    with PASSIVE 1.0-1.3x (``python benchmarks/bench_contention.py``, docs/benchmarks.md).
-    Set ``OMP_WAIT_POLICY=ACTIVE`` to get the old behaviour.
+
+def other_cpu_load(sample_s: float = 0.2) -> float | None:
+    """Cores' worth of CPU time the machine spent busy over ``sample_s`` seconds (all processes;
+    this one sleeps meanwhile), from Linux ``/proc/stat``; None where that cannot be read."""
+    import time
+
+    def snapshot() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])  # busy (user .. steal), total
+
+    try:
+        busy0, total0 = snapshot()
+        time.sleep(sample_s)
+        busy1, total1 = snapshot()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    return (busy1 - busy0) / (total1 - total0) * (os.cpu_count() or 1)
+
+
+def set_omp_wait_policy(environ: dict[str, str] | None = None, load: float | None = None) -> str:
+    """Choose how OpenMP worker threads wait, from the machine's load at start (unless the user chose).
+
+    libgomp's default lets an idle worker spin ~300k times before it sleeps: fast on a quiet
+    machine, but next to another busy process the spinning threads and the descheduled partner
+    make a 2-thread step ~2x slower than a 1-thread one. ``OMP_WAIT_POLICY=PASSIVE`` (sleep at
+    once) is the most robust under contention (1.05x) but costs 1.2x on a quiet machine for the
+    RL step's small ops; a bounded spin of :data:`SPINCOUNT` (``GOMP_SPINCOUNT``) is as fast as
+    the default when quiet and 1.34x under one competitor (docs/benchmarks.md, "Contention").
+    So: when other processes use at least :data:`BUSY_CORES` cores over a short sample at start
+    (:func:`other_cpu_load`), or the load cannot be read, set ``OMP_WAIT_POLICY=PASSIVE`` in
+    ``environ`` (default ``os.environ``); otherwise ``GOMP_SPINCOUNT=3000``, which also bounds
+    the cost of a competitor that starts later. A user's ``OMP_WAIT_POLICY`` or
+    ``GOMP_SPINCOUNT`` is left alone. It must run before torch is imported (libgomp reads it once).
+
+    Args:
+        environ: the environment to update (default ``os.environ``).
+        load: the measured load in cores (default: measure it with :func:`other_cpu_load`).
+    Returns:
+        "PASSIVE", "GOMP_SPINCOUNT=3000", or the user's setting.
     """
     env = os.environ if environ is None else environ
-    return env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" in env:
+        return env["OMP_WAIT_POLICY"]
+    if "GOMP_SPINCOUNT" in env:
+        return f"GOMP_SPINCOUNT={env['GOMP_SPINCOUNT']}"
+    load = other_cpu_load() if load is None else load
+    if load is None or load >= BUSY_CORES:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        return "PASSIVE"
+    env["GOMP_SPINCOUNT"] = str(SPINCOUNT)
+    return f"GOMP_SPINCOUNT={SPINCOUNT}"
 
 
 def main(argv: list[str] | None = None) -> int:

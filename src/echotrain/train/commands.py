@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -134,7 +135,8 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     print(f"echotrain: run directory {trainer.run_dir} (config.yaml, metrics.jsonl, samples.jsonl, plots/, "
           f"checkpoints/); {torch.get_num_threads()} threads, device {trainer.device}, "
-          f"{describe_precision(trainer.autocast_dtype)}", file=sys.stderr)
+          f"{describe_precision(trainer.autocast_dtype)}, OpenMP wait policy "
+          f"{os.environ.get('OMP_WAIT_POLICY') or 'GOMP_SPINCOUNT=' + os.environ.get('GOMP_SPINCOUNT', '(default)')}", file=sys.stderr)
     trainer.train()
     total = time.perf_counter() - t0
     train_s = getattr(trainer, "train_seconds", total)

@@ -64,26 +64,58 @@ BUSY_CORES = 0.5
 SPINCOUNT = 3000
 
 
+def cpu_ticks(stat: str, cpus: set[int] | None = None) -> tuple[int, int, int]:
+    """``(busy, total, n)``: clock ticks since boot from the text of Linux ``/proc/stat``, summed
+    over the CPUs ``cpus`` (their ``cpuN`` lines; None, or none of them listed: the aggregate
+    ``cpu`` line over all ``n`` CPUs that have a line).
+
+    A line's fields are user nice system idle iowait irq softirq steal guest guest_nice (the last
+    two are already counted in user / nice, so they are left out): total = the first eight,
+    busy = total - idle - iowait.
+
+    Raises:
+        ValueError: no ``cpu`` line, or one with fewer than 4 numbers.
+    """
+    lines = {}
+    for line in stat.splitlines():
+        name, _, rest = line.partition(" ")
+        if name.startswith("cpu"):
+            lines[name] = [int(x) for x in rest.split()]
+    per_cpu = {int(k[3:]): v for k, v in lines.items() if k[3:].isdigit()}
+    chosen = [per_cpu[c] for c in sorted(cpus) if c in per_cpu] if cpus else []
+    if chosen:
+        n = len(chosen)
+    elif "cpu" in lines:
+        chosen, n = [lines["cpu"]], max(len(per_cpu), 1)
+    else:
+        raise ValueError("/proc/stat: no cpu line")
+    busy = total = 0
+    for fields in chosen:
+        if len(fields) < 4:
+            raise ValueError(f"/proc/stat: a cpu line has {len(fields)} numbers, expected at least 4")
+        t = sum(fields[:8])
+        busy, total = busy + t - fields[3] - (fields[4] if len(fields) > 4 else 0), total + t
+    return busy, total, n
+
+
 def other_cpu_load(sample_s: float = 0.2) -> float | None:
-    """Cores' worth of CPU time the machine spent busy over ``sample_s`` seconds (all processes;
-    this one sleeps meanwhile), from Linux ``/proc/stat``; None where that cannot be read."""
+    """Cores' worth of CPU time spent busy over ``sample_s`` seconds on the CPUs this process may
+    run on (``os.sched_getaffinity``; all processes, this one sleeps meanwhile), from Linux
+    ``/proc/stat`` (:func:`cpu_ticks`); None where that cannot be read."""
     import time
 
-    def snapshot() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return sum(fields[:8]) - idle, sum(fields[:8])  # busy (user .. steal), total
-
     try:
-        busy0, total0 = snapshot()
+        cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        with open("/proc/stat") as f:
+            busy0, total0, n = cpu_ticks(f.read(), cpus)
         time.sleep(sample_s)
-        busy1, total1 = snapshot()
-    except (OSError, ValueError, IndexError):
+        with open("/proc/stat") as f:
+            busy1, total1, _ = cpu_ticks(f.read(), cpus)
+    except (OSError, ValueError):
         return None
     if total1 <= total0:
         return None
-    return (busy1 - busy0) / (total1 - total0) * (os.cpu_count() or 1)
+    return (busy1 - busy0) / (total1 - total0) * n
 
 
 def set_omp_wait_policy(environ: dict[str, str] | None = None, load: float | None = None) -> str:

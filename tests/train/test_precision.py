@@ -105,3 +105,56 @@ def test_bfloat16_log_probs_are_close_to_float32_but_not_equal(tiny_model):
     assert not torch.equal(lp32, lp16)
     assert torch.allclose(lp16, lp32, atol=0.05, rtol=0.02)
     assert torch.nn.functional.cosine_similarity(g16.flatten(), g32.flatten(), dim=0) > 0.99
+
+
+@pytest.mark.parametrize("variant", [
+    dict(kl_coef=0.1),  # reference log-probs from the initial model's copy
+    dict(kl_coef=0.1, lora_r=4, lora_alpha=8),  # reference = the same model with adapters off
+    dict(optimizer="sam"),  # the closure's second forward, at w + e
+    dict(gradient_checkpointing=True, num_mini_batches=1),  # the recomputation in backward
+], ids=["kl_ref_copy", "kl_lora", "sam", "grad_ckpt"])
+def test_every_forward_and_nothing_else_runs_under_autocast(variant, build_trainer, monkeypatch):
+    """With autocast=bfloat16, every linear layer call of every model of the run (policy and KL
+    reference, generation, log-probs, evaluation, SAM's second pass, checkpoint recomputation) is
+    under autocast and returns bfloat16; the losses and the optimizer step are not."""
+    from echotrain.train import update
+
+    trainer = build_trainer({**BASE, "steps": 1}, name="v", autocast="bfloat16", **variant)
+    seen: list[tuple[str, bool, torch.dtype]] = []
+    models = {"policy": trainer.model, "ref": trainer.ref_model}
+    for name, model in models.items():
+        for m in (model.modules() if model is not None else ()):
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(lambda mod, inp, out, name=name: seen.append(
+                    (name, torch.is_autocast_enabled("cpu"), out.dtype)))
+    outside: list[tuple[str, bool]] = []
+
+    def spy(name, fn):
+        def wrapped(*a, **k):
+            outside.append((name, torch.is_autocast_enabled("cpu")))
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(update, "compute_policy_loss", spy("loss", update.compute_policy_loss))
+    monkeypatch.setattr(update, "kl_penalty", spy("kl", update.kl_penalty))
+    trainer.optimizer.register_step_pre_hook(lambda opt, a, k: outside.append(("optimizer", torch.is_autocast_enabled("cpu"))))
+    trainer.train()
+    assert seen and {(on, dtype) for _, on, dtype in seen} == {(True, torch.bfloat16)}
+    if variant.get("kl_coef") and "lora_r" not in variant:
+        assert {name for name, _, _ in seen} == {"policy", "ref"}
+    assert {name for name, _ in outside} >= ({"loss", "optimizer"} | ({"kl"} if variant.get("kl_coef") else set()))
+    assert not any(on for _, on in outside)
+
+
+def test_auto_is_off_on_a_gpu_that_only_emulates_bf16(monkeypatch):
+    """A pre-Ampere GPU (e.g. T4): torch.cuda.is_bf16_supported() is True by emulation, which is
+    slower than float32, so ``auto`` must not pick bfloat16 there; an Ampere+ GPU does."""
+    monkeypatch.delenv(precision.NATIVE_BF16_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for native, want in ((False, None), (True, torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n or including_emulation)
+        precision._probe_native_bf16.cache_clear()
+        try:
+            assert precision.resolve_autocast("auto", "cuda") is want
+        finally:
+            precision._probe_native_bf16.cache_clear()

@@ -72,9 +72,11 @@ class TrainConfig:
     autocast: str = _f("auto", "Mixed precision of the model's forward passes (generation, log-probs, evaluation): 'bfloat16' "
                        "runs them under torch.autocast (bf16 matrix products; weights, gradients, optimizer, log-softmax "
                        "and losses stay float32); 'off' = all float32; 'auto' = bfloat16 where the hardware has native "
-                       "bf16 (CPU with AVX512-BF16/AMX, CUDA with bf16) and dtype=float32, else off. Measured 2.2-2.7x "
-                       "faster passes on an AVX512-BF16 CPU (docs/benchmarks.md). The resolved choice is printed and "
-                       "stored in run_info.json; set it explicitly to compare runs across machines.",
+                       "bf16 (CPU with AVX512-BF16/AMX, CUDA with bf16) and dtype=float32, else off. Measured on an "
+                       "AVX512-BF16 CPU: the default run's step 2x faster (update 2.3x, generation 1.6x; "
+                       "docs/benchmarks.md). The resolved choice is printed and stored in run_info.json; set it "
+                       "explicitly to compare runs across machines; with bfloat16 and more than one thread runs are "
+                       "not bit-reproducible.",
                        ("auto", "off", "bfloat16"))
 
     # ---- model and task ----------------------------------------------------------------------

@@ -14,9 +14,10 @@ The ``autocast`` setting of :class:`echotrain.train.config.TrainConfig`:
   float32; ``"off"`` elsewhere, where bfloat16 would be emulated and slower than float32.
 
 All passes of a run use the same precision, so an on-policy importance ratio is still exactly 1
-(``old_log_prob`` and ``log_prob`` come from the same computation). Runs are bit-reproducible on
-one machine; a machine that resolves ``auto`` differently computes a different (equally valid)
-run, so set ``autocast`` explicitly to compare runs across machines. Measured speed-up on a 2-core
+(``old_log_prob`` and ``log_prob`` come from the same computation). Bit-reproducibility on one
+machine holds with ``"off"``; bfloat16 runs with more than one thread were seen to part after a
+few steps (README, Reproducibility). A machine that resolves ``auto`` differently computes a
+different (equally valid) run, so set ``autocast`` explicitly to compare runs across machines. Measured speed-up on a 2-core
 AVX512-BF16 CPU: docs/benchmarks.md, "Mixed precision".
 """
 
@@ -41,7 +42,7 @@ def native_bf16(device_type: str) -> bool:
     """Whether ``device_type`` ('cpu' | 'cuda' | ...) computes bfloat16 matrix products natively.
 
     CPU: AVX512-BF16 or AMX tile instructions (``torch.cpu`` capability checks; False when this
-    torch build cannot tell). CUDA: ``torch.cuda.is_bf16_supported()``. Other devices: False.
+    torch build cannot tell). CUDA: ``torch.cuda.is_bf16_supported(including_emulation=False)``. Other devices: False.
     ``ECHOTRAIN_NATIVE_BF16=0`` / ``=1`` overrides the check (the test suite sets 0, so that
     ``auto`` means float32 on every machine it runs on).
     """
@@ -60,7 +61,8 @@ def _probe_native_bf16(device_type: str) -> bool:
         except (RuntimeError, AttributeError):
             return False
     if device_type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        # not emulated bf16 (pre-Ampere GPUs): slower than float32 there
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     return False
 
 

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from echotrain.cli import main
 from echotrain.evalsuite import SUITES, SuiteInputError, evaluate_run_dir, load_suite, run_suite
@@ -292,3 +293,34 @@ def test_cli_suite_runs_the_eval_preflight_checks(argv, message, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("echotrain eval: error: ") and message in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("setting, want", [("off", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_eval_autocast_flag_sets_the_forward_precision(setting, want, tmp_path, ascii_tokenizer, monkeypatch):
+    """``echotrain eval --autocast`` (task and suite paths): the model's Linear outputs are in the
+    chosen precision; the default is float32."""
+    _save_tiny_model(tmp_path / "model", ascii_tokenizer)
+    seen: list[torch.dtype] = []
+    from echotrain.train import evaluate as evaluate_module
+
+    real_load = evaluate_module.load_for_eval
+
+    def load_and_hook(*a, **k):
+        model, tok, desc = real_load(*a, **k)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+        return model, tok, desc
+
+    monkeypatch.setattr(evaluate_module, "load_for_eval", load_and_hook)
+    f = tmp_path / "mc.jsonl"
+    f.write_text(json.dumps({"question": "q", "choices": ["a", "b"], "answer": 0}) + "\n")
+    flag = [] if setting == "off" else ["--autocast", setting]
+    assert main(["eval", "--model", str(tmp_path / "model"), "--benchmark", f"choice:mini={f}", "--n", "1",
+                 "--max-new-tokens", "2", "--out", str(tmp_path / "o"), "--no-progress", "--threads", "1",
+                 "--json", *flag]) == 0
+    assert seen and set(seen) == {want}
+    seen.clear()
+    assert main(["eval", "--model", str(tmp_path / "model"), "--prompts", "2", "--n", "1", "--max-new-tokens", "2",
+                 "--threads", "1", "--json", *flag]) == 0
+    assert seen and set(seen) == {want}

@@ -26,6 +26,7 @@ from echotrain.train.config import (
     parse_overrides,
     resolve_config,
 )
+from echotrain.train.precision import AUTOCAST_CHOICES
 
 TRAIN_EPILOG = """\
 Configuration keys (key=value on the command line, or a flat YAML mapping in --config).
@@ -162,6 +163,10 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234, help="seed for prompt choice and sampling (default 1234)")
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores (default)")
+    parser.add_argument("--autocast", default="off", choices=AUTOCAST_CHOICES,
+                        help="precision of the model's forward passes, as train's autocast key; default off "
+                             "(float32). A run's in-training evaluation uses the run's setting (run_info.json's "
+                             "autocast): pass the same to reproduce its eval.jsonl")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     from echotrain.evalsuite.cli import add_suite_arguments
 
@@ -219,6 +224,7 @@ def run_eval(args: argparse.Namespace) -> int:
     import torch
 
     from echotrain.train.evaluate import evaluate, load_for_eval
+    from echotrain.train.precision import autocast, resolve_autocast
 
     torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:
@@ -229,8 +235,10 @@ def run_eval(args: argparse.Namespace) -> int:
         print(f"echotrain eval: error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    res = evaluate(model, tok, task, num_prompts=args.prompts, n=args.n, ks=ks, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, seed=args.seed, keep_samples=max(3, args.show or 0))
+    with autocast(model, resolve_autocast(args.autocast, args.device, next(model.parameters()).dtype)):
+        res = evaluate(model, tok, task, num_prompts=args.prompts, n=args.n, ks=ks,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                       keep_samples=max(3, args.show or 0))
     res["seconds"] = time.perf_counter() - t0
     samples = res.pop("samples", [])
     show = args.show if args.show is not None else (3 if res["accuracy"] == 0 else 0)

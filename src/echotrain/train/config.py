@@ -28,6 +28,7 @@ import yaml
 
 from echotrain.optim.schedules import LR_DECAYS
 from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, with_policy_loss_fields
+from echotrain.train.precision import AUTOCAST_CHOICES
 
 BALANCED_SUFFIX = "+balanced"
 
@@ -77,7 +78,7 @@ class TrainConfig:
                        "docs/benchmarks.md). The resolved choice is printed and stored in run_info.json; set it "
                        "explicitly to compare runs across machines; with bfloat16 and more than one thread runs are "
                        "not bit-reproducible.",
-                       ("auto", "off", "bfloat16"))
+                       AUTOCAST_CHOICES)
 
     # ---- model and task ----------------------------------------------------------------------
     model: str | None = _f(None, "Policy: a Hugging Face name/path, a .gguf file, or empty for the embedded default "

@@ -140,16 +140,24 @@ def set_omp_wait_policy(environ: dict[str, str] | None = None, load: float | Non
         "PASSIVE", "GOMP_SPINCOUNT=3000", or the user's setting.
     """
     env = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        load = other_cpu_load() if load is None else load
+        if load is None or load >= BUSY_CORES:
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        else:
+            env["GOMP_SPINCOUNT"] = str(SPINCOUNT)
+    return omp_wait_in_force(env)
+
+
+def omp_wait_in_force(environ: dict[str, str] | None = None) -> str:
+    """The OpenMP wait setting of ``environ`` (default ``os.environ``), for logs and run_info:
+    its ``OMP_WAIT_POLICY``, else ``GOMP_SPINCOUNT=<n>``, else ``"default"`` (libgomp's own)."""
+    env = os.environ if environ is None else environ
     if "OMP_WAIT_POLICY" in env:
         return env["OMP_WAIT_POLICY"]
     if "GOMP_SPINCOUNT" in env:
         return f"GOMP_SPINCOUNT={env['GOMP_SPINCOUNT']}"
-    load = other_cpu_load() if load is None else load
-    if load is None or load >= BUSY_CORES:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
-        return "PASSIVE"
-    env["GOMP_SPINCOUNT"] = str(SPINCOUNT)
-    return f"GOMP_SPINCOUNT={SPINCOUNT}"
+    return "default"
 
 
 def main(argv: list[str] | None = None) -> int:

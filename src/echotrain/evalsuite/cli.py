@@ -125,9 +125,9 @@ def run_suite_command(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / (
         f"eval-{name}-" + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     t0 = time.perf_counter()
-    from echotrain.train.precision import autocast, resolve_autocast
+    from echotrain.train.precision import autocast, resolve_for
 
-    with autocast(model, resolve_autocast(getattr(args, "autocast", "off"), args.device, next(model.parameters()).dtype)):
+    with autocast(model, resolve_for(model, args.autocast)):
         summary = run_suite(model, tok, args.suite, benchmarks=args.benchmark, data_dir=args.data_dir, limit=args.limit,
                             n=args.n, ks=ks, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=max_new, batch_size=args.batch_size, seed=args.seed, out_dir=out,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -117,6 +116,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    from echotrain.cli import omp_wait_in_force
     from echotrain.train.precision import describe as describe_precision
     from echotrain.train.trainer import Trainer
 
@@ -137,7 +137,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"echotrain: run directory {trainer.run_dir} (config.yaml, metrics.jsonl, samples.jsonl, plots/, "
           f"checkpoints/); {torch.get_num_threads()} threads, device {trainer.device}, "
           f"{describe_precision(trainer.autocast_dtype)}, OpenMP wait policy "
-          f"{os.environ.get('OMP_WAIT_POLICY') or 'GOMP_SPINCOUNT=' + os.environ.get('GOMP_SPINCOUNT', '(default)')}", file=sys.stderr)
+          f"{omp_wait_in_force()}", file=sys.stderr)
     trainer.train()
     total = time.perf_counter() - t0
     train_s = getattr(trainer, "train_seconds", total)
@@ -224,7 +224,7 @@ def run_eval(args: argparse.Namespace) -> int:
     import torch
 
     from echotrain.train.evaluate import evaluate, load_for_eval
-    from echotrain.train.precision import autocast, resolve_autocast
+    from echotrain.train.precision import autocast, resolve_for
 
     torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:
@@ -235,7 +235,7 @@ def run_eval(args: argparse.Namespace) -> int:
         print(f"echotrain eval: error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    with autocast(model, resolve_autocast(args.autocast, args.device, next(model.parameters()).dtype)):
+    with autocast(model, resolve_for(model, args.autocast)):
         res = evaluate(model, tok, task, num_prompts=args.prompts, n=args.n, ks=ks,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                        keep_samples=max(3, args.show or 0))

@@ -138,6 +138,8 @@ def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: st
     for reproducing it."""
     import platform
 
+    from echotrain.cli import omp_wait_in_force
+
     import transformers
 
     import echotrain
@@ -146,7 +148,7 @@ def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: st
         "run_dir": str(run_dir),
         "device": str(device),
         "torch_num_threads": torch.get_num_threads(),
-        "omp_wait": os.environ.get("OMP_WAIT_POLICY") or "GOMP_SPINCOUNT=" + os.environ.get("GOMP_SPINCOUNT", "(default)"),
+        "omp_wait": omp_wait_in_force(),
         "model": model_name or "smollm2-135m-instruct (embedded default)",
         "model_class": type(model).__name__,
         "task": task_name,

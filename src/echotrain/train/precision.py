@@ -87,6 +87,17 @@ def resolve_autocast(setting: str, device: torch.device | str, param_dtype: torc
     return torch.bfloat16 if param_dtype == torch.float32 and native_bf16(device_type) else None
 
 
+def resolve_for(model: Any, setting: str) -> torch.dtype | None:
+    """:func:`resolve_autocast` for ``model``'s device and parameter dtype (its first parameter)."""
+    p = next(model.parameters())
+    return resolve_autocast(setting, p.device, p.dtype)
+
+
+def setting_name(dtype: torch.dtype | None) -> str:
+    """The explicit ``autocast`` value a resolved dtype stands for: 'bfloat16' or 'off'."""
+    return "bfloat16" if dtype is not None else "off"
+
+
 def describe(dtype: torch.dtype | None) -> str:
     """Short text for logs: 'bfloat16 autocast' or 'no autocast'."""
     return "bfloat16 autocast" if dtype is not None else "no autocast"

@@ -36,7 +36,7 @@ from echotrain.train.config import TrainConfig, save_config
 from echotrain.train.dist import init_distributed, rank_seed
 from echotrain.train.features import prepare_policy
 from echotrain.train.lora import is_lora, model_state, reference_policy, save_final_model
-from echotrain.train.precision import autocast, resolve_autocast
+from echotrain.train.precision import autocast, resolve_for, setting_name
 from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, read_jsonl, run_info, sample_rows,
                                      step_record, write_json_atomic)
 from echotrain.train.rollout import RolloutBatch
@@ -111,7 +111,7 @@ class Trainer:
             model, tokenizer = load_policy(cfg.model, dtype=dtype, device=str(self.device))
         self.model, self.tokenizer = prepare_policy(model, tokenizer, cfg, self.device, self.dist)
         #: bfloat16 for the model's forward passes under ``autocast`` (train/precision.py), else None
-        self.autocast_dtype = resolve_autocast(cfg.autocast, self.device, next(self.model.parameters()).dtype)
+        self.autocast_dtype = resolve_for(self.model, cfg.autocast)
         if task is None:
             from echotrain.tasks import get_task
 
@@ -153,7 +153,7 @@ class Trainer:
                 run_dir=self.run_dir, device=self.device, model_name=cfg.model, model=self.model, task_name=cfg.task,
                 task=self.task, world_size=self.dist.world_size, dist_backend=self.dist.backend,
                 lora=is_lora(self.model),
-                autocast="bfloat16" if self.autocast_dtype is not None else "off"))
+                autocast=setting_name(self.autocast_dtype)))
             self.logger = MetricsLogger(self.run_dir, report_to=cfg.report_to, project=cfg.wandb_project,
                                         config=cfg.to_dict())
 

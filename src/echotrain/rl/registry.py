@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar, overload
 
+from echotrain.rl.validation import check_choice
+
 T = TypeVar("T")
 
 
@@ -115,17 +117,7 @@ class Registry(Mapping[str, T], Generic[T]):
         Raises:
             ValueError: unknown ``name`` (lists the valid ones).
         """
-        return dict(self._info[self.check(name)])
-
-    def check(self, name: object) -> str:
-        """Return ``name`` if registered.
-
-        Raises:
-            ValueError: ``name`` is unknown (the message names the argument and lists the valid names).
-        """
-        if name not in self._items:
-            raise ValueError(f"{self.argument}={name!r} is unknown; valid: {sorted(self._items)}")
-        return name  # type: ignore[return-value]
+        return dict(self._info[check_choice(self.argument, name, self._items)])
 
     def names(self, where: Callable[[Mapping[str, Any]], bool] | None = None) -> Names:
         """A live :class:`Names` view (optionally of the names whose info satisfies ``where``)."""

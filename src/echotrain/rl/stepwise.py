@@ -101,8 +101,8 @@ MAX_GROUP_IDS = 10_000_000
 def needs_log_prob_prepass(loss_mode: str, config: PolicyLossConfig | Mapping[str, Any] | None = None) -> bool:
     """True if :func:`compute_step_stats` needs each micro-batch's current ``log_prob``: the loss's
     registration declares it (``LossStepStats.needs_log_prob``; ECHO)."""
-    check_choice("loss_mode", loss_mode, POLICY_LOSSES)
-    return loss_mode in PREPASS_LOSS_MODES
+    stats = loss_step_stats(loss_mode)  # raises on an unknown loss_mode
+    return stats is not None and stats.needs_log_prob
 
 
 def _default_reduce(process_group: Any) -> tuple[ReduceFn, int]:
@@ -167,7 +167,7 @@ def compute_step_stats(
         raise ValueError(f"dp_size must be an int >= 1 (or None for the world size), got {dp_size!r}")
     dp_size = world if dp_size is None else dp_size
     loss_stats = loss_step_stats(loss_mode)
-    needs_log_prob = loss_stats is not None and loss_stats.needs_log_prob
+    needs_log_prob = needs_log_prob_prepass(loss_mode)
     balanced = loss_agg_mode == "balanced"
 
     prepared: list[StepBatch] = []

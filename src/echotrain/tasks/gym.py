@@ -8,16 +8,10 @@ generator's ``score_answer``; no tag means reward 0.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
-from echotrain.tasks.base import (
-    Example,
-    build_messages,
-    extract_final_answer,
-    register_task,
-    register_task_family,
-    sample_indices,
-)
+from echotrain.tasks.base import Example, extract_final_answer, register_task, register_task_family
+from echotrain.tasks.indexed import IndexedTask
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "DEFAULT_TASK", "ReasoningGymTask"]
 
@@ -57,7 +51,7 @@ DEFAULT_TASK: dict[str, Any] = {
 }
 
 
-class ReasoningGymTask:
+class ReasoningGymTask(IndexedTask):
     """A reasoning-gym generator as an echotrain task.
 
     Args:
@@ -125,30 +119,11 @@ class ReasoningGymTask:
         if not 0 <= index < self.size:
             raise IndexError(f"index {index} out of range for task {self.name} of size {self.size}")
         entry = self.dataset[index]
-        return Example(
-            messages=build_messages(entry["question"], system=self.system, one_shot=self.one_shot),
-            question=entry["question"],
-            answer=str(entry["answer"]),
-            task=self.name,
-            index=index,
-            metadata={"entry": entry},
-        )
-
-    def __iter__(self) -> Iterator[Example]:
-        for i in range(self.size):
-            yield self[i]
-
-    def sample(self, n: int, seed: int) -> list[Example]:
-        """``n`` examples drawn reproducibly (``seed``) from the task's ``size`` examples."""
-        return [self[i] for i in sample_indices(self.size, n, seed)]
+        return self.chat_example(index, entry["question"], str(entry["answer"]), {"entry": entry})
 
     def extract(self, completion: str) -> str | None:
         """The content of the last ``<answer>`` tag, or ``None``."""
         return extract_final_answer(completion, self.answer_format)
-
-    def is_formatted(self, completion: str) -> bool:
-        """Whether a complete, non-empty ``<answer>`` tag is present."""
-        return self.extract(completion) is not None
 
     def score(self, completion: str, example: Example) -> float:
         """The generator's ``score_answer`` of the extracted answer (binarised by default).

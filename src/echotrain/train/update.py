@@ -13,6 +13,7 @@ calls twice (at w and at w + e; Foret et al. 2021, arXiv 2010.01412).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -36,17 +37,16 @@ def policy_log_probs(model: Any, batch: RolloutBatch, cfg: TrainConfig, with_ent
     """Log-probs ``(b, T)`` (and entropy) of ``batch``'s response tokens at ``cfg.temperature``,
     with grad if ``grad``; on the model's device. Under gradient checkpointing the with-grad
     pass runs without the shared-prefix KV cache."""
+    checkpointing = contextlib.nullcontext()
     if grad and cfg.gradient_checkpointing:
         from echotrain.train.features import checkpointed_forward
 
-        with torch.set_grad_enabled(True), checkpointed_forward(model):
-            return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                     batch.response_mask, temperature=cfg.temperature,
-                                     with_entropy=with_entropy, share_prefix=False)  # no KV cache under checkpointing
-    with torch.set_grad_enabled(grad):
+        checkpointing = checkpointed_forward(model)
+    with torch.set_grad_enabled(grad), checkpointing:
         return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                  batch.response_mask, temperature=cfg.temperature, with_entropy=with_entropy,
-                                 share_prefix=cfg.share_prompt_prefix)
+                                 # no shared-prefix KV cache under checkpointing
+                                 share_prefix=cfg.share_prompt_prefix and not (grad and cfg.gradient_checkpointing))
 
 
 @torch.no_grad()
@@ -118,9 +118,13 @@ class MicroBatch:
     old_log_prob: torch.Tensor
     advantages: torch.Tensor
     response_mask: torch.Tensor
-    group_index: torch.Tensor
     ref_log_prob: torch.Tensor | None = None
     log_prob: torch.Tensor | None = None
+
+    @property
+    def group_index(self) -> torch.Tensor:
+        """(b,) int64 group ids, dense over the mini-batch (the batch's own)."""
+        return self.batch.group_index
 
     def stats_inputs(self) -> dict[str, torch.Tensor | None]:
         """The tensors :func:`echotrain.rl.compute_step_stats` reads."""
@@ -139,7 +143,7 @@ def micro_batches(data: StepData, rows: torch.Tensor, micro_batch_size: int, dis
         rows, batch = rows[local], batch.select(local)
     token_fields = [f.name for f in dataclasses.fields(RolloutBatch)]
     tensors = {"rows": rows, "old_log_prob": data.old_log_prob[rows], "advantages": data.advantages[rows],
-               "response_mask": data.response_mask[rows], "group_index": batch.group_index,
+               "response_mask": data.response_mask[rows],
                **{"batch." + k: getattr(batch, k) for k in token_fields}}
     if data.ref_log_prob is not None:
         tensors["ref_log_prob"] = data.ref_log_prob[rows]

@@ -21,8 +21,10 @@ def records(n=20, length=None, entropy=None, grad=None, extra=None):
 def test_a_steady_run_raises_nothing():
     res = stability_flags(records())
     assert res["flags"] == {"nan": False, "length_collapse": False, "entropy_collapse": False,
-                            "grad_explosion": False}
-    assert res["any"] is False and format_flags(res) == "none"
+                            "grad_explosion": False, "accuracy_collapse": None}  # no evaluations: not judged
+    assert res["any"] is False and format_flags(res) == "none (not judged: accuracy_collapse)"
+    evals = [{"step": 0, "eval/accuracy": 0.3}, {"step": 20, "eval/accuracy": 0.32}]
+    assert stability_flags(records(), evals=evals)["flags"]["accuracy_collapse"] is False
 
 
 def test_length_collapse():
@@ -73,3 +75,44 @@ def test_bad_thresholds_raise():
         StabilityThresholds(length_ratio=0)
     with pytest.raises(ValueError, match="grad_factor"):
         StabilityThresholds(grad_factor=1.0)
+
+
+def evals(*acc, every=5):
+    return [{"step": every * i, "eval/accuracy": a, "eval/format_rate": 1.0} for i, a in enumerate(acc)]
+
+
+def test_accuracy_collapse_needs_half_and_ten_points():
+    # the measured off-policy collapse: 0.28 at the start, 0.05 at the end (< 0.14 and 23 points down)
+    res = stability_flags(records(), evals=evals(0.28, 0.10, 0.06, 0.05))
+    assert res["flags"]["accuracy_collapse"] is True and res["any"] is True
+    assert res["values"]["accuracy_collapse"] == {"start_step": 0, "start": 0.28, "end_step": 15, "end": 0.05,
+                                                  "drop": pytest.approx(0.23)}
+    assert "accuracy_collapse" in format_flags(res)
+    # below half but only 6 points down: noise on a few hundred prompts, not a collapse
+    assert stability_flags(records(), evals=evals(0.10, 0.04))["flags"]["accuracy_collapse"] is False
+    # 30 points down but not below half of the start
+    assert stability_flags(records(), evals=evals(0.90, 0.60))["flags"]["accuracy_collapse"] is False
+    # exactly 10 points and below half: 0.18 -> 0.08 (ratio 0.44)
+    assert stability_flags(records(), evals=evals(0.18, 0.08))["flags"]["accuracy_collapse"] is True
+    # the end counts, not the worst point: a dip that recovers is no collapse
+    assert stability_flags(records(), evals=evals(0.30, 0.02, 0.29))["flags"]["accuracy_collapse"] is False
+    # thresholds are settings
+    th = StabilityThresholds(accuracy_ratio=0.8, accuracy_drop=0.05)
+    assert stability_flags(records(), th, evals=evals(0.50, 0.38))["flags"]["accuracy_collapse"] is True
+    assert "0.8 x the first" in th.describe()["accuracy_collapse"]
+
+
+def test_accuracy_collapse_reads_the_step_records_without_eval_jsonl():
+    recs = records(extra=lambda i: {"eval/accuracy": 0.4 if i == 4 else 0.1} if i in (4, 19) else {})
+    res = stability_flags(recs)
+    assert res["flags"]["accuracy_collapse"] is True
+    assert res["values"]["accuracy_collapse"]["start_step"] == 5 and res["values"]["accuracy_collapse"]["end_step"] == 20
+    one = stability_flags(records(), evals=evals(0.3))
+    assert one["flags"]["accuracy_collapse"] is None  # one evaluation: not judged
+
+
+def test_bad_accuracy_thresholds_raise():
+    with pytest.raises(ValueError, match="accuracy_ratio"):
+        StabilityThresholds(accuracy_ratio=1.5)
+    with pytest.raises(ValueError, match="accuracy_drop"):
+        StabilityThresholds(accuracy_drop=0)

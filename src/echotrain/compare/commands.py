@@ -18,11 +18,14 @@ import sys
 from echotrain.train.config import ConfigError
 
 EPILOG = """\
-CONFIG.yaml: name, output_dir, seeds (N or [list]), baseline, base {TrainConfig keys}, arms {name:
-{preset: ..., key: value}}, optional sweep {name, keys, values}, report {metric, threshold,
-stability}, verdict [claims], suite {name, args} (see echotrain.compare.config and
-configs/compare/*.yaml). key=value: seeds=, output_dir=, name=, baseline=, arms=a,b (subset),
-report.KEY=, or any TrainConfig key (applied to every cell, over the arms' values).
+CONFIG.yaml: name, output_dir, seeds (N or [list]: exploration), confirm_seeds (N or [list]: the
+seeds verdicts use), baseline, base {TrainConfig keys}, arms {name: {preset: ..., key: value}},
+optional sweep {name, keys, values}, report {metric, threshold, stability, max_step, rule
+(paired_t | bca), correction (holm | none), alpha, power}, verdict [claims], suite {name, args}
+(see echotrain.compare.config and configs/compare/*.yaml). key=value: seeds=, confirm_seeds=,
+output_dir=, name=, baseline=, arms=a,b (subset; claims naming other arms are dropped, with a
+note), verdict=none (skip every claim), report.KEY=, or any TrainConfig key (applied to every
+cell, over the arms' values).
 """
 
 
@@ -104,6 +107,8 @@ def run_compare(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"echotrain compare: error: {exc}", file=sys.stderr)
         return 2
+    for d in spec.dropped_verdicts:
+        print(f"echotrain compare: claim not evaluated ({d['reason']}): {d['claim']}", file=sys.stderr)
     spec.raw["command"] = " ".join(["echotrain compare", args.config, *args.rest] +
                                    ([f"--threads {args.threads}"] if args.threads != 1 else []))
     write_plan(spec, cells)

@@ -5,6 +5,8 @@ A comparison file (``configs/compare/*.yaml``) is a mapping::
     name: testbed                       # label of the study
     output_dir: runs/compare/testbed    # comparison directory (cells/, report/, compare.yaml)
     seeds: 5                            # an int n (seeds 0..n-1) or a list of seeds
+    confirm_seeds: [10, 11, ..., 19]    # optional: confirmation seeds (an int n: n seeds after the
+                                        # exploration seeds); verdicts use these only
     baseline: grpo                      # arm the others are compared with (ratios, paired tests)
     base: {model: ..., steps: 60, ...}  # TrainConfig keys for every cell
     arms:                               # name -> TrainConfig keys (a preset plus overrides)
@@ -19,6 +21,10 @@ A comparison file (``configs/compare/*.yaml``) is a mapping::
       threshold: 0.4                    # for steps-to-threshold
       stability: {length_ratio: 0.5}    # StabilityThresholds overrides
       max_step: 80                      # read runs up to this step only (a common horizon)
+      rule: paired_t                    # verdict interval: paired_t (default) | bca (>= 20 seeds)
+      correction: holm                  # across the claims of the study: holm (default) | none
+      alpha: 0.05                       # two-sided level of each verdict (default 0.05)
+      power: 0.8                        # power of the minimal detectable effect (default 0.8)
     verdict:                            # the rule, written before the runs
       - claim: "echo beats grpo on AUC of held-out greedy accuracy"
         arm: echo
@@ -26,6 +32,11 @@ A comparison file (``configs/compare/*.yaml``) is a mapping::
         direction: greater              # greater | less
         margin: 0.0
     suite: {name: math, limit: 20}      # optional: an eval suite after each cell (skipped if absent)
+
+Selecting arms on the command line (``arms=a,b``) drops the claims that name an unselected arm
+(listed in ``CompareSpec.dropped_verdicts``, printed by ``echotrain compare`` and shown in the
+report); ``verdict=none`` drops every claim. A claim without ``baseline`` compares with the
+file's ``baseline`` (a ``baseline=`` override does not re-point written claims).
 
 Cell values, each layer overriding the one before: ``base`` -> arm -> sweep value -> command-line
 ``key=value`` -> ``seed`` and ``output_dir`` (set by compare). Every cell is resolved with
@@ -43,12 +54,15 @@ from typing import Any
 
 import yaml
 
-from echotrain.compare.stats import CLAIM_DIRECTIONS
+from echotrain.compare.stats import ALPHA, BCA_MIN_N, CLAIM_DIRECTIONS, CORRECTIONS, POWER, RULES
 from echotrain.train.config import FIELDS, ConfigError, TrainConfig, resolve_config
 
-TOP_KEYS = ("name", "output_dir", "seeds", "baseline", "base", "arms", "sweep", "report", "verdict", "suite",
-            "description", "command")  # description, command: informational (the report shows them)
-REPORT_KEYS = ("metric", "threshold", "stability", "max_step")
+TOP_KEYS = ("name", "output_dir", "seeds", "confirm_seeds", "baseline", "base", "arms", "sweep", "report", "verdict",
+            "suite", "description", "command", "dropped_verdicts")
+# description, command, dropped_verdicts: informational (the report shows them; compare writes the last two)
+REPORT_KEYS = ("metric", "threshold", "stability", "max_step", "rule", "correction", "alpha", "power")
+#: report keys of the verdict rule: default, valid values (see echotrain.compare.stats)
+RULE_DEFAULTS = {"rule": "paired_t", "correction": "holm", "alpha": ALPHA, "power": POWER}
 STATISTICS = ("auc", "final", "steps_to_threshold", "worst_grad_norm", "any_flag")
 CLAIM_KEYS = ("claim", "arm", "baseline", "statistic", "direction", "margin")
 #: keys compare sets per cell; not allowed in base / arms / sweep
@@ -78,7 +92,7 @@ class CompareSpec:
 
     name: str
     output_dir: Path
-    seeds: list[int]
+    seeds: list[int]  # exploration seeds (all seeds when confirm_seeds is empty)
     baseline: str | None
     base: dict[str, Any]
     arms: dict[str, dict[str, Any]]
@@ -88,6 +102,12 @@ class CompareSpec:
     suite: dict[str, Any] | None
     overrides: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
+    confirm_seeds: list[int] = field(default_factory=list)  # the seeds verdicts use, when given
+    dropped_verdicts: list[dict[str, Any]] = field(default_factory=list)  # {"claim", "reason"}
+
+    def all_seeds(self) -> list[int]:
+        """Exploration seeds, then confirmation seeds (the order cells run in)."""
+        return list(self.seeds) + list(self.confirm_seeds)
 
     def arm_labels(self) -> list[str]:
         """Arm labels in file order (expanded by the sweep values)."""
@@ -146,10 +166,38 @@ def parse_seeds(value: Any) -> list[int]:
     raise ConfigError(f"seeds={value!r}: expected an int >= 1 or a non-empty list of ints")
 
 
+def parse_confirm_seeds(value: Any, seeds: list[int]) -> list[int]:
+    """``confirm_seeds``: absent / ``none`` / ``[]`` (no separate confirmation), an int n (the n
+    seeds after the largest exploration seed) or a list of distinct ints not among ``seeds``.
+
+    Raises:
+        ConfigError: anything else, or a seed that is also an exploration seed.
+    """
+    if isinstance(value, str):
+        value = yaml.safe_load(value)
+    if value is None or value == [] or value == "none":
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ConfigError(f"confirm_seeds={value!r}: must be >= 1 (or a list of seeds)")
+        start = max(seeds) + 1
+        return list(range(start, start + value))
+    try:
+        out = parse_seeds(value)
+    except ConfigError:
+        raise ConfigError(f"confirm_seeds={value!r}: expected an int >= 1, a list of ints or none") from None
+    both = sorted(set(out) & set(seeds))
+    if both:
+        raise ConfigError(f"confirm_seeds: seed(s) {both} are also exploration seeds (seeds=); "
+                          "confirmation needs fresh seeds")
+    return out
+
+
 def split_overrides(tokens: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split ``key=value`` tokens into comparison keys (``seeds``, ``output_dir``, ``name``,
-    ``baseline``, ``arms`` = comma list selecting arms, ``report.KEY``) and TrainConfig keys
-    applied to every cell (parsed by :func:`echotrain.train.config.parse_overrides`).
+    """Split ``key=value`` tokens into comparison keys (``seeds``, ``confirm_seeds``,
+    ``output_dir``, ``name``, ``baseline``, ``arms`` = comma list selecting arms, ``verdict=none``
+    = skip every claim, ``report.KEY``) and TrainConfig keys applied to every cell (parsed by
+    :func:`echotrain.train.config.parse_overrides`).
 
     Raises:
         ConfigError: a token without '=' or an unknown key.
@@ -163,8 +211,13 @@ def split_overrides(tokens: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
             raise ConfigError(f"expected key=value, got {tok!r}")
         key, _, value = tok.partition("=")
         key = key.strip()
-        if key in ("seeds", "output_dir", "name", "baseline", "arms"):
+        if key in ("seeds", "confirm_seeds", "output_dir", "name", "baseline", "arms"):
             top[key] = value
+        elif key == "verdict":
+            if value.strip().lower() not in ("none", "null", "off", "[]"):
+                raise ConfigError(f"verdict={value!r}: only verdict=none (skip every claim) is accepted on the "
+                                  "command line; claims are written in the comparison file")
+            top["verdict_none"] = True
         elif key.startswith("report."):
             sub = key.split(".", 1)[1]
             if sub not in REPORT_KEYS:
@@ -198,6 +251,8 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
     report = _mapping(data.get("report"), "report")
     report.update(top.pop("report", {}))
     arm_subset = top.pop("arms", None)
+    verdict_none = top.pop("verdict_none", False)
+    file_baseline = data.get("baseline")
     data.update(top)
     name = str(data.get("name") or (Path(str(path)).stem if path else "compare"))
     arms = _mapping(data.get("arms"), "arms")
@@ -207,6 +262,7 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
         if not _NAME_OK.match(str(a)):
             raise ConfigError(f"arms: name {a!r} must be letters, digits, _ . + -")
         arms[a] = _train_keys(_mapping(vals, f"arms.{a}"), f"arms.{a}")
+    all_arms = list(arms)
     if arm_subset is not None:  # select a subset, in the given order
         wanted = [s.strip() for s in str(arm_subset).split(",") if s.strip()]
         bad = [w for w in wanted if w not in arms]
@@ -232,6 +288,15 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
     for k in report:
         if k not in REPORT_KEYS:
             raise ConfigError(f"report: unknown key {k!r}; valid: {', '.join(REPORT_KEYS)}")
+    for k, default in RULE_DEFAULTS.items():
+        report.setdefault(k, default)
+    for k, valid in (("rule", RULES), ("correction", CORRECTIONS)):
+        if report[k] not in valid:
+            raise ConfigError(f"report.{k}={report[k]!r} is not valid; valid: {', '.join(valid)}")
+    for k in ("alpha", "power"):
+        v = report[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
+            raise ConfigError(f"report.{k}={v!r} must be a number in (0, 1)")
     if "stability" in report:
         from echotrain.train.stability import StabilityThresholds
 
@@ -242,28 +307,47 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
     verdict = data.get("verdict") or []
     if not isinstance(verdict, list):
         raise ConfigError("verdict: expected a list of claims")
+    seeds = parse_seeds(data.get("seeds", 3))
+    confirm = parse_confirm_seeds(data.get("confirm_seeds"), seeds)
+    judged = confirm or seeds
+    if verdict and not verdict_none and report["rule"] == "bca" and len(judged) < BCA_MIN_N:
+        raise ConfigError(f"report.rule=bca needs >= {BCA_MIN_N} {'confirmation ' if confirm else ''}seeds, "
+                          f"got {len(judged)}: its interval under-covers at few seeds (use rule: paired_t)")
     spec = CompareSpec(name=name, output_dir=Path(str(data.get("output_dir") or f"runs/compare/{name}")),
-                       seeds=parse_seeds(data.get("seeds", 3)), baseline=str(baseline) if baseline else None,
+                       seeds=seeds, confirm_seeds=confirm, baseline=str(baseline) if baseline else None,
                        base=_train_keys(_mapping(data.get("base"), "base"), "base"), arms=arms, sweep=sweep,
                        report=report, verdict=[], suite=_mapping(data.get("suite"), "suite") or None,
                        overrides=train_over, raw=data)
     labels = spec.arm_labels()
+    file_labels = [arm_label(a, sweep["name"], v) for a in all_arms for v in sweep["values"]] if sweep else all_arms
     if spec.baseline is not None and spec.baseline not in labels:
-        raise ConfigError(f"baseline={spec.baseline!r} is not an arm; valid: {', '.join(labels)}")
+        hint = (f" (not among arms={arm_subset}: add it there or set baseline=ARM)"
+                if arm_subset is not None and spec.baseline in file_labels else "")
+        raise ConfigError(f"baseline={spec.baseline!r} is not an arm{hint}; valid: {', '.join(labels)}")
     for i, c in enumerate(verdict):
         c = _mapping(c, f"verdict[{i}]")
         extra = set(c) - set(CLAIM_KEYS)
         if extra:
             raise ConfigError(f"verdict[{i}]: unknown key(s) {sorted(extra)}; valid: {', '.join(CLAIM_KEYS)}")
-        c.setdefault("baseline", spec.baseline)
+        c.setdefault("baseline", str(file_baseline) if file_baseline else None)
         c.setdefault("statistic", "auc")
         c.setdefault("direction", "greater")
         c.setdefault("margin", 0.0)
         c.setdefault("claim", f"{c.get('arm')} {c['direction']} than {c['baseline']} on {c['statistic']}")
-        for key, valid in (("arm", labels), ("baseline", labels), ("statistic", STATISTICS),
+        for key, valid in (("arm", file_labels), ("baseline", file_labels), ("statistic", STATISTICS),
                            ("direction", CLAIM_DIRECTIONS)):
             if c.get(key) not in valid:
                 raise ConfigError(f"verdict[{i}].{key}={c.get(key)!r} is not valid; valid: {', '.join(map(str, valid))}")
+        if not isinstance(c["margin"], (int, float)) or isinstance(c["margin"], bool) or not c["margin"] >= 0:
+            raise ConfigError(f"verdict[{i}].margin={c['margin']!r} must be a number >= 0")
+        if verdict_none:
+            spec.dropped_verdicts.append({"claim": c["claim"], "reason": "verdict=none"})
+            continue
+        missing = [c[k] for k in ("arm", "baseline") if c[k] not in labels]
+        if missing:  # names an arm the command line did not select
+            spec.dropped_verdicts.append({"claim": c["claim"],
+                                          "reason": f"arm(s) {', '.join(dict.fromkeys(missing))} not selected"})
+            continue
         spec.verdict.append(c)
     return spec
 
@@ -281,7 +365,7 @@ def expand_cells(spec: CompareSpec, threads: int = 1) -> list[Cell]:
     cells = []
     sweep_values = [(spec.sweep["name"], v) for v in spec.sweep["values"]] if spec.sweep else [(None, None)]
     # seed-major: every arm's first seed first, so a study stopped early still covers every arm
-    for seed in spec.seeds:
+    for seed in spec.all_seeds():
         for arm, arm_vals in spec.arms.items():
             for sname, svalue in sweep_values:
                 label = arm_label(arm, sname, svalue)

@@ -5,7 +5,9 @@ comparison directory (``compare.yaml`` + ``cells/``) expands to its cells and br
 baseline, threshold and verdict rule. A run's arm is its ``cell.json`` label, else its preset.
 
 Outputs in ``out_dir``: ``report.md``, ``summary.json`` (per-seed statistics, per-arm summary,
-paired comparisons, verdicts, stability flags), ``curves.json`` (per-arm mean / std / 95%
+paired comparisons, verdicts with their p-values, Holm-adjusted p-values and minimal detectable
+effects, the exploration seeds' results apart when the study declares ``confirm_seeds``,
+stability flags), ``curves.json`` (per-arm mean / std / 95%
 bootstrap interval per step of every metric, 5 significant digits) and ``plots/<metric>.png`` (all arms' mean curves
 with shaded 95% bands). The statistics are :mod:`echotrain.compare.stats`.
 """
@@ -21,7 +23,16 @@ from typing import Any, Sequence
 
 import yaml
 
-from echotrain.compare.stats import auc, evaluate_claim, mean_std_ci, paired_comparison, steps_to_threshold
+from echotrain.compare.stats import (
+    ALPHA,
+    POWER,
+    auc,
+    evaluate_claims,
+    mean_std_ci,
+    min_detectable_effect,
+    paired_comparison,
+    steps_to_threshold,
+)
 from echotrain.train.metrics import read_jsonl
 from echotrain.train.stability import FLAG_NAMES, StabilityThresholds, stability_flags
 
@@ -93,7 +104,7 @@ def load_run(path: str | os.PathLike, thresholds: StabilityThresholds | None = N
         evals = [r for r in evals if r.get("step", 0) <= max_step]
     run = Run(path=p, arm=str(info.get("arm") or cfg.get("preset") or p.name), seed=int(info.get("seed", cfg.get("seed", 0))),
               config=cfg, records=records, evals=evals)
-    run.stability = stability_flags(records, thresholds)
+    run.stability = stability_flags(records, thresholds, evals=evals)
     return run
 
 
@@ -176,19 +187,17 @@ def _pm(stat: dict[str, Any] | None, nd: int = 3) -> str:
     return f"{_fmt(stat['mean'], nd)} ± {_fmt(stat['std'], nd)} [{_fmt(stat['ci_low'], nd)}, {_fmt(stat['ci_high'], nd)}]"
 
 
-def build_report(runs: Sequence[Run], baseline: str | None = None, metric: str = "eval/accuracy",
-                 threshold: float | None = None, verdict: Sequence[dict[str, Any]] = (),
-                 arm_order: Sequence[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Aggregate runs into (summary, curves) dicts (what summary.json / curves.json hold)."""
-    arms: dict[str, list[Run]] = {}
-    for r in runs:
-        arms.setdefault(r.arm, []).append(r)
-    order = [a for a in (arm_order or []) if a in arms] + sorted(a for a in arms if a not in (arm_order or []))
-    per_seed = {a: {r.seed: seed_statistics(r, metric, threshold) for r in arms[a]} for a in order}
-    summary: dict[str, Any] = {"metric": metric, "threshold": threshold, "baseline": baseline, "arms": {},
-                               "runs": [], "paired": {}, "verdict": []}
+def arm_rows(per_seed: dict[str, dict[int, dict[str, Any]]], arms: dict[str, list[Run]], order: Sequence[str],
+             threshold: float | None, seeds: Sequence[int] | None = None) -> dict[str, dict[str, Any]]:
+    """Per-arm summary rows (mean / std / bootstrap interval of each statistic, threshold hits,
+    flag counts), over ``seeds`` only when given."""
+    keep = None if seeds is None else set(seeds)
+    rows: dict[str, dict[str, Any]] = {}
     for a in order:
-        ps = per_seed[a]
+        ps = {s: v for s, v in per_seed[a].items() if keep is None or s in keep}
+        runs = [r for r in arms[a] if keep is None or r.seed in keep]
+        if not ps:
+            continue
         row: dict[str, Any] = {"seeds": sorted(ps), "n": len(ps)}
         for stat in ("final", "auc", "worst_grad_norm", "steps_per_s", "peak_memory_mb", "steps_to_threshold_censored"):
             vals = [v[stat] for v in ps.values() if v.get(stat) is not None]
@@ -200,35 +209,112 @@ def build_report(runs: Sequence[Run], baseline: str | None = None, metric: str =
             row["steps_to_threshold_mean_reached"] = sum(reached) / len(reached) if reached else None
         row["worst_grad_norm_max"] = max((v["worst_grad_norm"] for v in ps.values() if "worst_grad_norm" in v),
                                          default=None)
-        row["flags"] = {f: sum(bool(r.stability["flags"].get(f)) for r in arms[a]) for f in FLAG_NAMES}
-        row["flags_not_judged"] = {f: sum(r.stability["flags"].get(f) is None for r in arms[a]) for f in FLAG_NAMES}
-        summary["arms"][a] = row
+        row["flags"] = {f: sum(bool(r.stability["flags"].get(f)) for r in runs) for f in FLAG_NAMES}
+        row["flags_not_judged"] = {f: sum(r.stability["flags"].get(f) is None for r in runs) for f in FLAG_NAMES}
+        rows[a] = row
+    return rows
+
+
+def _values(per_seed: dict[str, dict[int, dict[str, Any]]], arm: str, key: str) -> dict[int, float]:
+    return {s: float(v[key]) for s, v in per_seed[arm].items() if v.get(key) is not None}
+
+
+def verdicts(claims: Sequence[dict[str, Any]], per_seed: dict[str, dict[int, dict[str, Any]]],
+             baseline: str | None = None, seeds: Sequence[int] | None = None, rule: str = "paired_t",
+             correction: str = "holm", alpha: float = ALPHA, power: float = POWER) -> list[dict[str, Any]]:
+    """Apply the verdict rule to a study's claims (see :func:`echotrain.compare.stats.evaluate_claims`).
+
+    Args:
+        claims: ``{"claim", "arm", "baseline", "statistic", "direction", "margin"}`` each.
+        per_seed: ``{arm: {seed: {statistic: value}}}`` (:func:`seed_statistics` per run, or the
+            ``runs`` of a committed ``summary.json``).
+        seeds: pair only these seeds (the confirmation seeds); None: every seed both arms have.
+
+    Returns:
+        One dict per claim: the claim's keys plus ``result``, ``p`` (the claim's decisive p-value),
+        ``p_holm``, ``m`` (claims in the correction), ``mde`` (80%-power minimal detectable effect
+        at ``alpha``), ``mde_holm`` (the same at ``alpha / m``, Holm's strictest step),
+        ``comparison`` (:func:`paired_comparison`) and ``rule``, ``correction``, ``alpha``.
+    """
+    comps, ok = [], []
+    for c in claims:
+        arm, base, stat = c["arm"], c.get("baseline") or baseline, c["statistic"]
+        key = "steps_to_threshold_censored" if stat == "steps_to_threshold" else stat
+        if arm in per_seed and base in per_seed:
+            comps.append(paired_comparison(_values(per_seed, arm, key), _values(per_seed, base, key),
+                                           1 - alpha, rule=rule, seeds=seeds, power=power))
+            ok.append(True)
+        else:
+            comps.append({"n": 0, "rule": rule})
+            ok.append(False)
+    results = evaluate_claims(comps, claims, alpha, correction)
+    out = []
+    for c, comp, res, present in zip(claims, comps, results, ok):
+        base = c.get("baseline") or baseline
+        entry = {**c, "baseline": base, **res, "rule": rule, "comparison": comp if present else {},
+                 "mde": comp.get("mde", float("nan"))}
+        m = max(res["m"], 1)
+        entry["mde_holm"] = (min_detectable_effect(comp["diff_std"], comp["n"], alpha / m, power)
+                             if present and comp["n"] >= 2 and correction == "holm" else entry["mde"])
+        if not present:
+            entry["result"] = f"not run ({c['arm'] if c['arm'] not in per_seed else base} missing)"
+        elif comp.get("rule_error"):
+            entry["result"] = f"insufficient data ({comp['rule_error']})"
+        elif comp["n"] < 2:
+            entry["result"] = "insufficient data" + (" (confirmation seeds not run)" if seeds is not None else "")
+        out.append(entry)
+    return out
+
+
+def build_report(runs: Sequence[Run], baseline: str | None = None, metric: str = "eval/accuracy",
+                 threshold: float | None = None, verdict: Sequence[dict[str, Any]] = (),
+                 arm_order: Sequence[str] | None = None, confirm_seeds: Sequence[int] | None = None,
+                 rule: str = "paired_t", correction: str = "holm", alpha: float = ALPHA,
+                 power: float = POWER) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Aggregate runs into (summary, curves) dicts (what summary.json / curves.json hold).
+
+    With ``confirm_seeds`` the per-arm rows, paired comparisons and verdicts use those seeds only;
+    the other seeds are reported under ``summary["exploration"]`` (rows, paired comparisons and
+    the rule applied to them, marked exploratory). Curves are over every run."""
+    arms: dict[str, list[Run]] = {}
+    for r in runs:
+        arms.setdefault(r.arm, []).append(r)
+    order = [a for a in (arm_order or []) if a in arms] + sorted(a for a in arms if a not in (arm_order or []))
+    per_seed = {a: {r.seed: seed_statistics(r, metric, threshold) for r in arms[a]} for a in order}
+    confirm = sorted(confirm_seeds) if confirm_seeds else None
+    explore = sorted({r.seed for r in runs} - set(confirm)) if confirm else None
+    summary: dict[str, Any] = {"metric": metric, "threshold": threshold, "baseline": baseline, "arms": {},
+                               "runs": [], "paired": {}, "verdict": [],
+                               "verdict_rule": {"rule": rule, "correction": correction, "alpha": alpha, "power": power,
+                                                "seeds": confirm if confirm else sorted({r.seed for r in runs}),
+                                                "phase": "confirmation" if confirm else "all seeds"}}
+
+    def paired(seeds: Sequence[int] | None) -> dict[str, Any]:
+        if baseline not in per_seed:
+            return {}
+        return {a: {stat: paired_comparison(_values(per_seed, a, stat), _values(per_seed, baseline, stat), 1 - alpha,
+                                            seeds=seeds, power=power)
+                    for stat in ("auc", "final")} for a in order if a != baseline}
+
+    summary["arms"] = arm_rows(per_seed, arms, order, threshold, confirm)
     if baseline in summary["arms"]:
         b = summary["arms"][baseline]
         for a, row in summary["arms"].items():
             for stat in ("steps_per_s", "peak_memory_mb"):
                 num, den = row.get(stat), b.get(stat)
                 row[f"{stat}_ratio"] = num["mean"] / den["mean"] if num and den and den["mean"] else None
-        for a in order:
-            if a == baseline:
-                continue
-            summary["paired"][a] = {
-                stat: paired_comparison({s: v[stat] for s, v in per_seed[a].items() if v.get(stat) is not None},
-                                        {s: v[stat] for s, v in per_seed[baseline].items() if v.get(stat) is not None})
-                for stat in ("auc", "final")}
-    for c in verdict:
-        arm, base, stat = c["arm"], c.get("baseline") or baseline, c["statistic"]
-        key = "steps_to_threshold_censored" if stat == "steps_to_threshold" else stat
-        if arm in per_seed and base in per_seed:
-            comp = paired_comparison({s: v[key] for s, v in per_seed[arm].items() if v.get(key) is not None},
-                                     {s: v[key] for s, v in per_seed[base].items() if v.get(key) is not None})
-            result = evaluate_claim(comp, c["direction"], float(c.get("margin", 0.0)))
-        else:
-            comp, result = {}, f"not run ({arm if arm not in per_seed else base} missing)"
-        summary["verdict"].append({**c, "baseline": base, "result": result, "comparison": comp})
+    summary["paired"] = paired(confirm)
+    summary["verdict"] = verdicts(verdict, per_seed, baseline, confirm, rule, correction, alpha, power)
+    if confirm:
+        summary["exploration"] = {"seeds": explore, "arms": arm_rows(per_seed, arms, order, threshold, explore),
+                                  "paired": paired(explore) if explore else {},
+                                  "verdict": verdicts(verdict, per_seed, baseline, explore, "paired_t", correction,
+                                                      alpha, power) if explore else []}
     for a in order:
         for r in sorted(arms[a], key=lambda r: r.seed):
             summary["runs"].append({"arm": a, "seed": r.seed, "path": str(r.path), **per_seed[a][r.seed],
+                                    "phase": ("confirmation" if r.seed in confirm else "exploration") if confirm
+                                    else None,
                                     "stability": r.stability["flags"],
                                     "stability_values": r.stability.get("values", {})})
     if runs:
@@ -272,6 +358,87 @@ def plot_curves(curves: dict[str, Any], out_dir: str | os.PathLike) -> list[Path
     return written
 
 
+def _seed_list(seeds: Sequence[int]) -> str:
+    seeds = list(seeds)
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(map(str, seeds)) or "none"
+
+
+def rule_text(vr: dict[str, Any]) -> str:
+    """The verdict rule in words, with its settings (``summary["verdict_rule"]``)."""
+    alpha = vr.get("alpha", ALPHA)
+    level = f"{1 - alpha:.0%}"
+    interval = ("paired t-interval" if vr.get("rule", "paired_t") == "paired_t"
+                else "BCa bootstrap interval (10,000 resamples, fixed seed)")
+    corr = (" The p-values of the study's claims are Holm-corrected together (step-down; the chance of any "
+            "false verdict in the study stays <= alpha)." if vr.get("correction", "holm") == "holm"
+            else " No correction across claims.")
+    seeds = vr.get("seeds")
+    on = f" Verdicts on the {vr.get('phase', 'all')} seeds {_seed_list(seeds)}." if seeds is not None else ""
+    return (f"Per seed the statistic of the arm minus that of the baseline (same seed = same prompts); the {level} "
+            f"{interval} of the mean difference. A claim *holds* when its test against the margin on the claimed "
+            f"side has p < {alpha:g} (with one claim: the {level} interval lies entirely beyond the margin), is "
+            f"*contradicted* when its test against 0 on the other side has p < {alpha:g}, otherwise *inconclusive*."
+            f"{corr} MDE: the smallest true difference the paired t-test detects with "
+            f"{vr.get('power', POWER):.0%} power at two-sided {alpha:g} (noncentral t, from the observed SD of the "
+            f"differences and n; after the slash at alpha / m, Holm's strictest step); an inconclusive claim "
+            f"rules out no difference smaller than that.{on}")
+
+
+def _arm_table(rows: dict[str, Any], metric: str, th: Any, b: str | None) -> list[str]:
+    lines = [f"| arm | seeds | final {metric} | AUC | steps to {th} (reached) | worst grad norm (max) | "
+             f"steps/s{' / ' + b if b else ''} | peak mem{' / ' + b if b else ''} | flags (runs) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for a, row in rows.items():
+        flags = ", ".join(f"{k} {v}" for k, v in row["flags"].items() if v) or "none"
+        sts = (f"{_fmt(row.get('steps_to_threshold_mean_reached'))} ({row.get('threshold_reached')})"
+               if th is not None else "n/a")
+        ratio = (lambda k: _fmt(row.get(f"{k}_ratio")) if b and f"{k}_ratio" in row
+                 else _fmt((row.get(k) or {}).get("mean")))
+        lines.append(f"| {a} | {row['n']} | {_pm(row['final'])} | {_pm(row['auc'])} | {sts} | "
+                     f"{_fmt(row['worst_grad_norm_max'])} | {ratio('steps_per_s')} | {ratio('peak_memory_mb')} | {flags} |")
+    return lines
+
+
+def _paired_table(paired: dict[str, Any], vr: dict[str, Any]) -> list[str]:
+    level = f"{1 - vr.get('alpha', ALPHA):.0%}"
+    lines = [f"Difference arm − baseline per seed (same seed = same prompts); {level} paired t-interval; p-values "
+             f"of the paired t-test and of Welch's t-test; MDE at {vr.get('power', POWER):.0%} power (no correction).",
+             "", f"| arm | statistic | n | arm mean | base mean | diff mean [{level} CI] | p paired | p Welch | MDE |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for a, comps in paired.items():
+        for stat, c in comps.items():
+            lines.append(f"| {a} | {stat} | {c['n']} | {_fmt(c['arm_mean'])} | {_fmt(c['base_mean'])} | "
+                         f"{_fmt(c['diff_mean'])} [{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}] | "
+                         f"{_fmt(c['p_paired_t'])} | {_fmt(c['p_welch'])} | {_fmt(c.get('mde'))} |")
+    return lines
+
+
+def verdict_phrase(v: dict[str, Any]) -> str:
+    """``holds`` / ``contradicted`` / ``inconclusive: no difference larger than X detectable`` ..."""
+    if v["result"] == "inconclusive" and isinstance(v.get("mde"), float) and math.isfinite(v["mde"]):
+        return f"inconclusive: no difference larger than {_fmt(v['mde'], 2)} detectable"
+    return v["result"]
+
+
+def _verdict_table(rows: Sequence[dict[str, Any]], vr: dict[str, Any]) -> list[str]:
+    level = f"{1 - vr.get('alpha', ALPHA):.0%}"
+    holm = vr.get("correction", "holm") == "holm"
+    lines = [f"| claim | arm vs baseline | statistic | direction (margin) | n | diff [{level} CI] | p | "
+             f"{'p Holm | ' if holm else ''}MDE 80%{' (Holm)' if holm else ''} | result |",
+             "|---|---|---|---|---|---|---|" + ("---|" if holm else "") + "---|---|"]
+    for c in rows:
+        comp = c.get("comparison") or {}
+        diff = (f"{_fmt(comp.get('diff_mean'))} [{_fmt(comp.get('ci_low'))}, {_fmt(comp.get('ci_high'))}]"
+                if comp.get("n") else "n/a")
+        mde = _fmt(c.get("mde")) + (f" ({_fmt(c.get('mde_holm'))})" if holm else "")
+        lines.append(f"| {c['claim']} | {c['arm']} vs {c['baseline']} | {c['statistic']} | "
+                     f"{c['direction']} ({c.get('margin', 0)}) | {comp.get('n', 0)} | {diff} | {_fmt(c.get('p'))} | "
+                     + (f"{_fmt(c.get('p_holm'))} | " if holm else "") + f"{mde} | **{verdict_phrase(c)}** |")
+    return lines
+
+
 def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Path, title: str = "Comparison") -> str:
     """The report as Markdown."""
     b = summary.get("baseline")
@@ -290,7 +457,8 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
         if st.get("description"):
             lines += [" ".join(str(st["description"]).split()), ""]
         if st.get("seeds") is not None:
-            lines += [f"Seeds: {st['seeds']}.", ""]
+            lines += [f"Seeds: {st['seeds']}" + (f" (exploration); confirmation seeds: {st['confirm_seeds']}"
+                                                 if st.get("confirm_seeds") else "") + ".", ""]
         if st.get("base"):
             lines += ["Every cell: " + ", ".join(f"`{k}={v}`" for k, v in st["base"].items()) + ".", ""]
         if st.get("arms"):
@@ -305,41 +473,32 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
         lines += [f"Every run is read up to step {summary['max_step']} (`max_step`).", ""]
     if summary.get("unfinished_cells"):
         lines += [f"Unfinished cells (not included): {', '.join(summary['unfinished_cells'])}.", ""]
-    lines += ["## Summary", "",
-              f"| arm | seeds | final {metric} | AUC | steps to {th} (reached) | worst grad norm (max) | "
-              f"steps/s{' / ' + b if b else ''} | peak mem{' / ' + b if b else ''} | flags (runs) |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for a, row in summary["arms"].items():
-        flags = ", ".join(f"{k} {v}" for k, v in row["flags"].items() if v) or "none"
-        sts = (f"{_fmt(row.get('steps_to_threshold_mean_reached'))} ({row.get('threshold_reached')})"
-               if th is not None else "n/a")
-        ratio = (lambda k: _fmt(row.get(f"{k}_ratio")) if b else _fmt((row.get(k) or {}).get("mean")))
-        lines.append(f"| {a} | {row['n']} | {_pm(row['final'])} | {_pm(row['auc'])} | {sts} | "
-                     f"{_fmt(row['worst_grad_norm_max'])} | {ratio('steps_per_s')} | {ratio('peak_memory_mb')} | {flags} |")
+    vr = summary.get("verdict_rule") or {}
+    explo = summary.get("exploration")
+    if explo:
+        lines += [f"Seeds: exploration {_seed_list(explo['seeds'])}; confirmation {_seed_list(vr.get('seeds', []))}. "
+                  "The summary, the paired comparisons and the verdicts use the confirmation seeds only; the "
+                  "exploration seeds are reported at the end, as exploration.", ""]
+    lines += ["## Summary" + (" (confirmation seeds)" if explo else ""), ""]
+    lines += _arm_table(summary["arms"], metric, th, b)
     if summary["paired"]:
-        lines += ["", f"## Paired comparison with `{b}` over seeds", "",
-                  "Difference arm − baseline per seed (same seed = same prompts); 95% paired bootstrap interval; "
-                  "p-values of the paired t-test and of Welch's t-test.", "",
-                  "| arm | statistic | n | arm mean | base mean | diff mean [95% CI] | p paired | p Welch |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for a, comps in summary["paired"].items():
-            for stat, c in comps.items():
-                lines.append(f"| {a} | {stat} | {c['n']} | {_fmt(c['arm_mean'])} | {_fmt(c['base_mean'])} | "
-                             f"{_fmt(c['diff_mean'])} [{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}] | "
-                             f"{_fmt(c['p_paired_t'])} | {_fmt(c['p_welch'])} |")
-    if summary["verdict"]:
-        lines += ["", "## Verdict rule (written before the runs) and outcome", "",
-                  "A claim *holds* when the 95% interval of the mean paired difference lies entirely beyond the margin "
-                  "on the claimed side; *contradicted* when it lies entirely on the other side of 0; otherwise "
-                  "*inconclusive*.", "",
-                  "| claim | arm vs baseline | statistic | direction (margin) | diff [95% CI] | result |",
-                  "|---|---|---|---|---|---|"]
-        for c in summary["verdict"]:
-            comp = c.get("comparison") or {}
-            diff = (f"{_fmt(comp.get('diff_mean'))} [{_fmt(comp.get('ci_low'))}, {_fmt(comp.get('ci_high'))}]"
-                    if comp else "n/a")
-            lines.append(f"| {c['claim']} | {c['arm']} vs {c['baseline']} | {c['statistic']} | "
-                         f"{c['direction']} ({c.get('margin', 0)}) | {diff} | **{c['result']}** |")
+        lines += ["", f"## Paired comparison with `{b}` over seeds" + (" (confirmation seeds)" if explo else ""), ""]
+        lines += _paired_table(summary["paired"], vr)
+    if summary["verdict"] or summary.get("dropped_verdicts"):
+        lines += ["", "## Verdict rule (written before the runs) and outcome", "", rule_text(vr), ""]
+        lines += _verdict_table(summary["verdict"], vr)
+        for d in summary.get("dropped_verdicts") or []:
+            lines.append(f"- not evaluated ({d['reason']}): {d['claim']}")
+    if explo:
+        lines += ["", f"## Exploration seeds {_seed_list(explo['seeds'])} (exploration: not verdicts)", ""]
+        if explo["arms"]:
+            lines += _arm_table(explo["arms"], metric, th, b)
+        if explo.get("paired"):
+            lines += [""] + _paired_table(explo["paired"], vr)
+        if explo.get("verdict"):
+            lines += ["", "The claims checked on the exploration seeds (paired t, same correction): a screening "
+                      "that says which claims are worth confirming, not a verdict.", ""]
+            lines += _verdict_table(explo["verdict"], {**vr, "rule": "paired_t"})
     rules = summary.get("stability_rules", {})
     lines += ["", "## Stability flags per run", "", "Rules: " + "; ".join(f"`{k}`: {v}" for k, v in rules.items()), "",
               "| arm | seed | steps | " + " | ".join(FLAG_NAMES) + " |", "|---|---|---|" + "---|" * len(FLAG_NAMES)]
@@ -396,8 +555,11 @@ def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike |
         sweep = settings.get("sweep")
         arm_order = ([f"{a}[{sweep['name']}={v}]" for a in settings["arms"] for v in sweep["values"]]
                      if sweep else list(settings["arms"]))
+    rule_keys = {k: rep[k] for k in ("rule", "correction", "alpha", "power") if rep.get(k) is not None}
     summary, curves = build_report(runs, baseline=baseline, metric=metric, threshold=threshold,
-                                   verdict=settings.get("verdict") or [], arm_order=arm_order)
+                                   verdict=settings.get("verdict") or [], arm_order=arm_order,
+                                   confirm_seeds=settings.get("confirm_seeds") or None, **rule_keys)
+    summary["dropped_verdicts"] = settings.get("dropped_verdicts") or []
     first_cmp = next((Path(d) for d in dirs if (Path(d) / "compare.yaml").is_file()), None)
     out = Path(out_dir) if out_dir else (first_cmp / "report" if first_cmp else Path("compare-report"))
     out.mkdir(parents=True, exist_ok=True)
@@ -406,7 +568,8 @@ def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike |
     written = plot_curves(curves, out / "plots") if plots else []
     summary["unfinished_cells"] = settings["unfinished"]
     summary["max_step"] = max_step
-    summary["setting"] = {k: settings[k] for k in ("command", "description", "seeds", "base", "arms", "sweep")
+    summary["setting"] = {k: settings[k] for k in ("command", "description", "seeds", "confirm_seeds", "base", "arms",
+                                                   "sweep")
                           if settings.get(k) is not None}
     if notes:
         summary["notes"] = Path(notes).read_text()

@@ -155,6 +155,12 @@ def write_plan(spec: CompareSpec, cells: Sequence[Cell]) -> Path:
     raw = dict(spec.raw)
     raw.update(name=spec.name, output_dir=str(spec.output_dir), seeds=spec.seeds, baseline=spec.baseline,
                arms=spec.arms, verdict=spec.verdict, report=spec.report)
+    raw.pop("confirm_seeds", None)
+    raw.pop("dropped_verdicts", None)
+    if spec.confirm_seeds:
+        raw["confirm_seeds"] = spec.confirm_seeds
+    if spec.dropped_verdicts:
+        raw["dropped_verdicts"] = spec.dropped_verdicts
     if spec.sweep:
         raw["sweep"] = spec.sweep
     if spec.overrides:

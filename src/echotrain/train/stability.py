@@ -12,6 +12,12 @@ them in its summary table; ``echotrain compare`` counts them per arm. Each flag 
   mean over the first window (the policy turned near-deterministic; DAPO arXiv 2503.14476 §3.1).
 - ``grad_explosion``: some step's ``grad_norm`` (before clipping) above ``grad_factor`` (10) x the
   median ``grad_norm`` of the first window.
+- ``accuracy_collapse``: the last held-out greedy accuracy (``eval/accuracy``, from ``eval.jsonl``
+  when given, else the step records) below ``accuracy_ratio`` (0.5) x the first one (step 0, the
+  starting policy, when evaluated) **and** at least ``accuracy_drop`` (0.10, i.e. 10 points)
+  below it. Both conditions: halving from 4% to 2% is noise on a few hundred prompts, and a
+  10-point fall from 90% is not a collapse. (Off-policy at lr 3e-4 the testbed fell from 0.28 to
+  0.05 with none of the other flags raised.) Needs two evaluations, otherwise ``None``.
 
 The first / last window is ``window_frac`` (10%) of the run's steps, at least ``min_window`` (3)
 steps (capped at half the run). A flag needs at least ``2 * min_window`` steps with the metric,
@@ -25,7 +31,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-FLAG_NAMES = ("nan", "length_collapse", "entropy_collapse", "grad_explosion")
+FLAG_NAMES = ("nan", "length_collapse", "entropy_collapse", "grad_explosion", "accuracy_collapse")
 
 
 @dataclass(frozen=True)
@@ -37,9 +43,11 @@ class StabilityThresholds:
     grad_factor: float = 10.0
     window_frac: float = 0.1
     min_window: int = 3
+    accuracy_ratio: float = 0.5
+    accuracy_drop: float = 0.10
 
     def __post_init__(self) -> None:
-        for name in ("length_ratio", "entropy_ratio", "window_frac"):
+        for name in ("length_ratio", "entropy_ratio", "window_frac", "accuracy_ratio", "accuracy_drop"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValueError(f"StabilityThresholds.{name}={v!r} must be in (0, 1]")
@@ -56,6 +64,8 @@ class StabilityThresholds:
             "length_collapse": f"mean response length of the last {w} < {self.length_ratio:g} x that of the first",
             "entropy_collapse": f"mean entropy of the last {w} < {self.entropy_ratio:g} x that of the first",
             "grad_explosion": f"max grad_norm > {self.grad_factor:g} x median grad_norm of the first {w}",
+            "accuracy_collapse": f"last held-out accuracy < {self.accuracy_ratio:g} x the first and >= "
+                                 f"{self.accuracy_drop:g} below it",
         }
 
 
@@ -67,13 +77,15 @@ def _window(n: int, th: StabilityThresholds) -> int:
     return max(1, min(max(int(th.min_window), math.ceil(th.window_frac * n)), n // 2))
 
 
-def stability_flags(records: Sequence[dict[str, Any]],
-                    thresholds: StabilityThresholds | None = None) -> dict[str, Any]:
+def stability_flags(records: Sequence[dict[str, Any]], thresholds: StabilityThresholds | None = None,
+                    evals: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Flags of one run from its ``metrics.jsonl`` records (dicts with ``step`` and metric keys).
 
     Args:
         records: the run's step records, in step order.
         thresholds: rules' thresholds; default :class:`StabilityThresholds()`.
+        evals: the run's ``eval.jsonl`` records (with the step-0 evaluation of the starting
+            policy); if None or empty, ``eval/accuracy`` is read from ``records``.
 
     Returns:
         ``{"flags": {name: True | False | None}, "any": bool, "values": {...}, "thresholds":
@@ -122,6 +134,16 @@ def stability_flags(records: Sequence[dict[str, Any]],
         values["grad_explosion"] = {"start_median": base, "max": max(g),
                                     "ratio": max(g) / base if base > 0 else None}
         flags["grad_explosion"] = bool(max(g) > th.grad_factor * base)
+
+    acc = sorted({int(r["step"]): float(r["eval/accuracy"]) for r in (evals or records)
+                  if isinstance(r.get("eval/accuracy"), (int, float)) and not isinstance(r.get("eval/accuracy"), bool)
+                  and math.isfinite(r["eval/accuracy"]) and "step" in r}.items())
+    if len(acc) < 2:
+        flags["accuracy_collapse"] = None
+    else:
+        (s0, a0), (s1, a1) = acc[0], acc[-1]
+        values["accuracy_collapse"] = {"start_step": s0, "start": a0, "end_step": s1, "end": a1, "drop": a0 - a1}
+        flags["accuracy_collapse"] = bool(a1 < th.accuracy_ratio * a0 and a0 - a1 >= th.accuracy_drop - 1e-12)
     return {"flags": flags, "any": any(bool(v) for v in flags.values()), "values": values,
             "thresholds": asdict(th), "rules": th.describe(), "steps": len(records)}
 

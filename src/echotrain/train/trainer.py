@@ -312,7 +312,7 @@ class Trainer:
         records = read_jsonl(self.run_dir / "metrics.jsonl")
         if not main:
             return records
-        stability = stability_flags(records)
+        stability = stability_flags(records, evals=read_jsonl(self.run_dir / "eval.jsonl"))
         write_json_atomic(self.run_dir / "stability.json", stability)
         if cfg.plots:
             self.write_plots(records)

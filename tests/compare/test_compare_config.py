@@ -1,6 +1,9 @@
 """Comparison files: parsing, layering and validation before any work."""
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from echotrain.cli import main
 from echotrain.compare.config import expand_cells, load_spec
@@ -85,3 +88,121 @@ def test_cli_dry_run_and_errors(tmp_path, capsys):
     assert "lr=-1.0: must be > 0" in capsys.readouterr().err
     assert main(["compare", str(cfg), "task=nope", "--dry-run"]) == 2
     assert main(["compare", "report"]) == 2
+
+
+# ---------------------------------------------------------------- arms selection and the claims
+SHIPPED = sorted(Path(__file__).resolve().parents[2].glob("configs/compare/*.yaml"))
+#: per shipped config: an arm selection that keeps its baseline
+SELECTIONS = {"testbed": "grpo,echo", "smollm": "grpo,echo", "balanced_testbed": "token-mean,balanced",
+              "echo_band": "geo"}
+
+
+def test_every_shipped_config_is_covered():
+    assert {p.stem for p in SHIPPED} == set(SELECTIONS)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_configs_validate_whole_and_under_arms_selection(path, tmp_path, capsys):
+    raw = yaml.safe_load(path.read_text())
+    whole = load_spec(path)
+    assert len(whole.verdict) == len(raw["verdict"]) and whole.dropped_verdicts == []
+    out = tmp_path / "cmp"
+    sel = SELECTIONS[path.stem]
+    assert main(["compare", str(path), f"arms={sel}", f"output_dir={out}", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    plan = yaml.safe_load((out / "compare.yaml").read_text())
+    kept, dropped = plan["verdict"], plan.get("dropped_verdicts", [])
+    assert len(kept) + len(dropped) == len(raw["verdict"])
+    cells = expand_cells(load_spec(path, [f"arms={sel}"]))
+    labels = {c.arm for c in cells}
+    assert all(c["arm"] in labels and c["baseline"] in labels for c in kept)
+    assert sum(line.startswith("[") for line in captured.out.splitlines()) == len(cells)
+    for d in dropped:  # each dropped claim names an unselected arm, and the command said so
+        assert "not selected" in d["reason"]
+        assert f"claim not evaluated ({d['reason']}): {d['claim']}" in captured.err
+    assert dropped, "the selection should leave out some claims"
+
+
+def test_cli_arms_selection_of_the_testbed_study(tmp_path, capsys):
+    path = next(p for p in SHIPPED if p.stem == "testbed")
+    assert main(["compare", str(path), "arms=grpo,echo", f"output_dir={tmp_path / 'c'}", "--dry-run"]) == 0
+    plan = yaml.safe_load((tmp_path / "c" / "compare.yaml").read_text())
+    # the claims between grpo and echo stay: AUC, final accuracy, worst gradient norm
+    assert [c["statistic"] for c in plan["verdict"]] == ["auc", "final", "worst_grad_norm"]
+    assert {d["reason"] for d in plan["dropped_verdicts"]} >= {"arm(s) dapo not selected",
+                                                               "arm(s) gspo not selected"}
+    assert len(plan["dropped_verdicts"]) == 7
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_verdict_none_skips_every_claim(path, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["compare", str(path), "verdict=none", "seeds=1", f"output_dir={out}", "--dry-run"]) == 0
+    plan = yaml.safe_load((out / "compare.yaml").read_text())
+    assert plan["verdict"] == [] and all(d["reason"] == "verdict=none" for d in plan["dropped_verdicts"])
+    assert "claim not evaluated (verdict=none)" in capsys.readouterr().err
+
+
+def test_verdict_override_accepts_only_none(tmp_path, capsys):
+    path = next(p for p in SHIPPED if p.stem == "smollm")
+    assert main(["compare", str(path), "verdict=yes", "--dry-run", f"output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "verdict='yes': only verdict=none" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_unselected_baseline_is_a_clear_error(tmp_path, capsys):
+    path = next(p for p in SHIPPED if p.stem == "testbed")
+    assert main(["compare", str(path), "arms=echo,dapo", "--dry-run", f"output_dir={tmp_path}"]) == 2
+    assert "baseline='grpo' is not an arm (not among arms=echo,dapo: add it there or set baseline=ARM)" \
+        in capsys.readouterr().err
+    s = load_spec(path, ["arms=echo,dapo", "baseline=dapo"])
+    # written claims keep their baseline: only echo vs dapo is left
+    assert [(c["arm"], c["baseline"]) for c in s.verdict] == [("echo", "dapo")]
+
+
+def test_claims_without_baseline_keep_the_files_baseline(tmp_path):
+    s = spec(tmp_path, ["baseline=echo_detach"], verdict=[{"arm": "echo_detach"}])
+    assert s.baseline == "echo_detach" and s.verdict[0]["baseline"] == "grpo"
+
+
+def test_a_misspelt_claim_arm_is_still_an_error_under_selection(tmp_path):
+    with pytest.raises(ConfigError, match=r"verdict\[0\].arm='ech' is not valid"):
+        spec(tmp_path, ["arms=grpo"], verdict=[{"arm": "ech"}])
+
+
+# ---------------------------------------------------------------- confirmation seeds, rule keys
+def test_confirmation_seeds(tmp_path):
+    s = spec(tmp_path, seeds=[0, 1], confirm_seeds=[10, 11, 12])
+    assert s.seeds == [0, 1] and s.confirm_seeds == [10, 11, 12]
+    cells = expand_cells(s)
+    assert [c.seed for c in cells] == [0, 0, 1, 1, 10, 10, 11, 11, 12, 12]  # exploration first
+    assert spec(tmp_path, seeds=5, confirm_seeds=3).confirm_seeds == [5, 6, 7]  # an int: the next seeds
+    assert spec(tmp_path, ["confirm_seeds=[20,21]"], seeds=3).confirm_seeds == [20, 21]
+    assert spec(tmp_path, ["confirm_seeds=none"], confirm_seeds=[9]).confirm_seeds == []
+    assert spec(tmp_path).confirm_seeds == []
+
+
+@pytest.mark.parametrize("changes, tokens, match", [
+    ({"seeds": [0, 1], "confirm_seeds": [1, 2]}, (), r"seed\(s\) \[1\] are also exploration seeds"),
+    ({"confirm_seeds": 0}, (), "confirm_seeds=0"),
+    ({"confirm_seeds": "ten"}, (), "confirm_seeds='ten'"),
+    ({"report": {"rule": "percentile"}}, (), "report.rule='percentile' is not valid; valid: paired_t, bca"),
+    ({"report": {"correction": "bonferroni"}}, (), "report.correction='bonferroni'"),
+    ({"report": {"alpha": 5}}, (), r"report.alpha=5 must be a number in \(0, 1\)"),
+    ({"verdict": [{"arm": "grpo", "margin": -0.1}]}, (), r"margin=-0.1 must be a number >= 0"),
+    ({"verdict": [{"arm": "echo_detach"}], "report": {"rule": "bca"}}, (),
+     r"report.rule=bca needs >= 30 seeds, got 2"),
+    ({"verdict": [{"arm": "echo_detach"}], "report": {"rule": "bca"}, "seeds": 40, "confirm_seeds": 10}, (),
+     r"needs >= 30 confirmation seeds, got 10"),
+])
+def test_bad_confirmation_and_rule_settings(tmp_path, changes, tokens, match):
+    with pytest.raises(ConfigError, match=match):
+        spec(tmp_path, tokens, **changes)
+
+
+def test_rule_defaults_are_written_into_the_plan(tmp_path):
+    s = spec(tmp_path, ["report.correction=none"], verdict=[{"arm": "echo_detach"}],
+             report={"rule": "bca"}, seeds=2, confirm_seeds=30)
+    assert s.report["rule"] == "bca" and s.report["correction"] == "none"
+    assert s.report["alpha"] == 0.05 and s.report["power"] == 0.8
+    assert spec(tmp_path).report == {"rule": "paired_t", "correction": "holm", "alpha": 0.05, "power": 0.8}

@@ -72,13 +72,26 @@ def test_report_numbers(comparison):
     assert paired["n"] == 3 and paired["diff_mean"] == pytest.approx(1 / 6)
     assert paired["ci_low"] == pytest.approx(1 / 6) and paired["ci_high"] == pytest.approx(1 / 6)
     verdict = {v["claim"]: v["result"] for v in s["verdict"]}
-    assert verdict == {"echo higher AUC": "holds", "echo fewer flags": "inconclusive"}  # diffs (0, 1, 0): CI [0, 1]
+    assert verdict == {"echo higher AUC": "holds", "echo fewer flags": "inconclusive"}
+    # any_flag diffs (0, 1, 0): mean 1/3, s = sqrt(1/3), t = (1/3) / (sqrt(1/3) / sqrt 3) = 1 on 2 dof:
+    # p = 1 - 1 / sqrt(3) = 0.4226; Holm with the AUC claim (p 0, constant difference): 2 x 0 = 0, max(0, 0.4226)
+    flags_v = s["verdict"][1]
+    assert flags_v["p"] == pytest.approx(1 - 1 / math.sqrt(3)) and flags_v["p_holm"] == pytest.approx(flags_v["p"])
+    assert s["verdict"][0]["p"] < 1e-12 and flags_v["m"] == 2 and flags_v["correction"] == "holm"
+    assert flags_v["comparison"]["ci_low"] == pytest.approx(1 / 3 - 4.302653 * math.sqrt(1 / 3) / math.sqrt(3))
+    # MDE: 80% power at n = 3 is 3.26404 sd (noncentral t); Holm's strictest step at alpha / 2
+    assert flags_v["mde"] == pytest.approx(3.26404 * math.sqrt(1 / 3), rel=1e-5)
+    assert flags_v["mde_holm"] > flags_v["mde"]
+    assert s["verdict_rule"] == {"rule": "paired_t", "correction": "holm", "alpha": 0.05, "power": 0.8,
+                                 "seeds": [0, 1, 2], "phase": "all seeds"}
     curves = json.loads((comparison / "report" / "curves.json").read_text())
     assert curves["eval/accuracy"]["grpo"]["steps"] == [0, 2, 4, 6]
     assert curves["eval/accuracy"]["grpo"]["mean"] == pytest.approx([0.0, 0.4 / 3, 0.8 / 3, 1.0 / 3], rel=1e-4)
     assert curves["steps_per_s"]["echo"]["mean"] == pytest.approx([1.0] * 6)
     md = path.read_text()
     assert "| echo | 3 |" in md and "**holds**" in md and "![eval_accuracy](plots/eval_accuracy.png)" in md
+    assert "**inconclusive: no difference larger than 1.9 detectable**" in md  # MDE 1.884
+    assert "Holm-corrected" in md and "paired t-interval" in md
     assert (comparison / "report" / "plots" / "eval_accuracy.png").stat().st_size > 1000
 
 
@@ -113,3 +126,95 @@ def test_report_of_plain_run_directories(comparison, tmp_path):
 def test_report_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a run directory"):
         write_report([tmp_path])
+
+
+def test_accuracy_collapse_is_flagged_in_the_report(tmp_path):
+    root = tmp_path / "cmp"
+    make_run(root, "grpo", 0, (0.40, 0.20, 0.10, 0.10))  # from 0.40 to 0.10: below half, 30 points down
+    make_run(root, "grpo", 1, (0.40, 0.38, 0.36, 0.35))
+    (root / "compare.yaml").write_text(yaml.safe_dump({"name": "t", "arms": {"grpo": {}}}))
+    write_report([root], plots=False)
+    s = json.loads((root / "report" / "summary.json").read_text())
+    assert s["arms"]["grpo"]["flags"]["accuracy_collapse"] == 1
+    r0 = next(r for r in s["runs"] if r["seed"] == 0)
+    assert r0["stability"]["accuracy_collapse"] is True and r0["any_flag"] == 1.0
+    assert r0["stability_values"]["accuracy_collapse"]["start"] == 0.40  # step 0, from eval.jsonl
+    md = (root / "report" / "report.md").read_text()
+    assert "accuracy_collapse 1" in md and "last held-out accuracy < 0.5 x the first" in md
+
+
+def _study(root, confirm=True, **extra):
+    # exploration seeds 0-2: echo +0.2 over grpo at every evaluation after step 0 (AUC + 1/6 each)
+    for seed in range(3):
+        make_run(root, "grpo", seed, (0.0, 0.2, 0.2, 0.2))
+        make_run(root, "echo", seed, (0.0, 0.4, 0.4, 0.4))
+    # confirmation seeds 10-14: echo = grpo + c after step 0, c = (0.1, -0.1, 0.05, -0.05, 0): AUC + 5c/6
+    for seed, c in zip(range(10, 15), (0.1, -0.1, 0.05, -0.05, 0.0)):
+        make_run(root, "grpo", seed, (0.0, 0.3, 0.3, 0.3))
+        make_run(root, "echo", seed, (0.0, 0.3 + c, 0.3 + c, 0.3 + c))
+    spec = {"name": "t", "baseline": "grpo", "arms": {"grpo": {}, "echo": {}}, "seeds": [0, 1, 2],
+            "verdict": [{"claim": "echo higher AUC", "arm": "echo", "baseline": "grpo", "statistic": "auc",
+                         "direction": "greater", "margin": 0.0}], **extra}
+    if confirm:
+        spec["confirm_seeds"] = list(range(10, 15))
+    (root / "compare.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
+def test_verdicts_use_only_the_confirmation_seeds(tmp_path):
+    root = tmp_path / "cmp"
+    _study(root)
+    write_report([root], plots=False)
+    s = json.loads((root / "report" / "summary.json").read_text())
+    v = s["verdict"][0]
+    assert v["comparison"]["seeds"] == [10, 11, 12, 13, 14] and v["comparison"]["diff_mean"] == pytest.approx(0.0)
+    assert v["result"] == "inconclusive"
+    # sd of 5c/6 = (5/6) sqrt(0.025 / 4); MDE at n = 5: 1.681997 sd
+    sd = 5 / 6 * math.sqrt(0.025 / 4)
+    assert v["comparison"]["diff_std"] == pytest.approx(sd) and v["mde"] == pytest.approx(1.681997 * sd, rel=1e-5)
+    assert s["verdict_rule"]["seeds"] == [10, 11, 12, 13, 14] and s["verdict_rule"]["phase"] == "confirmation"
+    assert s["arms"]["echo"]["seeds"] == [10, 11, 12, 13, 14]  # the summary is the confirmation's
+    assert s["paired"]["echo"]["auc"]["n"] == 5
+    ex = s["exploration"]
+    assert ex["seeds"] == [0, 1, 2] and ex["arms"]["echo"]["n"] == 3
+    assert ex["verdict"][0]["result"] == "holds" and ex["verdict"][0]["comparison"]["seeds"] == [0, 1, 2]
+    assert {r["phase"] for r in s["runs"] if r["seed"] < 3} == {"exploration"}
+    md = (root / "report" / "report.md").read_text()
+    assert "Seeds: exploration 0-2; confirmation 10-14." in md
+    assert "Verdicts on the confirmation seeds 10-14." in md
+    assert "## Exploration seeds 0-2 (exploration: not verdicts)" in md
+    assert f"**inconclusive: no difference larger than {1.681997 * sd:.2g} detectable**" in md
+
+
+def test_confirmation_seeds_not_run_yet(tmp_path):
+    root = tmp_path / "cmp"
+    _study(root)
+    for seed in range(10, 15):
+        for arm in ("grpo", "echo"):
+            (root / "cells" / f"{arm}__s{seed}" / "stability.json").unlink()  # not finished
+    write_report([root], plots=False)
+    s = json.loads((root / "report" / "summary.json").read_text())
+    assert s["verdict"][0]["result"] == "insufficient data (confirmation seeds not run)"
+    assert s["exploration"]["verdict"][0]["result"] == "holds"
+
+
+def test_without_confirmation_seeds_every_seed_decides(tmp_path):
+    root = tmp_path / "cmp"
+    _study(root, confirm=False)
+    write_report([root], plots=False)
+    s = json.loads((root / "report" / "summary.json").read_text())
+    assert "exploration" not in s and s["verdict"][0]["comparison"]["n"] == 8
+
+
+def test_dropped_claims_are_listed_in_the_report(tmp_path):
+    root = tmp_path / "cmp"
+    _study(root, confirm=False, dropped_verdicts=[{"claim": "echo beats dapo", "reason": "arm(s) dapo not selected"}])
+    md = write_report([root], plots=False).read_text()
+    assert "- not evaluated (arm(s) dapo not selected): echo beats dapo" in md
+
+
+def test_bca_rule_with_too_few_seeds_is_insufficient_data(tmp_path):
+    root = tmp_path / "cmp"
+    _study(root, confirm=False, report={"rule": "bca"})
+    write_report([root], plots=False)
+    s = json.loads((root / "report" / "summary.json").read_text())
+    assert s["verdict"][0]["result"] == "insufficient data (the bca rule needs >= 30 paired seeds, got 8)"

@@ -21,7 +21,7 @@ A comparison file (``configs/compare/*.yaml``) is a mapping::
       threshold: 0.4                    # for steps-to-threshold
       stability: {length_ratio: 0.5}    # StabilityThresholds overrides
       max_step: 80                      # read runs up to this step only (a common horizon)
-      rule: paired_t                    # verdict interval: paired_t (default) | bca (>= 20 seeds)
+      rule: paired_t                    # verdict interval: paired_t (default) | bca (>= 30 seeds)
       correction: holm                  # across the claims of the study: holm (default) | none
       alpha: 0.05                       # two-sided level of each verdict (default 0.05)
       power: 0.8                        # power of the minimal detectable effect (default 0.8)

@@ -188,9 +188,10 @@ def _pm(stat: dict[str, Any] | None, nd: int = 3) -> str:
 
 
 def arm_rows(per_seed: dict[str, dict[int, dict[str, Any]]], arms: dict[str, list[Run]], order: Sequence[str],
-             threshold: float | None, seeds: Sequence[int] | None = None) -> dict[str, dict[str, Any]]:
+             threshold: float | None, seeds: Sequence[int] | None = None,
+             baseline: str | None = None) -> dict[str, dict[str, Any]]:
     """Per-arm summary rows (mean / std / bootstrap interval of each statistic, threshold hits,
-    flag counts), over ``seeds`` only when given."""
+    flag counts, speed and memory ratios to ``baseline``), over ``seeds`` only when given."""
     keep = None if seeds is None else set(seeds)
     rows: dict[str, dict[str, Any]] = {}
     for a in order:
@@ -212,6 +213,12 @@ def arm_rows(per_seed: dict[str, dict[int, dict[str, Any]]], arms: dict[str, lis
         row["flags"] = {f: sum(bool(r.stability["flags"].get(f)) for r in runs) for f in FLAG_NAMES}
         row["flags_not_judged"] = {f: sum(r.stability["flags"].get(f) is None for r in runs) for f in FLAG_NAMES}
         rows[a] = row
+    if baseline in rows:
+        b = rows[baseline]
+        for row in rows.values():
+            for stat in ("steps_per_s", "peak_memory_mb"):
+                num, den = row.get(stat), b.get(stat)
+                row[f"{stat}_ratio"] = num["mean"] / den["mean"] if num and den and den["mean"] else None
     return rows
 
 
@@ -296,13 +303,7 @@ def build_report(runs: Sequence[Run], baseline: str | None = None, metric: str =
                                             seeds=seeds, power=power)
                     for stat in ("auc", "final")} for a in order if a != baseline}
 
-    summary["arms"] = arm_rows(per_seed, arms, order, threshold, confirm)
-    if baseline in summary["arms"]:
-        b = summary["arms"][baseline]
-        for a, row in summary["arms"].items():
-            for stat in ("steps_per_s", "peak_memory_mb"):
-                num, den = row.get(stat), b.get(stat)
-                row[f"{stat}_ratio"] = num["mean"] / den["mean"] if num and den and den["mean"] else None
+    summary["arms"] = arm_rows(per_seed, arms, order, threshold, confirm, baseline)
     summary["paired"] = paired(confirm)
     summary["verdict"] = verdicts(verdict, per_seed, baseline, confirm, rule, correction, alpha, power)
     if confirm:

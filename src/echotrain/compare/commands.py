@@ -3,6 +3,7 @@
     echotrain compare CONFIG.yaml [key=value ...] [--jobs N] [--threads T] [--nice K]
                       [--dry-run] [--cell I] [--no-report]
     echotrain compare report DIR... [--out DIR] [--baseline ARM] [--metric KEY] [--threshold X]
+    echotrain compare restate SUMMARY.json...   (a written report's verdicts under the current rule)
 
 Every cell is validated (like ``echotrain train``) before any runs; configuration errors exit
 with status 2. ``--cell I`` runs only cell I (for a scheduler's job array); ``--dry-run`` lists the
@@ -33,8 +34,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``echotrain compare`` to ``parser``."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
-    parser.add_argument("config", metavar="CONFIG.yaml|report", help="comparison file, or 'report' to aggregate DIRs")
-    parser.add_argument("rest", nargs="*", metavar="key=value|DIR", help="overrides (run) or directories (report)")
+    parser.add_argument("config", metavar="CONFIG.yaml|report|restate", help="comparison file, 'report' to "
+                        "aggregate DIRs, or 'restate' to re-judge the claims of written summary.json files")
+    parser.add_argument("rest", nargs="*", metavar="key=value|DIR|SUMMARY.json",
+                        help="overrides (run), directories (report) or summary.json files (restate)")
     parser.add_argument("--jobs", type=int, default=1, help="cells run at a time locally (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per cell unless the config sets "
                         "num_threads (default 1)")
@@ -70,6 +73,19 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"echotrain compare: error: unrecognized option {bad[0]!r}; see echotrain compare --help", file=sys.stderr)
         return 2
     args.rest = list(args.rest) + extra
+    if args.config == "restate":
+        from echotrain.compare.restate import restate, restate_markdown
+
+        if not args.rest:
+            print("echotrain compare restate: error: give one or more report summary.json files", file=sys.stderr)
+            return 2
+        try:
+            tables = [restate_markdown(restate(p), title=p) for p in args.rest]
+        except (FileNotFoundError, ValueError, KeyError) as exc:
+            print(f"echotrain compare restate: error: {exc}", file=sys.stderr)
+            return 2
+        print("\n".join(tables), end="")
+        return 0
     if args.config == "report":
         if not args.rest:
             print("echotrain compare report: error: give one or more run or comparison directories", file=sys.stderr)

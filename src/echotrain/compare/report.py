@@ -418,6 +418,9 @@ def _paired_table(paired: dict[str, Any], vr: dict[str, Any]) -> list[str]:
 
 def verdict_phrase(v: dict[str, Any]) -> str:
     """``holds`` / ``contradicted`` / ``inconclusive: no difference larger than X detectable`` ..."""
+    comp = v.get("comparison") or {}
+    if v["result"] == "inconclusive" and comp.get("n", 0) >= 2 and comp.get("diff_std") == 0:
+        return "inconclusive: every paired difference is equal (no variation to test)"
     if v["result"] == "inconclusive" and isinstance(v.get("mde"), float) and math.isfinite(v["mde"]):
         return f"inconclusive: no difference larger than {_fmt(v['mde'], 2)} detectable"
     return v["result"]

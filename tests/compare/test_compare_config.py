@@ -206,3 +206,21 @@ def test_rule_defaults_are_written_into_the_plan(tmp_path):
     assert s.report["rule"] == "bca" and s.report["correction"] == "none"
     assert s.report["alpha"] == 0.05 and s.report["power"] == 0.8
     assert spec(tmp_path).report == {"rule": "paired_t", "correction": "holm", "alpha": 0.05, "power": 0.8}
+
+
+def test_phase_runs_the_screening_or_the_confirmation_alone(tmp_path, capsys):
+    assert [c.seed for c in expand_cells(spec(tmp_path, ["phase=exploration"], seeds=2, confirm_seeds=[7]))] \
+        == [0, 0, 1, 1]
+    assert [c.seed for c in expand_cells(spec(tmp_path, ["phase=confirmation"], seeds=2, confirm_seeds=[7]))] \
+        == [7, 7]
+    with pytest.raises(ConfigError, match="phase=exploration: the comparison declares no confirm_seeds"):
+        spec(tmp_path, ["phase=exploration"])
+    with pytest.raises(ConfigError, match="phase='screen' is not valid"):
+        spec(tmp_path, ["phase=screen"], confirm_seeds=[7])
+    # through the CLI: the plan keeps the confirmation seeds, so the report still judges only them
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**BASE, "output_dir": str(tmp_path / "cmp"), "confirm_seeds": [10, 11],
+                                   "base": {"steps": 2, "task": "default"}}))
+    assert main(["compare", str(cfg), "phase=exploration", "--dry-run"]) == 0
+    assert "4 cells" in capsys.readouterr().out
+    assert yaml.safe_load((tmp_path / "cmp" / "compare.yaml").read_text())["confirm_seeds"] == [10, 11]

@@ -41,6 +41,10 @@ def test_grid_runs_skips_done_and_resumes_killed(tmp_path, tiny_dir):
         assert [r["step"] for r in read_jsonl(c.run_dir / "metrics.jsonl")] == [1, 2, 3]
         stab = json.loads((c.run_dir / "stability.json").read_text())
         assert stab["flags"]["nan"] is False and stab["steps"] == 3
+        # the held-out accuracy flag reads eval.jsonl: from the step-0 evaluation to the last
+        assert stab["flags"]["accuracy_collapse"] in (True, False)
+        assert stab["values"]["accuracy_collapse"]["start_step"] == 0
+        assert stab["values"]["accuracy_collapse"]["end_step"] == 3
     done, killed = cells
     full = read_jsonl(killed.run_dir / "metrics.jsonl")
     done_mtime = (done.run_dir / "metrics.jsonl").stat().st_mtime_ns

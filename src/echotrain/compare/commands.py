@@ -25,7 +25,8 @@ optional sweep {name, keys, values}, report {metric, threshold, stability, max_s
 (paired_t | bca), correction (holm | none), alpha, power}, verdict [claims], suite {name, args}
 (see echotrain.compare.config and configs/compare/*.yaml). key=value: seeds=, confirm_seeds=,
 output_dir=, name=, baseline=, arms=a,b (subset; claims naming other arms are dropped, with a
-note), verdict=none (skip every claim), report.KEY=, or any TrainConfig key (applied to every
+note), phase=exploration|confirmation|all (which seeds' cells run), verdict=none (skip every
+claim), report.KEY=, or any TrainConfig key (applied to every
 cell, over the arms' values).
 """
 

@@ -6,7 +6,8 @@ A comparison file (``configs/compare/*.yaml``) is a mapping::
     output_dir: runs/compare/testbed    # comparison directory (cells/, report/, compare.yaml)
     seeds: 5                            # an int n (seeds 0..n-1) or a list of seeds
     confirm_seeds: [10, 11, ..., 19]    # optional: confirmation seeds (an int n: n seeds after the
-                                        # exploration seeds); verdicts use these only
+                                        # exploration seeds); verdicts use these only; run the
+                                        # screening alone with phase=exploration on the command line
     baseline: grpo                      # arm the others are compared with (ratios, paired tests)
     base: {model: ..., steps: 60, ...}  # TrainConfig keys for every cell
     arms:                               # name -> TrainConfig keys (a preset plus overrides)
@@ -65,6 +66,8 @@ REPORT_KEYS = ("metric", "threshold", "stability", "max_step", "rule", "correcti
 RULE_DEFAULTS = {"rule": "paired_t", "correction": "holm", "alpha": ALPHA, "power": POWER}
 STATISTICS = ("auc", "final", "steps_to_threshold", "worst_grad_norm", "any_flag")
 CLAIM_KEYS = ("claim", "arm", "baseline", "statistic", "direction", "margin")
+#: ``phase=`` values: which seeds' cells an invocation runs (verdicts always use the confirmation seeds)
+PHASES = ("all", "exploration", "confirmation")
 #: keys compare sets per cell; not allowed in base / arms / sweep
 CELL_KEYS = ("seed", "output_dir")
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.+\-]+$")
@@ -104,10 +107,16 @@ class CompareSpec:
     raw: dict[str, Any] = field(default_factory=dict)
     confirm_seeds: list[int] = field(default_factory=list)  # the seeds verdicts use, when given
     dropped_verdicts: list[dict[str, Any]] = field(default_factory=list)  # {"claim", "reason"}
+    phase: str = "all"  # the seeds whose cells run: all | exploration | confirmation
 
     def all_seeds(self) -> list[int]:
         """Exploration seeds, then confirmation seeds (the order cells run in)."""
         return list(self.seeds) + list(self.confirm_seeds)
+
+    def run_seeds(self) -> list[int]:
+        """The seeds of ``phase``: the cells this invocation runs (the report reads every cell)."""
+        return {"all": self.all_seeds(), "exploration": list(self.seeds),
+                "confirmation": list(self.confirm_seeds)}[self.phase]
 
     def arm_labels(self) -> list[str]:
         """Arm labels in file order (expanded by the sweep values)."""
@@ -195,8 +204,9 @@ def parse_confirm_seeds(value: Any, seeds: list[int]) -> list[int]:
 
 def split_overrides(tokens: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split ``key=value`` tokens into comparison keys (``seeds``, ``confirm_seeds``,
-    ``output_dir``, ``name``, ``baseline``, ``arms`` = comma list selecting arms, ``verdict=none``
-    = skip every claim, ``report.KEY``) and TrainConfig keys applied to every cell (parsed by
+    ``output_dir``, ``name``, ``baseline``, ``arms`` = comma list selecting arms, ``phase`` =
+    ``exploration`` | ``confirmation`` | ``all`` (the seeds whose cells run), ``verdict=none`` =
+    skip every claim, ``report.KEY``) and TrainConfig keys applied to every cell (parsed by
     :func:`echotrain.train.config.parse_overrides`).
 
     Raises:
@@ -211,7 +221,7 @@ def split_overrides(tokens: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
             raise ConfigError(f"expected key=value, got {tok!r}")
         key, _, value = tok.partition("=")
         key = key.strip()
-        if key in ("seeds", "confirm_seeds", "output_dir", "name", "baseline", "arms"):
+        if key in ("seeds", "confirm_seeds", "output_dir", "name", "baseline", "arms", "phase"):
             top[key] = value
         elif key == "verdict":
             if value.strip().lower() not in ("none", "null", "off", "[]"):
@@ -252,6 +262,9 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
     report.update(top.pop("report", {}))
     arm_subset = top.pop("arms", None)
     verdict_none = top.pop("verdict_none", False)
+    phase = str(top.pop("phase", "all")).strip()
+    if phase not in PHASES:
+        raise ConfigError(f"phase={phase!r} is not valid; valid: {', '.join(PHASES)}")
     file_baseline = data.get("baseline")
     data.update(top)
     name = str(data.get("name") or (Path(str(path)).stem if path else "compare"))
@@ -309,12 +322,14 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
         raise ConfigError("verdict: expected a list of claims")
     seeds = parse_seeds(data.get("seeds", 3))
     confirm = parse_confirm_seeds(data.get("confirm_seeds"), seeds)
+    if phase != "all" and not confirm:
+        raise ConfigError(f"phase={phase}: the comparison declares no confirm_seeds (all seeds are one phase)")
     judged = confirm or seeds
     if verdict and not verdict_none and report["rule"] == "bca" and len(judged) < BCA_MIN_N:
         raise ConfigError(f"report.rule=bca needs >= {BCA_MIN_N} {'confirmation ' if confirm else ''}seeds, "
                           f"got {len(judged)}: its interval under-covers at few seeds (use rule: paired_t)")
     spec = CompareSpec(name=name, output_dir=Path(str(data.get("output_dir") or f"runs/compare/{name}")),
-                       seeds=seeds, confirm_seeds=confirm, baseline=str(baseline) if baseline else None,
+                       seeds=seeds, confirm_seeds=confirm, phase=phase, baseline=str(baseline) if baseline else None,
                        base=_train_keys(_mapping(data.get("base"), "base"), "base"), arms=arms, sweep=sweep,
                        report=report, verdict=[], suite=_mapping(data.get("suite"), "suite") or None,
                        overrides=train_over, raw=data)
@@ -365,7 +380,7 @@ def expand_cells(spec: CompareSpec, threads: int = 1) -> list[Cell]:
     cells = []
     sweep_values = [(spec.sweep["name"], v) for v in spec.sweep["values"]] if spec.sweep else [(None, None)]
     # seed-major: every arm's first seed first, so a study stopped early still covers every arm
-    for seed in spec.all_seeds():
+    for seed in spec.run_seeds():
         for arm, arm_vals in spec.arms.items():
             for sname, svalue in sweep_values:
                 label = arm_label(arm, sname, svalue)

@@ -41,6 +41,9 @@ NOT_RUN_COMMANDS = {
     "echotrain compare configs/compare/echo_band.yaml": "runs 30 cells (see above)",
     "echotrain compare configs/compare/testbed.yaml --cell": "one real testbed cell (see above)",
     "echotrain compare report runs/compare/testbed": "needs a finished study; tests/compare aggregates hand-made run directories",
+    "echotrain compare restate docs/experiments": "reads the committed summaries relative to the repository root "
+                                                  "(this test runs in a scratch folder); tests/compare/test_restate.py "
+                                                  "runs it through the CLI on every committed study",
 }
 
 # small sizes for the tiny model (appended unless the line sets the key)

@@ -218,3 +218,16 @@ def test_bca_rule_with_too_few_seeds_is_insufficient_data(tmp_path):
     write_report([root], plots=False)
     s = json.loads((root / "report" / "summary.json").read_text())
     assert s["verdict"][0]["result"] == "insufficient data (the bca rule needs >= 30 paired seeds, got 8)"
+
+
+def test_cli_report_of_a_study_with_confirmation_seeds(tmp_path, capsys):
+    from echotrain.cli import main
+
+    root = tmp_path / "cmp"
+    _study(root)
+    assert main(["compare", "report", str(root), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "Verdicts on the confirmation seeds 10-14." in md and "## Exploration seeds 0-2" in md
+    (root / "compare.yaml").write_text((root / "compare.yaml").read_text() + "report: {correction: sidak}\n")
+    assert main(["compare", "report", str(root), "--out", str(tmp_path / "out")]) == 2
+    assert "correction='sidak' is not valid" in capsys.readouterr().err

@@ -224,3 +224,10 @@ def test_phase_runs_the_screening_or_the_confirmation_alone(tmp_path, capsys):
     assert main(["compare", str(cfg), "phase=exploration", "--dry-run"]) == 0
     assert "4 cells" in capsys.readouterr().out
     assert yaml.safe_load((tmp_path / "cmp" / "compare.yaml").read_text())["confirm_seeds"] == [10, 11]
+
+
+def test_a_baseline_override_fills_in_for_a_file_without_one(tmp_path):
+    s = spec(tmp_path, ["baseline=grpo"], baseline=None, verdict=[{"arm": "echo_detach"}])
+    assert s.verdict[0]["baseline"] == "grpo"
+    with pytest.raises(ConfigError, match=r"verdict\[0\].baseline=None is not valid"):
+        spec(tmp_path, baseline=None, verdict=[{"arm": "echo_detach"}])

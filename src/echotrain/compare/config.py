@@ -37,7 +37,8 @@ A comparison file (``configs/compare/*.yaml``) is a mapping::
 Selecting arms on the command line (``arms=a,b``) drops the claims that name an unselected arm
 (listed in ``CompareSpec.dropped_verdicts``, printed by ``echotrain compare`` and shown in the
 report); ``verdict=none`` drops every claim. A claim without ``baseline`` compares with the
-file's ``baseline`` (a ``baseline=`` override does not re-point written claims).
+file's ``baseline`` (a ``baseline=`` override does not re-point written claims; it only fills in
+for a file that names none).
 
 Cell values, each layer overriding the one before: ``base`` -> arm -> sweep value -> command-line
 ``key=value`` -> ``seed`` and ``output_dir`` (set by compare). Every cell is resolved with
@@ -344,7 +345,7 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
         extra = set(c) - set(CLAIM_KEYS)
         if extra:
             raise ConfigError(f"verdict[{i}]: unknown key(s) {sorted(extra)}; valid: {', '.join(CLAIM_KEYS)}")
-        c.setdefault("baseline", str(file_baseline) if file_baseline else None)
+        c.setdefault("baseline", str(file_baseline) if file_baseline else spec.baseline)
         c.setdefault("statistic", "auc")
         c.setdefault("direction", "greater")
         c.setdefault("margin", 0.0)

@@ -383,7 +383,7 @@ def rule_text(vr: dict[str, Any]) -> str:
             f"*contradicted* when its test against 0 on the other side has p < {alpha:g}, otherwise *inconclusive*."
             f"{corr} MDE: the smallest true difference the paired t-test detects with "
             f"{vr.get('power', POWER):.0%} power at two-sided {alpha:g} (noncentral t, from the observed SD of the "
-            f"differences and n; after the slash at alpha / m, Holm's strictest step); an inconclusive claim "
+            f"differences and n; in parentheses at alpha / m, Holm's strictest step); an inconclusive claim "
             f"rules out no difference smaller than that.{on}")
 
 

@@ -205,6 +205,11 @@ class TrainConfig:
     plots: bool = _f(True, "Write PNG plots of the main curves to <output_dir>/plots at the end (and at each checkpoint).",
                      group="outputs")
     progress: bool = _f(True, "Show a progress bar and the closing summary table in the terminal.", group="outputs")
+    no_signal_steps: int = _f(3, "Warn once in the terminal when every prompt group of the first N steps scored alike "
+                              "(zero reward variance: every advantage is 0, nothing is learned, e.g. a model that never "
+                              "writes the answer format the reward reads); a run shorter than N is checked over all its "
+                              "steps. Each step's groups/all_zero_variance (0/1) is in metrics.jsonl and the closing "
+                              "summary counts them. 0 = never warn.", group="outputs")
     report_to: str = _f("", "Experiment trackers besides metrics.jsonl, comma-separated: tensorboard (<output_dir>/"
                         "tensorboard), wandb (offline unless WANDB_MODE is set; <output_dir>/wandb), trackio (local). "
                         "Each needs its extra: pip install 'echotrain[tensorboard]' etc. Empty/none: none. "
@@ -539,7 +544,7 @@ def validate(cfg: TrainConfig) -> None:
                 "micro_batch_size", "max_sampling_rounds"):
         need(getattr(cfg, key) >= 1, key, "must be >= 1")
     for key in ("num_threads", "rollout_batch_size", "warmup_steps", "eval_prompts", "eval_every", "save_every", "log_samples",
-                "top_k"):
+                "top_k", "no_signal_steps"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     need(cfg.keep_last >= 1, "keep_last", "must be >= 1")
     need(cfg.num_mini_batches <= cfg.prompts_per_step, "num_mini_batches",

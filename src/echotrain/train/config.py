@@ -49,7 +49,8 @@ def _f(default: Any, help: str, choices: tuple | None = None, group: str = "run"
 @with_policy_loss_fields(after="loss_agg_mode", group="objective")
 class TrainConfig:
     """Everything one ``echotrain train`` run needs. Defaults are the embedded default run
-    (ECHO on SmolLM2-135M-Instruct, the tasks module's default task, 2 CPU cores, < 15 min).
+    (ECHO on SmolLM2-135M-Instruct, the tasks module's default task, 2 CPU cores; its time:
+    README, default run).
 
     The policy-loss settings (``clip_ratio_low`` ... ``log_ratio_clamp``, right after
     ``loss_agg_mode``) are :class:`echotrain.rl.PolicyLossConfig`'s fields, added by

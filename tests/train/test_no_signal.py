@@ -98,3 +98,16 @@ def test_cli_stays_quiet_when_groups_vary(tmp_path, testbed_model_check, capsys)
     assert json.loads((run / "metrics.jsonl").read_text())[ALL_ZERO_VARIANCE] == 0
     assert "no learning signal" not in err
     assert "plots/summary.png: the run at a glance" in err and (run / "plots" / "summary.png").is_file()
+
+
+def test_readme_quotes_the_warning_and_the_default_exactly():
+    from pathlib import Path
+
+    from echotrain.train.config import TrainConfig
+    from echotrain.train.no_signal import warning_text
+
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    quoted = "warning: no learning signal: every group scored alike for 3 steps"
+    assert quoted in readme and quoted in warning_text(3)
+    assert "`no_signal_steps`, default 3" in readme and TrainConfig().no_signal_steps == 3
+    assert f"`{ALL_ZERO_VARIANCE}`" in readme

@@ -177,3 +177,14 @@ def test_the_resolution_says_why(monkeypatch):
     assert why("auto", "cpu") == (None, "autocast=auto and ECHOTRAIN_NATIVE_BF16=0 says the hardware has no native bf16")
     assert precision.describe(None, "autocast=off is set") == "no autocast, because autocast=off is set"
     assert precision.describe(torch.bfloat16) == "bfloat16 autocast"
+
+
+def test_readme_quotes_the_startup_reasons_exactly(monkeypatch):
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    monkeypatch.delenv(precision.NATIVE_BF16_ENV)
+    for features in ((), ("AVX512-BF16",)):
+        monkeypatch.setattr(precision, "cpu_bf16_features", lambda f=features: f)
+        line = precision.describe(*precision.resolve_autocast_why("auto", "cpu"))
+        assert f"`{line}`" in readme, line

@@ -76,7 +76,8 @@ class TrainConfig:
                        "and losses stay float32); 'off' = all float32; 'auto' = bfloat16 where the hardware has native "
                        "bf16 (CPU with AVX512-BF16/AMX, CUDA with bf16) and dtype=float32, else off. Measured on an "
                        "AVX512-BF16 CPU: the default run's step 2x faster (update 2.3x, generation 1.6x; "
-                       "docs/benchmarks.md). The resolved choice is printed and stored in run_info.json; set it "
+                       "docs/benchmarks.md). The resolved choice and why are printed at the start and stored in "
+                       "run_info.json (autocast, autocast_reason); set it "
                        "explicitly to compare runs across machines; with bfloat16 and more than one thread runs are "
                        "not bit-reproducible.",
                        AUTOCAST_CHOICES)

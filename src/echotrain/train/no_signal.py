@@ -50,12 +50,13 @@ def all_zero_variance(rewards: torch.Tensor, group_index: torch.Tensor) -> bool:
 
 def warning_text(num_steps: int) -> str:
     """The one-line terminal warning after ``num_steps`` steps without a learning signal."""
-    return (f"echotrain: warning: no learning signal: every group scored alike for {num_steps} steps (all rollouts "
-            f"of each prompt got the same reward, so every advantage is 0 and the policy-gradient update is 0). "
-            f"Look at samples.jsonl: does the model write the answer in the form the reward reads (e.g. "
-            f"<answer> tags)? If it never (or always) scores, use an easier (or harder) task, more rollouts "
-            f"(num_generations) or more new tokens (max_new_tokens). {ALL_ZERO_VARIANCE} in metrics.jsonl "
-            f"marks such steps.")
+    steps = f"{num_steps} step" + ("s" if num_steps != 1 else "")
+    return (f"echotrain: warning: no learning signal: every group scored alike for {steps} (all rollouts of "
+            f"each prompt got the same reward, so every advantage is 0 and the policy-gradient update is 0). "
+            f"Look at samples.jsonl: does the model write the answer in the form the reward reads (e.g. <answer> "
+            f"tags)? If it never (or always) scores: show it the format (a worked example, task_options.one_shot), "
+            f"or use an easier (or harder) task, more rollouts (num_generations) or more new tokens "
+            f"(max_new_tokens). {ALL_ZERO_VARIANCE} in metrics.jsonl marks such steps.")
 
 
 class NoSignalWatch:

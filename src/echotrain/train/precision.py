@@ -18,7 +18,9 @@ All passes of a run use the same precision, so an on-policy importance ratio is 
 machine holds with ``"off"``; bfloat16 runs with more than one thread were seen to part after a
 few steps (README, Reproducibility). A machine that resolves ``auto`` differently computes a
 different (equally valid) run, so set ``autocast`` explicitly to compare runs across machines. Measured speed-up on a 2-core
-AVX512-BF16 CPU: docs/benchmarks.md, "Mixed precision".
+AVX512-BF16 CPU: docs/benchmarks.md, "Mixed precision". :func:`resolve_autocast_why` also says why
+(the setting, the CPU's instruction sets, the override, the parameter dtype): the startup line of
+``echotrain train`` prints it and ``run_info.json`` keeps it as ``autocast_reason``.
 """
 
 from __future__ import annotations

@@ -85,9 +85,12 @@ def test_cli_warns_once_when_no_group_has_signal(tmp_path, zero_reward, testbed_
     assert "(metrics.jsonl: one line per step; plots=false)" in err
 
 
-def test_cli_stays_quiet_when_groups_vary(tmp_path, testbed_model_check, capsys):
+def test_cli_stays_quiet_when_groups_vary(tmp_path, testbed_model_check, monkeypatch, capsys):
     from echotrain.cli import main
+    from echotrain.train.trainer import Trainer
 
+    drawn = []  # plots=true (the default): the lines name plots/; the drawing itself is not under test here
+    monkeypatch.setattr(Trainer, "write_plots", lambda self, records=None: drawn.append(self.run_dir) or [])
     run = tmp_path / "run"
     # the testbed policy solves ~30% of its prompts: with 8 rollouts a group is mixed almost always
     rc = main(["train", "model=testbed", "task=testbed", "steps=1", "no_signal_steps=1", "prompts_per_step=4",
@@ -97,7 +100,8 @@ def test_cli_stays_quiet_when_groups_vary(tmp_path, testbed_model_check, capsys)
     assert rc == 0, err
     assert json.loads((run / "metrics.jsonl").read_text())[ALL_ZERO_VARIANCE] == 0
     assert "no learning signal" not in err
-    assert "plots/summary.png: the run at a glance" in err and (run / "plots" / "summary.png").is_file()
+    assert "samples.jsonl, plots/, checkpoints/" in err and "plots/summary.png: the run at a glance" in err
+    assert drawn == [run]
 
 
 def test_readme_quotes_the_warning_and_the_default_exactly():

@@ -208,10 +208,11 @@ class TrainConfig:
                      group="outputs")
     progress: bool = _f(True, "Show a progress bar and the closing summary table in the terminal.", group="outputs")
     no_signal_steps: int = _f(3, "Warn once in the terminal when every prompt group of the first N steps scored alike "
-                              "(zero reward variance: every advantage is 0, nothing is learned, e.g. a model that never "
-                              "writes the answer format the reward reads); a run shorter than N is checked over all its "
-                              "steps. Each step's groups/all_zero_variance (0/1) is in metrics.jsonl and the closing "
-                              "summary counts them. 0 = never warn.", group="outputs")
+                              "(zero reward variance: every advantage is 0, nothing is learned, e.g. a model that "
+                              "never writes the answer format the reward reads). Counts the steps of this "
+                              "invocation (a resumed run from its first resumed step), all of them if fewer than N. "
+                              "Each step's groups/all_zero_variance (0/1) is in metrics.jsonl and the closing summary "
+                              "counts them. 0 = never warn.", group="outputs")
     report_to: str = _f("", "Experiment trackers besides metrics.jsonl, comma-separated: tensorboard (<output_dir>/"
                         "tensorboard), wandb (offline unless WANDB_MODE is set; <output_dir>/wandb), trackio (local). "
                         "Each needs its extra: pip install 'echotrain[tensorboard]' etc. Empty/none: none. "

@@ -203,3 +203,19 @@ def test_quantize_rejects_non_finite():
         quant.quantize_rank1(torch.tensor([[1.0, float("inf")]]), quant.LINEAR_MAP_4BIT)
     with pytest.raises(ValueError, match="at least 1 dim"):
         quant.rank1_factors(torch.tensor(1.0))
+
+
+def test_linear_zero_free_midpoints_tie_to_the_lower_code():
+    # LINEAR_MAP_4BIT[c] = (c + 1) / 16; the midpoint between codes k - 1 and k is (k + 0.5) / 16,
+    # exact in float32. Ties go to the lower code k - 1 (documented); round-half-to-even would give
+    # k for every even k.
+    k = torch.arange(1, 16, dtype=torch.float32)
+    mid = (k + 0.5) / 16
+    assert torch.equal(mid * 16, k + 0.5)  # the midpoints are exact
+    expected = (k - 1).to(torch.uint8)
+    assert torch.equal(quant.quantize_linear_zero_free(mid), expected)
+    assert torch.equal(quant._linear_code_f(mid), k - 1)  # the optimizer's path
+    assert torch.equal(quant.quantize_nearest(mid, quant.LINEAR_MAP_4BIT), expected)
+    # just above a midpoint: the upper code
+    above = torch.nextafter(mid, torch.tensor(2.0))
+    assert torch.equal(quant.quantize_linear_zero_free(above), k.to(torch.uint8))

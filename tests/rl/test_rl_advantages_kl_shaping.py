@@ -159,3 +159,19 @@ def test_every_preset_runs(name):
     loss, m = compute_policy_loss(p.loss_mode, old, lp, adv, torch.ones(4, 8), p.loss_agg_mode, p.config)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and "ppo_kl" in m
+
+
+def test_grpo_eps_is_added_to_the_std_outside_the_square_root():
+    # rewards [0, 1]: mean 0.5, centred +-0.5, unbiased std sqrt(((0.5)^2 + (0.5)^2) / (2 - 1)) = sqrt(0.5).
+    # eps = 0.5 large enough for its placement to matter:
+    #   (r - mean) / (std + eps)        = +-0.5 / (0.70711 + 0.5) = +-(sqrt(2) - 1) = +-0.41421  (ours)
+    #   (r - mean) / sqrt(var + eps)    = +-0.5 / sqrt(1.0)       = +-0.5
+    #   population std (n): 0.5 / (0.5 + 0.5)                    = +-0.5
+    adv = compute_advantages(torch.tensor([0.0, 1.0]), torch.tensor([0, 0]), "grpo", eps=0.5)
+    expected = 0.5 / (math.sqrt(0.5) + 0.5)
+    assert expected == pytest.approx(math.sqrt(2) - 1, rel=1e-15)
+    torch.testing.assert_close(adv, torch.tensor([-expected, expected]), rtol=1e-6, atol=0)
+    # three responses [0, 0, 1]: mean 1/3, unbiased std sqrt((2 (1/3)^2 + (2/3)^2) / 2) = sqrt(1/3)
+    adv3 = compute_advantages(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0, 0, 0]), "grpo", eps=0.5)
+    s = math.sqrt(1 / 3) + 0.5
+    torch.testing.assert_close(adv3, torch.tensor([-1 / 3 / s, -1 / 3 / s, 2 / 3 / s]), rtol=1e-6, atol=0)

@@ -133,3 +133,48 @@ def test_balanced_all_zero_advantage_group_and_count_zero_adv():
     # False: group 0 G = 2: 2.0; group 1: 7; mean 4.5
     assert agg_loss(loss_mat, mask, "balanced", advantages=adv2, group_index=gid2,
                     ba_count_zero_adv=False).item() == pytest.approx(4.5)
+
+
+# ---------------------------------------------------------------- ECHO on a batch with no valid token
+
+
+def _all_masked(B=3, T=4):
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) - 0.1
+    lp = (old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)[:, None].expand(B, T).clone()
+    return old, lp, adv, torch.zeros(B, T, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("batch_ratio", ["arith", "geo"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_echo_all_masked_batch_is_a_no_op_in_one_call(batch_ratio, agg):
+    # N = 0: R is defined as 1 (not 0/0 -> 0 for arith), so kappa = 1, no clip, loss 0, gradient 0
+    old, lp, adv, mask = _all_masked()
+    loss, m = compute_policy_loss("echo", old, lp, adv, mask, agg, {"batch_ratio": batch_ratio})
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(lp.grad, torch.zeros_like(lp))
+    assert m["echo/R_batch"] == 1.0 and m["echo/kappa"] == 1.0 and m["echo/batch_clipped"] == 0.0
+
+
+@pytest.mark.parametrize("batch_ratio", ["arith", "geo"])
+def test_echo_all_masked_batch_is_a_no_op_through_compute_step_stats(batch_ratio):
+    from echotrain.rl import compute_step_stats, split_micro_batches
+
+    old, lp, adv, mask = _all_masked()
+    batch = {"old_log_prob": old, "log_prob": lp.detach(), "advantages": adv, "response_mask": mask,
+             "group_index": torch.tensor([0, 0, 1])}
+    cfg = {"batch_ratio": batch_ratio}
+    mbs = split_micro_batches(batch, [2, 1])
+    step = compute_step_stats(mbs, loss_mode="echo", loss_agg_mode="token-mean", config=cfg)
+    echo = step.loss_stats
+    assert (echo.R, echo.kappa, echo.clipped, echo.grad_sum) == (1.0, 1.0, False, 0.0)
+    for mb in mbs:
+        lp_mb = mb["log_prob"].clone().requires_grad_(True)
+        loss, m = compute_policy_loss("echo", mb["old_log_prob"], lp_mb, mb["advantages"], mb["response_mask"],
+                                      "token-mean", cfg, step=step)
+        loss.backward()
+        assert loss.item() == 0.0 and math.isfinite(loss.item())
+        assert torch.equal(lp_mb.grad, torch.zeros_like(lp_mb))
+        assert m["echo/R_batch"] == 1.0 and m["echo/kappa"] == 1.0 and m["echo/batch_clipped"] == 0.0

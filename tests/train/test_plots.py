@@ -56,3 +56,41 @@ def test_summary_figure_written(tmp_path, monkeypatch):
     (reward,) = [v for k, v in seen.items() if k.endswith(".reward.png.tmp.png")]
     assert any("accuracy = reward" in lbl for lbl in reward[0][2])
     plt.close("all")
+
+
+def _spy_figures(monkeypatch):
+    """Figure objects by saved path (plot functions close their figures after saving)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    seen = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def spy(fig, path, **kw):
+        seen[str(path)] = fig
+        return real_savefig(fig, path, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    return seen
+
+
+def test_greedy_evals_are_markers_not_a_trend_line_and_smoothing_is_said_once(tmp_path, monkeypatch):
+    seen = _spy_figures(monkeypatch)
+    records = [{"step": s, "accuracy": 0.05 * s, "reward/mean": 0.05 * s, "response_length/mean": 10.0 + s,
+                "response_length/max": 20.0 + s} for s in range(1, 17)]
+    evals = [{"step": 0, "eval/accuracy": 0.2}, {"step": 8, "eval/accuracy": 0.6}, {"step": 16, "eval/accuracy": 0.4}]
+    plot_metrics(records, tmp_path, evals=evals, title="run")
+    for name, panel in (("summary.png", "Accuracy"), ("reward.png", "Reward and sampled accuracy")):
+        (fig,) = [f for k, f in seen.items() if k.endswith(f".{name}.tmp.png")]
+        (ax,) = [a for a in fig.axes if a.get_title() == panel]
+        (ev,) = [ln for ln in ax.get_lines() if "greedy eval" in ln.get_label()]
+        assert ev.get_linestyle() == "None" and ev.get_marker() == "D", name  # markers only
+        assert list(ev.get_xdata()) == [0, 8, 16]
+        notes = [t.get_text() for t in fig.texts]
+        assert any("trailing mean of the last 2 steps" in t and "not joined" in t for t in notes), notes
+    (fig,) = [f for k, f in seen.items() if k.endswith(".summary.png.tmp.png")]
+    (length,) = [a for a in fig.axes if a.get_title() == "Response length"]
+    labels = [t.get_text() for t in length.get_legend().get_texts()]
+    assert labels == ["mean", "max"]  # not "max (mean of 2)": the smoothing is the figure's note
+    (fig,) = [f for k, f in seen.items() if k.endswith(".response_length.png.tmp.png")]
+    assert not any("diamonds" in t.get_text() for t in fig.texts)  # no evals drawn there

@@ -158,3 +158,33 @@ def test_auto_is_off_on_a_gpu_that_only_emulates_bf16(monkeypatch):
             assert precision.resolve_autocast("auto", "cuda") is want
         finally:
             precision._probe_native_bf16.cache_clear()
+
+
+def test_the_resolution_says_why(monkeypatch):
+    why = precision.resolve_autocast_why
+    assert why("off", "cpu") == (None, "autocast=off is set")
+    monkeypatch.delenv(precision.NATIVE_BF16_ENV)
+    monkeypatch.setattr(precision, "cpu_bf16_features", lambda: ())  # an AVX2-only CPU
+    assert why("auto", "cpu") == (None, "autocast=auto and this CPU has no native bf16 (no AVX512-BF16 or AMX)")
+    assert why("bfloat16", "cpu") == (torch.bfloat16, "autocast=bfloat16 is set, but this CPU has no native bf16 "
+                                      "(no AVX512-BF16 or AMX): bf16 is emulated, slower than float32")
+    monkeypatch.setattr(precision, "cpu_bf16_features", lambda: ("AVX512-BF16",))
+    assert why("auto", "cpu") == (torch.bfloat16, "autocast=auto and this CPU has native bf16 (AVX512-BF16)")
+    assert why("bfloat16", "cpu") == (torch.bfloat16, "autocast=bfloat16 is set")
+    assert why("auto", "cpu", torch.bfloat16) == (None, "autocast=auto and the parameters are bfloat16, not float32")
+    assert why("auto", "meta") == (None, "autocast=auto and no native bf16 known for device type 'meta'")
+    monkeypatch.setenv(precision.NATIVE_BF16_ENV, "0")
+    assert why("auto", "cpu") == (None, "autocast=auto and ECHOTRAIN_NATIVE_BF16=0 says the hardware has no native bf16")
+    assert precision.describe(None, "autocast=off is set") == "no autocast, because autocast=off is set"
+    assert precision.describe(torch.bfloat16) == "bfloat16 autocast"
+
+
+def test_readme_quotes_the_startup_reasons_exactly(monkeypatch):
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    monkeypatch.delenv(precision.NATIVE_BF16_ENV)
+    for features in ((), ("AVX512-BF16",)):
+        monkeypatch.setattr(precision, "cpu_bf16_features", lambda f=features: f)
+        line = precision.describe(*precision.resolve_autocast_why("auto", "cpu"))
+        assert f"`{line}`" in readme, line

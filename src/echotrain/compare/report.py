@@ -326,8 +326,25 @@ def build_report(runs: Sequence[Run], baseline: str | None = None, metric: str =
     return summary, curves
 
 
+#: per-arm line styles and markers, cycled with the colours so that no two of the first 36 arms
+#: look alike and overlapping arms stay distinguishable (a dashed line over a solid one)
+ARM_LINESTYLES = ("-", "--", "-.", ":")
+ARM_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h")
+
+
+def arm_style(i: int, n_arms: int) -> dict[str, Any]:
+    """Matplotlib keyword arguments (colour, linestyle, marker) of the ``i``-th of ``n_arms`` arms."""
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10" if n_arms <= 10 else "tab20")
+    return {"color": cmap(i % cmap.N), "linestyle": ARM_LINESTYLES[i % len(ARM_LINESTYLES)],
+            "marker": ARM_MARKERS[i % len(ARM_MARKERS)]}
+
+
 def plot_curves(curves: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
-    """One PNG per metric: every arm's mean curve with its shaded 95% bootstrap band."""
+    """One PNG per metric (about 1000 x 560 px): every arm's mean curve, each arm with its own
+    colour, line style and marker, with its shaded 95% bootstrap band; the legend sits outside
+    the axes, so it hides no curve."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -338,22 +355,25 @@ def plot_curves(curves: dict[str, Any], out_dir: str | os.PathLike) -> list[Path
     titles = {k: (t, y) for k, t, y in CURVES}
     written = []
     for key, per_arm in curves.items():
-        cmap = plt.get_cmap("tab10" if len(per_arm) <= 10 else "tab20")
-        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        fig, ax = plt.subplots(figsize=(9.0, 5.1))
         for i, (arm, agg) in enumerate(per_arm.items()):
-            color = cmap(i % cmap.N)
-            ax.plot(agg["steps"], agg["mean"], color=color, lw=1.4, label=f"{arm} (n={agg['n']})")
+            style = arm_style(i, len(per_arm))
+            steps = agg["steps"]
+            ax.plot(steps, agg["mean"], lw=1.8, markersize=5, markevery=max(1, len(steps) // 10),
+                    label=f"{arm} (n={agg['n']})", **style)
             if agg["n"] > 1:
-                ax.fill_between(agg["steps"], agg["ci_low"], agg["ci_high"], color=color, alpha=0.15, lw=0)
+                ax.fill_between(steps, agg["ci_low"], agg["ci_high"], color=style["color"], alpha=0.12, lw=0)
         title, ylabel = titles.get(key, (key, ""))
-        ax.set_title(f"{title}: mean over seeds, 95% bootstrap band", fontsize=9)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}: mean over seeds, 95% bootstrap band", fontsize=12)
+        ax.set_xlabel("step", fontsize=11)
+        ax.set_ylabel(ylabel, fontsize=11)
+        ax.tick_params(labelsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=2 if len(per_arm) > 5 else 1)
+        ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False,
+                  handlelength=3.0)
         fig.tight_layout()
         path = out / (key.replace("/", "_") + ".png")
-        fig.savefig(path, dpi=72)
+        fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written

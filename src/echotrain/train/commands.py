@@ -134,15 +134,16 @@ def run_train(args: argparse.Namespace) -> int:
             raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)
         return 2
-    print(f"echotrain: run directory {trainer.run_dir} (config.yaml, metrics.jsonl, samples.jsonl, plots/, "
-          f"checkpoints/); {torch.get_num_threads()} threads, device {trainer.device}, "
-          f"{describe_precision(trainer.autocast_dtype)}, OpenMP wait policy "
-          f"{omp_wait_in_force()}", file=sys.stderr)
+    outputs = "config.yaml, metrics.jsonl, samples.jsonl, " + ("plots/, " if cfg.plots else "") + "checkpoints/"
+    print(f"echotrain: run directory {trainer.run_dir} ({outputs}); {torch.get_num_threads()} threads, device "
+          f"{trainer.device}, {describe_precision(trainer.autocast_dtype, trainer.autocast_reason)}; OpenMP wait "
+          f"policy {omp_wait_in_force()}", file=sys.stderr)
     trainer.train()
     total = time.perf_counter() - t0
     train_s = getattr(trainer, "train_seconds", total)
+    glance = "plots/summary.png: the run at a glance" if cfg.plots else "metrics.jsonl: one line per step; plots=false"
     print(f"echotrain: done in {total:.0f} s ({total - train_s:.0f} s loading and setup, {train_s:.0f} s training); "
-          f"outputs in {trainer.run_dir} (plots/summary.png: the run at a glance)", file=sys.stderr)
+          f"outputs in {trainer.run_dir} ({glance})", file=sys.stderr)
     return 0
 
 

@@ -49,7 +49,8 @@ def _f(default: Any, help: str, choices: tuple | None = None, group: str = "run"
 @with_policy_loss_fields(after="loss_agg_mode", group="objective")
 class TrainConfig:
     """Everything one ``echotrain train`` run needs. Defaults are the embedded default run
-    (ECHO on SmolLM2-135M-Instruct, the tasks module's default task, 2 CPU cores, < 15 min).
+    (ECHO on SmolLM2-135M-Instruct, the tasks module's default task, 2 CPU cores; its time:
+    README, default run).
 
     The policy-loss settings (``clip_ratio_low`` ... ``log_ratio_clamp``, right after
     ``loss_agg_mode``) are :class:`echotrain.rl.PolicyLossConfig`'s fields, added by
@@ -75,7 +76,8 @@ class TrainConfig:
                        "and losses stay float32); 'off' = all float32; 'auto' = bfloat16 where the hardware has native "
                        "bf16 (CPU with AVX512-BF16/AMX, CUDA with bf16) and dtype=float32, else off. Measured on an "
                        "AVX512-BF16 CPU: the default run's step 2x faster (update 2.3x, generation 1.6x; "
-                       "docs/benchmarks.md). The resolved choice is printed and stored in run_info.json; set it "
+                       "docs/benchmarks.md). The resolved choice and why are printed at the start and stored in "
+                       "run_info.json (autocast, autocast_reason); set it "
                        "explicitly to compare runs across machines; with bfloat16 and more than one thread runs are "
                        "not bit-reproducible.",
                        AUTOCAST_CHOICES)
@@ -205,6 +207,12 @@ class TrainConfig:
     plots: bool = _f(True, "Write PNG plots of the main curves to <output_dir>/plots at the end (and at each checkpoint).",
                      group="outputs")
     progress: bool = _f(True, "Show a progress bar and the closing summary table in the terminal.", group="outputs")
+    no_signal_steps: int = _f(3, "Warn once in the terminal when every prompt group of the first N steps scored alike "
+                              "(zero reward variance: every advantage is 0, nothing is learned, e.g. a model that "
+                              "never writes the answer format the reward reads). Counts the steps of this "
+                              "invocation (a resumed run from its first resumed step), all of them if fewer than N. "
+                              "Each step's groups/all_zero_variance (0/1) is in metrics.jsonl and the closing summary "
+                              "counts them. 0 = never warn.", group="outputs")
     report_to: str = _f("", "Experiment trackers besides metrics.jsonl, comma-separated: tensorboard (<output_dir>/"
                         "tensorboard), wandb (offline unless WANDB_MODE is set; <output_dir>/wandb), trackio (local). "
                         "Each needs its extra: pip install 'echotrain[tensorboard]' etc. Empty/none: none. "
@@ -539,7 +547,7 @@ def validate(cfg: TrainConfig) -> None:
                 "micro_batch_size", "max_sampling_rounds"):
         need(getattr(cfg, key) >= 1, key, "must be >= 1")
     for key in ("num_threads", "rollout_batch_size", "warmup_steps", "eval_prompts", "eval_every", "save_every", "log_samples",
-                "top_k"):
+                "top_k", "no_signal_steps"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     need(cfg.keep_last >= 1, "keep_last", "must be >= 1")
     need(cfg.num_mini_batches <= cfg.prompts_per_step, "num_mini_batches",

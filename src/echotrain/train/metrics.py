@@ -15,6 +15,8 @@ groups (``group``: the prompt's index in the step), each with ``question``, ``an
   (ECHO only; mean/min/max over the step's optimizer steps)
 - ``grad_norm`` (before clipping, mean over optimizer steps), ``lr``
 - ``groups/kept``, ``groups/zero_variance_frac``, ``sampling_rounds`` (int)
+- ``groups/all_zero_variance`` (int 0/1): every group of the step scored alike, so every advantage
+  is 0 (:mod:`echotrain.train.no_signal`; added by the trainer)
 - ``reward/timeouts``, ``reward/exceptions`` (int): completions whose reward call timed out or
   raised this step (scored 0; see ``echotrain.rewards.RewardFunction``)
 - ``eval/accuracy``, ``eval/format_rate`` on the steps that ran the greedy evaluation (also in
@@ -132,9 +134,11 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: str, model: Any, task_name: str,
-             task: Any, world_size: int, dist_backend: str, lora: bool, autocast: str = "off") -> dict[str, Any]:
+             task: Any, world_size: int, dist_backend: str, lora: bool, autocast: str = "off",
+             autocast_reason: str = "") -> dict[str, Any]:
     """``run_info.json``'s content: what ``auto`` / ``0`` / empty config values resolved to in a
-    run (device, threads, model, task, autocast: 'bfloat16' or 'off') and the library versions,
+    run (device, threads, model, task, autocast: 'bfloat16' or 'off', and ``autocast_reason``:
+    why, from :func:`echotrain.train.precision.resolve_autocast_why`) and the library versions,
     for reproducing it."""
     import platform
 
@@ -157,6 +161,7 @@ def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: st
         "dist_backend": dist_backend,
         "lora": lora,
         "autocast": autocast,
+        "autocast_reason": autocast_reason,
         "versions": {"echotrain": echotrain.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
     }
@@ -293,8 +298,16 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
             # first/last columns: the evaluations at the first and last evaluated steps
             table.add_row(f"{key} (greedy)", f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{min(vals):.4g}",
                           f"{max(vals):.4g}")
+    captions = []
     if stability is not None:
         from echotrain.train.stability import format_flags
 
-        table.caption = f"stability flags: {format_flags(stability)} (rules in stability.json)"
+        captions.append(f"stability flags: {format_flags(stability)} (rules in stability.json)")
+    from echotrain.train.no_signal import summary_line
+
+    no_signal = summary_line(records)
+    if no_signal:
+        captions.append(no_signal)
+    if captions:
+        table.caption = "\n".join(captions)
     Console(stderr=True).print(table)

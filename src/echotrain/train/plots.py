@@ -4,7 +4,9 @@
   sampled accuracy with the greedy-eval points, reward, entropy, response length, policy drift
   (``ppo_kl``, a mean log-ratio, and the KL to the reference when used), clip fractions, ECHO's
   batch ratio, gradient norm and step time. Every series is drawn as its raw per-step points plus
-  a trailing moving mean (window :func:`smoothing_window`); every y axis names its unit.
+  a trailing moving mean (window :func:`smoothing_window` of the run's step count, one window per
+  figure, stated once under it by :func:`smoothing_note`); every y axis names its unit. The
+  greedy evaluations are separate measurements: markers, never joined by a line.
 - one PNG per entry of :data:`PLOTS` (the same curves, one figure each).
 """
 
@@ -72,12 +74,25 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], l
     return [p[0] for p in pts], [float(p[1]) for p in pts]
 
 
-def _draw(ax, xs: list[float], ys: list[float], label: str, color: str) -> None:
-    """Raw points plus, when there are enough of them, the moving mean as a line."""
-    w = smoothing_window(len(ys))
+def smoothing_note(window: int, with_evals: bool = False) -> str:
+    """The figure's one line on how its curves are drawn: dots, lines (trailing mean over
+    ``window`` steps) and, ``with_evals``, the greedy-evaluation markers."""
+    lines = f"lines: trailing mean of the last {window} steps" if window > 1 else "lines join them (no smoothing)"
+    evals = "; diamonds: greedy evaluations on fixed prompts, not joined" if with_evals else ""
+    return f"dots: each step's value; {lines}{evals}"
+
+
+def _draw(ax, xs: list[float], ys: list[float], label: str, color: str, window: int) -> None:
+    """Raw points plus their trailing moving mean over ``window`` steps as a line (labelled)."""
     ax.plot(xs, ys, linestyle="none", marker="o", markersize=2.5, alpha=0.45, color=color)
-    ax.plot(xs, moving_mean(ys, w), color=color, linewidth=1.6,
-            label=label + (f" (mean of {w})" if w > 1 else ""))
+    ax.plot(xs, moving_mean(ys, window), color=color, linewidth=1.6, label=label)
+
+
+def _draw_evals(ax, evals: Sequence[dict[str, Any]], label: str) -> None:
+    """eval.jsonl's greedy accuracy as markers only: separate evaluations, not a trend line."""
+    xs, ys = _series(evals, "eval/accuracy")
+    if xs:
+        ax.plot(xs, ys, linestyle="none", marker="D", markersize=6, color="black", label=label)
 
 
 def _save(fig, out: Path, fname: str) -> Path:
@@ -109,18 +124,16 @@ def plot_summary(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     panels = [p for p in PANELS if any(_series(records, k)[0] for k, _ in p[1])]
     cols = 3
     rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.3 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.3 * rows + 0.3), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    window = smoothing_window(len(records))
     for ax, (ptitle, series, ylabel, with_eval) in zip(axes.flat, panels):
         for i, (key, label) in enumerate(series):
             xs, ys = _series(records, key)
             if xs:
-                _draw(ax, xs, ys, label, colors[i % len(colors)])
+                _draw(ax, xs, ys, label, colors[i % len(colors)], window)
         if with_eval and evals:
-            xs, ys = _series(evals, "eval/accuracy")
-            if xs:
-                ax.plot(xs, ys, linestyle="--", marker="D", markersize=6, color="black",
-                        label="greedy eval (fixed prompts)")
+            _draw_evals(ax, evals, "greedy eval (fixed prompts)")
         if ptitle == "Policy drift":
             ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.set_title(ptitle)
@@ -132,7 +145,9 @@ def plot_summary(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
         ax.set_visible(False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    with_evals = bool(evals and _series(evals, "eval/accuracy")[0])
+    fig.text(0.5, 0.005, smoothing_note(window, with_evals), ha="center", va="bottom", fontsize=9, color="dimgray")
+    fig.tight_layout(rect=(0, 0.025, 1, 1))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = _save(fig, out, "summary.png")
@@ -165,6 +180,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     if summary is not None:
         written.append(summary)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    window = smoothing_window(len(records))
     for fname, title_, series, ylabel in PLOTS:
         present = [(k, lbl) for k, lbl in series if any(r.get(k) is not None for r in records)]
         if fname == "reward.png" and _series(records, "reward/mean") == _series(records, "accuracy"):
@@ -173,19 +189,20 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
                        for k, lbl in present if k != "reward/mean"]
         if not present:
             continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig, ax = plt.subplots(figsize=(7, 4.3))
         for i, (key, label) in enumerate(present):
             xs, ys = _series(records, key)
-            _draw(ax, xs, ys, label, colors[i % len(colors)])
+            _draw(ax, xs, ys, label, colors[i % len(colors)], window)
         if fname == "reward.png" and evals:
-            xs, ys = _series(evals, "eval/accuracy")
-            ax.plot(xs, ys, linestyle="--", marker="D", markersize=6, color="black", label="greedy eval accuracy")
+            _draw_evals(ax, evals, "greedy eval accuracy")
         ax.set_title(title_)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
+        with_evals = fname == "reward.png" and bool(evals and _series(evals, "eval/accuracy")[0])
+        fig.text(0.5, 0.01, smoothing_note(window, with_evals), ha="center", va="bottom", fontsize=7.5, color="dimgray")
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
         written.append(_save(fig, out, fname))
         plt.close(fig)
     # kl.png was renamed policy_drift.png (it shows ppo_kl, a mean log-ratio): drop a stale one

@@ -18,7 +18,9 @@ All passes of a run use the same precision, so an on-policy importance ratio is 
 machine holds with ``"off"``; bfloat16 runs with more than one thread were seen to part after a
 few steps (README, Reproducibility). A machine that resolves ``auto`` differently computes a
 different (equally valid) run, so set ``autocast`` explicitly to compare runs across machines. Measured speed-up on a 2-core
-AVX512-BF16 CPU: docs/benchmarks.md, "Mixed precision".
+AVX512-BF16 CPU: docs/benchmarks.md, "Mixed precision". :func:`resolve_autocast_why` also says why
+(the setting, the CPU's instruction sets, the override, the parameter dtype): the startup line of
+``echotrain train`` prints it and ``run_info.json`` keeps it as ``autocast_reason``.
 """
 
 from __future__ import annotations
@@ -49,17 +51,32 @@ def native_bf16(device_type: str) -> bool:
     forced = os.environ.get(NATIVE_BF16_ENV, "").strip()
     if forced in ("0", "1"):
         return forced == "1"
+    if device_type == "cpu":
+        return bool(cpu_bf16_features())
     return _probe_native_bf16(device_type)
+
+
+#: the CPU instruction sets that multiply bfloat16 natively, as named in logs, with torch's check
+_CPU_BF16_CHECKS = (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_features() -> tuple[str, ...]:
+    """The native-bf16 instruction sets of this CPU among AVX512-BF16 and AMX (``torch.cpu``
+    capability checks; empty when this torch build cannot tell)."""
+    found = []
+    for label, name in _CPU_BF16_CHECKS:
+        check = getattr(torch.cpu, name, None)
+        try:
+            if check is not None and bool(check()):
+                found.append(label)
+        except (RuntimeError, AttributeError):
+            pass
+    return tuple(found)
 
 
 @functools.lru_cache(maxsize=8)
 def _probe_native_bf16(device_type: str) -> bool:
-    if device_type == "cpu":
-        checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-        try:
-            return any(bool(check()) for check in checks if check is not None)
-        except (RuntimeError, AttributeError):
-            return False
     if device_type == "cuda":
         # not emulated bf16 (pre-Ampere GPUs): slower than float32 there
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
@@ -77,20 +94,56 @@ def resolve_autocast(setting: str, device: torch.device | str, param_dtype: torc
     Raises:
         ValueError: ``setting`` is not one of :data:`AUTOCAST_CHOICES`.
     """
+    return resolve_autocast_why(setting, device, param_dtype)[0]
+
+
+def resolve_autocast_why(setting: str, device: torch.device | str,
+                         param_dtype: torch.dtype = torch.float32) -> tuple[torch.dtype | None, str]:
+    """:func:`resolve_autocast` and why, as a phrase for the startup line and ``run_info.json``
+    (``autocast_reason``), e.g. ``"autocast=auto and this CPU has no native bf16 (no
+    AVX512-BF16 or AMX)"`` or ``"autocast=off is set"``.
+
+    Raises:
+        ValueError: ``setting`` is not one of :data:`AUTOCAST_CHOICES`.
+    """
     if setting not in AUTOCAST_CHOICES:
         raise ValueError(f"autocast: {setting!r} is not one of {', '.join(AUTOCAST_CHOICES)}")
     device_type = torch.device(device).type
     if setting == "off":
-        return None
+        return None, "autocast=off is set"
+    native = native_bf16(device_type)
     if setting == "bfloat16":
-        return torch.bfloat16
-    return torch.bfloat16 if param_dtype == torch.float32 and native_bf16(device_type) else None
+        return torch.bfloat16, "autocast=bfloat16 is set" + ("" if native else f", but {_hardware(device_type, False)}: "
+                                                             "bf16 is emulated, slower than float32")
+    if param_dtype != torch.float32:
+        return None, f"autocast=auto and the parameters are {str(param_dtype).replace('torch.', '')}, not float32"
+    return (torch.bfloat16 if native else None), f"autocast=auto and {_hardware(device_type, native)}"
+
+
+def _hardware(device_type: str, native: bool) -> str:
+    """Why ``device_type`` counts as having native bf16 or not (the env override, the CPU's
+    instruction sets, the GPU)."""
+    forced = os.environ.get(NATIVE_BF16_ENV, "").strip()
+    if forced in ("0", "1"):
+        return f"{NATIVE_BF16_ENV}={forced} says the hardware has {'' if native else 'no '}native bf16"
+    if device_type == "cpu":
+        if native:
+            return f"this CPU has native bf16 ({', '.join(cpu_bf16_features())})"
+        return "this CPU has no native bf16 (no AVX512-BF16 or AMX)"
+    if device_type == "cuda":
+        return "this GPU has native bf16" if native else "this GPU has no native bf16"
+    return f"no native bf16 known for device type {device_type!r}"
 
 
 def resolve_for(model: Any, setting: str) -> torch.dtype | None:
     """:func:`resolve_autocast` for ``model``'s device and parameter dtype (its first parameter)."""
+    return resolve_for_why(model, setting)[0]
+
+
+def resolve_for_why(model: Any, setting: str) -> tuple[torch.dtype | None, str]:
+    """:func:`resolve_autocast_why` for ``model``'s device and parameter dtype (its first parameter)."""
     p = next(model.parameters())
-    return resolve_autocast(setting, p.device, p.dtype)
+    return resolve_autocast_why(setting, p.device, p.dtype)
 
 
 def setting_name(dtype: torch.dtype | None) -> str:
@@ -98,9 +151,11 @@ def setting_name(dtype: torch.dtype | None) -> str:
     return "bfloat16" if dtype is not None else "off"
 
 
-def describe(dtype: torch.dtype | None) -> str:
-    """Short text for logs: 'bfloat16 autocast' or 'no autocast'."""
-    return "bfloat16 autocast" if dtype is not None else "no autocast"
+def describe(dtype: torch.dtype | None, reason: str | None = None) -> str:
+    """Short text for logs: 'bfloat16 autocast' or 'no autocast', followed by ', because
+    <reason>' when ``reason`` (:func:`resolve_autocast_why`) is given."""
+    text = "bfloat16 autocast" if dtype is not None else "no autocast"
+    return f"{text}, because {reason}" if reason else text
 
 
 @contextlib.contextmanager

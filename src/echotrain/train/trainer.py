@@ -11,6 +11,7 @@ One training step (:meth:`Trainer.train_step`) reads top to bottom, in the spiri
 5. update    one optimizer step per mini-batch of whole groups, exactly micro-batched
              (``train/update.py``: ECHO pre-pass, step statistics, SAM closure)
 6. metrics   one line of metrics.jsonl (``train/metrics.py``), samples, progress bar, checkpoint
+             (and a one-time warning when the first steps had no learning signal: ``train/no_signal.py``)
 
 The step's data travels as one :class:`echotrain.train.step.StepData`.
 """
@@ -21,6 +22,7 @@ import copy
 import dataclasses
 import functools
 import os
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,7 +38,8 @@ from echotrain.train.config import TrainConfig, save_config
 from echotrain.train.dist import init_distributed, rank_seed
 from echotrain.train.features import prepare_policy
 from echotrain.train.lora import is_lora, model_state, reference_policy, save_final_model
-from echotrain.train.precision import autocast, resolve_for, setting_name
+from echotrain.train.no_signal import ALL_ZERO_VARIANCE, NoSignalWatch, all_zero_variance
+from echotrain.train.precision import autocast, resolve_for_why, setting_name
 from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, read_jsonl, run_info, sample_rows,
                                      step_record, write_json_atomic)
 from echotrain.train.rollout import RolloutBatch
@@ -110,8 +113,9 @@ class Trainer:
 
             model, tokenizer = load_policy(cfg.model, dtype=dtype, device=str(self.device))
         self.model, self.tokenizer = prepare_policy(model, tokenizer, cfg, self.device, self.dist)
-        #: bfloat16 for the model's forward passes under ``autocast`` (train/precision.py), else None
-        self.autocast_dtype = resolve_for(self.model, cfg.autocast)
+        #: bfloat16 for the model's forward passes under ``autocast`` (train/precision.py), else
+        #: None; and why (the startup line, run_info.json's autocast_reason)
+        self.autocast_dtype, self.autocast_reason = resolve_for_why(self.model, cfg.autocast)
         if task is None:
             from echotrain.tasks import get_task
 
@@ -153,7 +157,7 @@ class Trainer:
                 run_dir=self.run_dir, device=self.device, model_name=cfg.model, model=self.model, task_name=cfg.task,
                 task=self.task, world_size=self.dist.world_size, dist_backend=self.dist.backend,
                 lora=is_lora(self.model),
-                autocast=setting_name(self.autocast_dtype)))
+                autocast=setting_name(self.autocast_dtype), autocast_reason=self.autocast_reason))
             self.logger = MetricsLogger(self.run_dir, report_to=cfg.report_to, project=cfg.wandb_project,
                                         config=cfg.to_dict())
 
@@ -241,8 +245,10 @@ class Trainer:
 
         # 6. metrics
         self._samples = sample_rows(step, data, cfg.log_samples)
-        return step_record(step, data, updates, last_lr=self.scheduler.get_last_lr()[0], t_start=t_start,
-                           cpu_start=cpu_start, t_update=t_update, device=self.device)
+        record = step_record(step, data, updates, last_lr=self.scheduler.get_last_lr()[0], t_start=t_start,
+                             cpu_start=cpu_start, t_update=t_update, device=self.device)
+        record[ALL_ZERO_VARIANCE] = int(all_zero_variance(data.rewards, batch.group_index))
+        return record
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict[str, float]:
@@ -287,6 +293,7 @@ class Trainer:
 
         bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"echotrain {cfg.preset}", unit="step",
                    dynamic_ncols=True, disable=not (cfg.progress and main))
+        no_signal = NoSignalWatch(cfg.no_signal_steps)
         try:
             if cfg.eval_prompts and self.start_step == 0 and main:
                 self.evaluate(0)
@@ -296,6 +303,9 @@ class Trainer:
                     record.update(self.evaluate(step))
                 self.logger.log(record)
                 self.logger.log_samples(self._samples)
+                warning = no_signal.update(record, last=step == cfg.steps)
+                if warning and main:
+                    tqdm.write(warning, file=sys.stderr)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward/mean']:.3f}", acc=f"{record['accuracy']:.3f}",
                                 len=f"{record['response_length/mean']:.0f}")

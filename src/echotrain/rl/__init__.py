@@ -35,7 +35,6 @@ from echotrain.rl.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from echotrain.rl.objectives import (
     POLICY_LOSSES,
     PREPASS_LOSS_MODES,
-    check_loss_settings,
     compute_policy_loss,
     register_policy_loss,
 )
@@ -69,7 +68,6 @@ __all__ = [
     "agg_weights",
     "as_policy_loss_config",
     "balanced_stats",
-    "check_loss_settings",
     "compute_advantages",
     "compute_policy_loss",
     "compute_step_stats",

@@ -178,10 +178,10 @@ class PolicyLossConfig:
         "covariance Cov = (A - mean A)(log pi - mean log pi) that get the KL penalty. verl default 2e-4.", _fraction)
     ppo_kl_coef: float = _setting(
         0.1, "KL-Cov: coefficient of the |log rho| penalty on the selected tokens (verl default 0.1).", _non_negative)
-    dro_beta: float | None = _setting(
-        None, "DRO (verl's dro: REINFORCE with a quadratic log-ratio penalty, l = -(A log pi - beta/2 (log rho)^2)): "
-        "beta > 0. Required with loss_mode=dro (verl has no default either).",
-        lambda v: None if v is None or (_is_real(v) and v > 0) else "must be > 0 (or none when unused)")
+    dro_beta: float = _setting(
+        0.1, "DRO (verl's dro: REINFORCE with a quadratic log-ratio penalty, l = -(A log pi - beta/2 (log rho)^2)): "
+        "beta > 0. verl has no default (it requires the key); 0.1 is ours, provisional: with unit-scale advantages "
+        "it pulls back only when |log rho| approaches 10 A.", _positive)
     vespo_k_pos: float = _setting(
         2.0, "VESPO (arXiv 2602.10693) power k of the gamma weight phi(w) = e^lambda w^k e^(-lambda w) for A >= 0 "
         "(w: the sequence IS ratio). TRL's name and default 2.0.", _non_negative)

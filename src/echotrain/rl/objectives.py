@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from echotrain.rl.aggregation import weighted_sum
-from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, as_policy_loss_config
+from echotrain.rl.config import PolicyLossConfig, as_policy_loss_config
 from echotrain.rl.echo import (  # noqa: F401  re-exported: ECHO's math lives in echotrain.rl.echo
     ECHO_STEP_STATS,
     EchoStats,
@@ -46,7 +46,6 @@ from echotrain.rl.surrogate import clamped_log_ratio, ppo_clip_loss
 from echotrain.rl.validation import check_choice, check_group_index, check_token_inputs
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-POLICY_LOSS_FIELD_HELP = {name: f.metadata["help"] for name, f in POLICY_LOSS_FIELDS.items()}
 #: ``loss_mode`` name -> policy loss function (verl's signature, above); a live mapping.
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "loss_mode")
 
@@ -64,28 +63,15 @@ def register_policy_loss(name: str, *, step_stats: LossStepStats | None = None,
             ``step.loss_stats``.
         **info: further declarations, kept in ``POLICY_LOSSES.info(name)``. Read elsewhere:
             ``settings`` (tuple of the :class:`PolicyLossConfig` fields the loss reads beyond
-            the aggregation's; the verl adapter takes exactly these from verl's config),
-            ``requires`` (fields that must not be None with this loss; checked before any work
-            by :func:`check_loss_settings`) and ``exact`` (False, with ``exact_reason``, for a
-            loss that is not exact under micro-batches; absent means exact).
+            the aggregation's; the verl adapter takes exactly these from verl's config) and
+            ``exact`` (False, with ``exact_reason``, for a loss that is not exact under
+            micro-batches; absent means exact).
 
     Raises:
         ValueError: ``name`` is already registered.
     """
     return POLICY_LOSSES.register(name, step_stats=step_stats, **info)
 
-
-def check_loss_settings(loss_mode: str, config: PolicyLossConfig | Mapping[str, Any] | None) -> None:
-    """Check the settings ``loss_mode`` declared as ``requires`` at registration (not None).
-
-    Raises:
-        ValueError: unknown ``loss_mode``; ``"<field> must be set for loss_mode=<name> (...)"``
-            naming the field.
-    """
-    cfg = as_policy_loss_config(config)
-    for name in POLICY_LOSSES.info(loss_mode).get("requires", ()):
-        if getattr(cfg, name) is None:
-            raise ValueError(f"{name} must be set for loss_mode={loss_mode} ({POLICY_LOSS_FIELD_HELP[name]})")
 
 
 def loss_step_stats(loss_mode: str) -> LossStepStats | None:

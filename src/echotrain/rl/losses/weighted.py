@@ -60,7 +60,7 @@ def compute_policy_loss_cispo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str
     return weighted_sum(loss_mat, x.mask, x.seq_weights), metrics
 
 
-@register_policy_loss("dro", settings=("dro_beta",), requires=("dro_beta",))
+@register_policy_loss("dro", settings=("dro_beta",))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_dro(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """DRO as verl 0.9.1 defines it: l_{i,t} = -(A_{i,t} log pi(o_{i,t}) - (beta / 2) (log rho_{i,t})^2).
@@ -68,14 +68,12 @@ def compute_policy_loss_dro(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, 
     REINFORCE plus a quadratic penalty on the log-ratio to the old policy, the per-token form of
     the KL-regularised square loss of Direct Reward Optimisation (Richemond et al., arXiv
     2405.19107, Eq. 5, with the old policy in place of the reference); gradient
-    -(A - beta log rho) grad log pi. ``beta`` = ``dro_beta`` (required, > 0; verl has no default).
+    -(A - beta log rho) grad log pi. ``beta`` = ``dro_beta`` (> 0; verl has no default, ours 0.1).
     log rho is clamped to +-``log_ratio_clamp`` (verl does not clamp here). Default
     ``loss_agg_mode`` ``token-mean``. Shapes, signature and errors as
-    :func:`compute_policy_loss_gpg`; also ``ValueError`` when ``dro_beta`` is None.
+    :func:`compute_policy_loss_gpg`.
     """
     beta = x.cfg.dro_beta
-    if beta is None:
-        raise ValueError("dro_beta must be set (> 0) for loss_mode=dro")
     lp = masked_log_prob(x.log_prob, x.mask)
     loss_mat = -(lp * x.advantages - 0.5 * beta * x.log_ratio.square())
     return weighted_sum(loss_mat, x.mask, x.seq_weights), {"ppo_kl": ppo_kl(x.log_ratio, x.mask)}

@@ -85,13 +85,14 @@ class EchoGRPOConfig(GRPOConfig):
     """
 
     loss_mode: str = field(default="echo", metadata={"help": (
-        "echotrain policy loss (echotrain.rl.POLICY_LOSSES): vanilla (token PPO clip; GRPO/DAPO), gspo (arXiv "
-        "2507.18071), gspo_token, echo (batch-level clip of R, then token clip; docs/design/objectives.md "
-        "section 4).")})
+        "echotrain policy loss: any name in echotrain.rl.POLICY_LOSSES (vanilla = token PPO clip, gspo, gspo_token, "
+        "echo = batch-level clip of R then token clip, and verl's / TRL's cispo, sapo, geo_mean, dppo_tv, dppo_kl, gpg, "
+        "clip_cov, kl_cov, dro, luspo, vespo; docs/design/objectives.md). TRL's sapo_temperature_* are tau_pos / "
+        "tau_neg here; TRL's cispo epsilon_high (the cap) is 1 + epsilon_high here with cispo_lower_clip=False.")})
     loss_agg_mode: str = field(default="token-mean", metadata={"help": (
-        "echotrain loss aggregation (echotrain.rl.AGG_MODES): token-mean (DAPO), seq-mean-token-mean (GRPO), "
-        "seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO, C = norm_constant), balanced (Balanced "
-        "Aggregation, arXiv 2605.04077). Always exact over the optimizer step.")})
+        "echotrain loss aggregation: any name in echotrain.rl.AGG_MODES (token-mean = DAPO, seq-mean-token-mean = "
+        "GRPO, seq-mean-token-sum, seq-mean-token-sum-norm = Dr. GRPO with C = norm_constant, token-sum, balanced = "
+        "Balanced Aggregation, arXiv 2605.04077). Always exact over the optimizer step.")})
     disable_dropout: bool = field(default=True, metadata={"help": (
         "Disable dropout (TRL's default is False): the ECHO pre-pass and the with-grad pass must agree.")})
 

@@ -203,7 +203,10 @@ def _ppo_clipped(x: PreparedInputs, ratio: torch.Tensor) -> tuple[torch.Tensor, 
 # --------------------------------------------------------------------------- losses
 
 
-@register_policy_loss("vanilla")
+_CLIP = ("clip_ratio_low", "clip_ratio_high")
+
+
+@register_policy_loss("vanilla", settings=_CLIP + ("clip_ratio_c",))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_vanilla(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO clip with an asymmetric band: GRPO, DAPO clip-higher, optional dual-clip.
@@ -217,7 +220,7 @@ def compute_policy_loss_vanilla(x: PreparedInputs) -> tuple[torch.Tensor, dict[s
     return _ppo_clipped(x, torch.exp(x.log_ratio))
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", settings=_CLIP)
 @prepared_policy_loss("seq-mean-token-mean")
 def compute_policy_loss_gspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: one clipped sequence ratio per response (arXiv 2507.18071, Eq. 5-7).
@@ -233,7 +236,7 @@ def compute_policy_loss_gspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str,
     return _ppo_clipped(x, torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(x.log_ratio))
 
 
-@register_policy_loss("gspo_token")
+@register_policy_loss("gspo_token", settings=_CLIP)
 @prepared_policy_loss("seq-mean-token-mean")
 def compute_policy_loss_gspo_token(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO-token: s_{i,t} = sg[s_i] * pi(o_{i,t}) / sg[pi(o_{i,t})] (arXiv 2507.18071, Eq. 13-14).
@@ -249,7 +252,9 @@ def compute_policy_loss_gspo_token(x: PreparedInputs) -> tuple[torch.Tensor, dic
     return _ppo_clipped(x, torch.exp(torch.clamp(seq_log_ratio + torch.where(x.mask, lp - lp.detach(), 0), -c, c)))
 
 
-@register_policy_loss("echo", step_stats=ECHO_STEP_STATS)
+@register_policy_loss("echo", step_stats=ECHO_STEP_STATS, settings=_CLIP + (
+    "clip_ratio_c", "batch_clip_low", "batch_clip_high", "batch_ratio", "detach_kappa", "echo_pessimistic",
+    "echo_token_clip", "echo_token_cap"))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_echo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """ECHO: clip the batch ratio R, rescale every token ratio by kappa, token-clip on top.

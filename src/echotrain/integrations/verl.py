@@ -39,7 +39,7 @@ verl name              echotrain     compared with verl
                                      from :data:`echotrain.rl.POLICY_LOSSES`): ``cispo``, ``sapo``,
                                      ``geo_mean``, ``dppo_tv``/``dppo_kl``, ``gpg``, ``clip_cov``,
                                      ``kl_cov``, ``dro`` equal verl's loss of the same name up to
-                                     the differences of docs/design/objectives.md §7; ``luspo``,
+                                     the differences of docs/design/objectives.md §9; ``luspo``,
                                      ``vespo`` are TRL's (verl has none); ``clip_cov``/``kl_cov``
                                      take their means and top-k over the call (as verl's own do)
 ====================== ============= ==============================================================

@@ -119,7 +119,7 @@ class TrainConfig:
                             group="objective")
     loss_mode: str = _f("echo", "Policy loss from echotrain.rl.POLICY_LOSSES: vanilla (token PPO clip), gspo, gspo_token, echo, and "
                         "verl's/TRL's cispo, sapo, geo_mean (GMPO), dppo_tv, dppo_kl, gpg, clip_cov, kl_cov, dro, luspo, "
-                        "vespo (docs/design/objectives.md §7).",
+                        "vespo (docs/design/objectives.md §9).",
                         group="objective")
     loss_agg_mode: str = _f("token-mean", "Loss aggregation (echotrain.rl.AGG_MODES): token-mean (DAPO), seq-mean-token-mean "
                             "(GRPO), seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO), token-sum, balanced (BA, 2605.04077). "

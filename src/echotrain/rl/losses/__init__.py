@@ -9,7 +9,7 @@ Importing :mod:`echotrain.rl` imports this package, so every loss below is regis
 - :mod:`~echotrain.rl.losses.covariance` ``clip_cov``, ``kl_cov`` (step statistics: means, exact top-k)
 
 Names are verl 0.9.1's ``loss_mode`` where verl has the loss, TRL 1.16's ``loss_type`` otherwise
-(``luspo``, ``vespo``); docs/design/objectives.md §7 describes each and its differences from
+(``luspo``, ``vespo``); docs/design/objectives.md §9 describes each and its differences from
 verl and TRL.
 """
 

@@ -50,14 +50,14 @@ _MIX2 = 0x94D049BB133111EB - (1 << 64)
 class CovStats:
     """The step statistics of ``clip_cov`` / ``kl_cov`` (``step.loss_stats``).
 
-    ``mean_adv``, ``mean_log_prob``: means over the step's valid tokens; ``threshold``: the int64
-    key at or above which a token is selected (None: no token); ``num_selected``: tokens selected
-    over the step (ties included).
+    ``mean_adv``, ``mean_log_prob``: means over the step's valid tokens; ``threshold``: the value
+    at or above which a token is selected (KL-Cov: a Cov value; Clip-Cov: an int64 key, minus the
+    hash), None when no token is; ``num_selected``: tokens selected over the step (ties included).
     """
 
     mean_adv: float
     mean_log_prob: float
-    threshold: int | None
+    threshold: float | int | None
     num_selected: float
 
 
@@ -67,82 +67,97 @@ def ordered_key(v: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ _I64_MAX, bits)
 
 
+def key_value(key: int) -> float:
+    """The float64 value whose :func:`ordered_key` is ``key`` (inverse of ordered_key)."""
+    bits = key ^ _I64_MAX if key < 0 else key
+    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64))
+
+
 def _shift_right(h: torch.Tensor, n: int) -> torch.Tensor:
     """Logical right shift of int64 ``h`` by ``n`` bits (torch's ``>>`` is arithmetic)."""
     return (h >> n) & ((1 << (64 - n)) - 1)
 
 
-def token_hash(old_log_prob: torch.Tensor) -> torch.Tensor:
-    """A deterministic pseudo-random int64 key in [0, 2^62) per token ``(B, T)`` (splitmix64 finaliser)
-    of the float64 bits of ``old_log_prob`` and the position t: Clip-Cov's random draw, made a
-    function of the data so that every micro-batch split draws the same tokens."""
-    t = torch.arange(old_log_prob.shape[-1], device=old_log_prob.device, dtype=torch.int64)
-    h = old_log_prob.detach().to(torch.float64).view(torch.int64) ^ (t * _GOLDEN)
+def token_hash(old_log_prob: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """A deterministic pseudo-random int64 key in [0, 2^62) per token (splitmix64 finaliser) of the
+    float64 bits of its ``old_log_prob`` and its position t (same shapes): Clip-Cov's random draw,
+    made a function of the data so that every micro-batch split draws the same tokens."""
+    h = old_log_prob.detach().to(torch.float64).view(torch.int64) ^ (position.to(torch.int64) * _GOLDEN)
     h = (h ^ _shift_right(h, 30)) * _MIX1
     h = (h ^ _shift_right(h, 27)) * _MIX2
     h = h ^ _shift_right(h, 31)
     return _shift_right(h, 2)
 
 
-def kth_largest_key(keys: list[torch.Tensor], k: int, reduce_fn: ReduceFn, values: list[torch.Tensor]) -> int | None:
-    """The k-th largest of the int64 ``keys`` of every micro-batch and rank (None if there are none).
+def kth_largest_key(keys: list[torch.Tensor], k: int, reduce_fn: ReduceFn) -> int | None:
+    """The k-th largest of the int64 ``keys`` of every micro-batch and rank (None if there are none;
+    the smallest if fewer than k exist, so that all are selected).
 
-    ``values`` are the float64 values the keys order (their global min / max bound the search).
-    Exact: a bisection over the int64 keys with one all-reduced count per round (<= 64 rounds).
-    If fewer than k keys exist, the smallest (all are selected).
+    Exact: each rank keeps its own k largest (the step's k largest are among them), then a
+    bisection over the int64 range with one all-reduced count per round (64 rounds).
     """
-    f64 = dict(dtype=torch.float64, device=keys[0].device if keys else None)
-    n = float(reduce_fn(torch.tensor([float(sum(int(kk.numel()) for kk in keys))], **f64), "sum"))
+    local = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)
+    if local.numel() > k:
+        local = torch.topk(local, k).values
+    f64 = dict(dtype=torch.float64, device=local.device)
+    n = float(reduce_fn(torch.tensor([float(local.numel())], **f64), "sum"))
     if n == 0:
         return None
-    nonempty = [v for v in values if v.numel()]
-    hi_v = max((float(v.max()) for v in nonempty), default=float("-inf"))
-    lo_v = min((float(v.min()) for v in nonempty), default=float("inf"))
-    ext = reduce_fn(torch.tensor([hi_v, -lo_v], **f64), "max")
-    lo = int(ordered_key(-ext[1:2]).item())
-    hi = int(ordered_key(ext[0:1]).item())
     k = min(k, int(n))
-    while lo < hi:  # invariant: count(key >= lo) >= k; count(key >= hi + 1) < k
+    lo, hi = -(1 << 63), (1 << 63) - 1  # invariant: count(key >= lo) >= k > count(key >= hi + 1)
+    while lo < hi:
         mid = lo + (hi - lo + 1) // 2
-        count = float(reduce_fn(torch.tensor([float(sum(int((kk >= mid).sum()) for kk in keys))], **f64), "sum"))
-        if count >= k:
+        if float(reduce_fn(torch.tensor([float((local >= mid).sum())], **f64), "sum")) >= k:
             lo = mid
         else:
             hi = mid - 1
     return lo
 
 
+def kth_largest_local(keys: torch.Tensor, k: int) -> int | None:
+    """:func:`kth_largest_key` of one tensor on one process (no all-reduce): ``torch.topk``."""
+    if keys.numel() == 0:
+        return None
+    return int(torch.topk(keys, min(k, keys.numel())).values[-1])
+
+
 def _covariance(adv: torch.Tensor, log_prob: torch.Tensor, mean_adv: float, mean_lp: float) -> torch.Tensor:
-    """Cov_{i,t} = (A - mean A)(log pi - mean log pi), float64 ``(B, T)`` (detached)."""
-    return (adv.detach().to(torch.float64) - mean_adv) * (log_prob.detach().to(torch.float64) - mean_lp)
+    """Cov_{i,t} = (A - mean A)(log pi - mean log pi), ``(B, T)`` in the inputs' dtype (detached)."""
+    return (adv.detach() - mean_adv) * (log_prob.detach() - mean_lp)
 
 
 def _ppo_clip_active(ratio: torch.Tensor, adv: torch.Tensor, cfg: PolicyLossConfig) -> torch.Tensor:
-    """verl's ``clip_by_origin``: the PPO clip of the token is active (bool ``(B, T)``)."""
+    """verl's ``clip_by_origin``: the PPO clip of the token is active (bool ``(B, T)``), the same
+    comparison as :func:`~echotrain.rl.surrogate.ppo_clip_loss`'s flags."""
     l1 = -adv * ratio
     l2 = -adv * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     return l2 > l1
 
 
-def _candidate_keys(mb: StepBatch, cfg: PolicyLossConfig, mode: str, mean_adv: float,
-                    mean_lp: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(keys, values) 1-d of one micro-batch's candidate tokens: the ordered keys of Cov and Cov
-    itself for kl_cov; -hash and None for clip_cov."""
+def _clip_cov_candidates(cov: torch.Tensor, mask: torch.Tensor, clip_active: torch.Tensor, old_log_prob: torch.Tensor,
+                         cfg: PolicyLossConfig) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Clip-Cov's candidates (indices ``(rows, cols)``) and their keys (minus the hash, 1-d int64)."""
+    idx = torch.nonzero(mask & ~clip_active & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub), as_tuple=True)
+    return idx, -token_hash(old_log_prob.detach()[idx], idx[1])
+
+
+def _local_keys(mb: StepBatch, cfg: PolicyLossConfig, mode: str, mean_adv: float, mean_lp: float) -> torch.Tensor:
+    """One micro-batch's selection keys (1-d int64): ordered Cov of every valid token (kl_cov) or
+    minus the hash of every candidate (clip_cov)."""
     mask = mb.response_mask
     cov = _covariance(mb.advantages, mb.log_prob, mean_adv, mean_lp)
     if mode == "kl_cov":
-        return ordered_key(cov[mask]), cov[mask]
+        return ordered_key(cov[mask])
     ratio = torch.exp(clamped_log_ratio(mb.log_prob, mb.old_log_prob, cfg.log_ratio_clamp, mask))
-    cand = mask & ~_ppo_clip_active(ratio, mb.advantages, cfg) & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
-    return -token_hash(mb.old_log_prob)[cand], None
+    return _clip_cov_candidates(cov, mask, _ppo_clip_active(ratio, mb.advantages, cfg), mb.old_log_prob, cfg)[1]
 
 
 def _local_sums(mb: StepBatch, cfg: PolicyLossConfig) -> torch.Tensor:
     """[sum A, sum log pi] (float64) over one micro-batch's valid tokens (pre-pass log pi)."""
     mask = mb.response_mask
-    adv = torch.where(mask, mb.advantages.to(torch.float64).expand_as(mask), 0)
-    lp = torch.where(mask, mb.log_prob.detach().to(torch.float64), 0)
-    return torch.stack([adv.sum(), lp.sum()])
+    adv = torch.where(mask, mb.advantages.detach(), 0).sum(dtype=torch.float64)
+    lp = torch.where(mask, mb.log_prob.detach(), 0).sum(dtype=torch.float64)
+    return torch.stack([adv, lp])
 
 
 def _finish(mode: str):
@@ -150,65 +165,40 @@ def _finish(mode: str):
         cfg = step.config
         n = max(step.num_tokens, 1.0)
         mean_adv, mean_lp = float(sums[0]) / n, float(sums[1]) / n
-        ratio = cfg.kl_cov_ratio if mode == "kl_cov" else cfg.clip_cov_ratio
-        k = max(1, int(step.num_tokens * ratio))
-        parts = [_candidate_keys(mb, cfg, mode, mean_adv, mean_lp) for mb in mbs]
-        keys = [p[0] for p in parts]
-        if mode == "clip_cov":
-            threshold = _kth_int(keys, k, reduce_fn)
-        else:
-            threshold = kth_largest_key(keys, k, reduce_fn, [p[1] for p in parts])
-        count = 0.0 if threshold is None else float(sum(int((kk >= threshold).sum()) for kk in keys))
-        f64 = dict(dtype=torch.float64, device=sums.device)
-        selected = float(reduce_fn(torch.tensor([count], **f64), "sum"))
+        share = cfg.kl_cov_ratio if mode == "kl_cov" else cfg.clip_cov_ratio
+        keys = [_local_keys(mb, cfg, mode, mean_adv, mean_lp) for mb in mbs]
+        key = kth_largest_key(keys, max(1, int(step.num_tokens * share)), reduce_fn)
+        count = 0.0 if key is None else float(sum(int((kk >= key).sum()) for kk in keys))
+        selected = float(reduce_fn(torch.tensor([count], dtype=torch.float64, device=sums.device), "sum"))
+        threshold = key if key is None or mode == "clip_cov" else key_value(key)
         return CovStats(mean_adv, mean_lp, threshold, selected)
 
     return finish
 
 
-def _kth_int(keys: list[torch.Tensor], k: int, reduce_fn: ReduceFn) -> int | None:
-    """The k-th largest of int64 ``keys`` in (-2^62, 0] over micro-batches and ranks (None if none)."""
-    device = keys[0].device if keys else None
-    f64 = dict(dtype=torch.float64, device=device)
-    n = float(reduce_fn(torch.tensor([float(sum(int(kk.numel()) for kk in keys))], **f64), "sum"))
-    if n == 0:
+def _step_stats(x: PreparedInputs, mode: str) -> CovStats | None:
+    """The step's statistics (``x.step.loss_stats``), or None when the call is the whole step.
+
+    Raises:
+        ValueError: ``x.step`` carries no :class:`CovStats`.
+    """
+    if x.step is None:
         return None
-    lo, hi, k = -(1 << 62), 0, min(k, int(n))
-    while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        count = float(reduce_fn(torch.tensor([float(sum(int((kk >= mid).sum()) for kk in keys))], **f64), "sum"))
-        if count >= k:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    stats = x.step.loss_stats
+    if not isinstance(stats, CovStats):
+        raise ValueError(f"step has no {mode} statistics: compute_step_stats(..., loss_mode={mode!r}) is required")
+    return stats
 
 
-def _stats(x: PreparedInputs, mode: str) -> CovStats:
-    """The step statistics: the step's (``x.step``) or, without one, this input's as the whole step."""
-    if x.step is not None:
-        stats = x.step.loss_stats
-        if not isinstance(stats, CovStats):
-            raise ValueError(f"step has no {mode} statistics: compute_step_stats(..., loss_mode={mode!r}) is required")
-        return stats
-    mb = StepBatch(x.old_log_prob.detach(), x.log_prob.detach(), x.advantages.detach(), x.mask, None)
-    n = float(x.mask.sum())
-    step = StepStats(loss_mode=mode, loss_agg_mode="token-mean", num_tokens=n, num_seqs=0.0, dp_size=1, config=x.cfg)
-    return _finish(mode)(_local_sums(mb, x.cfg), [mb], step, lambda t, op: t)
+def _own_means(x: PreparedInputs) -> tuple[float, float]:
+    """(mean A, mean log pi) over this call's valid tokens (the call is the whole step)."""
+    sums = _local_sums(StepBatch(x.old_log_prob, x.log_prob, x.advantages, x.mask, None), x.cfg)
+    n = max(float(x.mask.sum()), 1.0)
+    return float(sums[0]) / n, float(sums[1]) / n
 
 
-def _selected(x: PreparedInputs, mode: str, stats: CovStats) -> torch.Tensor:
-    """bool ``(B, T)``: the tokens the step's threshold selects in this call."""
-    if stats.threshold is None:
-        return torch.zeros_like(x.mask)
-    mb = StepBatch(x.old_log_prob, x.log_prob.detach(), x.advantages, x.mask, None)
-    mask = x.mask
-    cov = _covariance(mb.advantages, mb.log_prob, stats.mean_adv, stats.mean_log_prob)
-    if mode == "kl_cov":
-        return mask & (ordered_key(cov) >= stats.threshold)
-    ratio = torch.exp(x.log_ratio.detach())
-    cand = mask & ~_ppo_clip_active(ratio, x.advantages, x.cfg) & (cov > x.cfg.clip_cov_lb) & (cov < x.cfg.clip_cov_ub)
-    return cand & (-token_hash(x.old_log_prob) >= stats.threshold)
+def _share_count(x: PreparedInputs, share: float) -> int:
+    return max(1, int(float(x.mask.sum()) * share))
 
 
 #: Clip-Cov's and KL-Cov's declaration of their step statistics: the pre-pass, two sums, the threshold.
@@ -231,13 +221,21 @@ def compute_policy_loss_clip_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[
     ``(B, T)`` as :func:`~echotrain.rl.compute_policy_loss` (verl's signature); returns
     ``(loss 0-d, metrics)``; same errors, and ``ValueError`` for a ``step`` without its statistics.
     """
-    stats = _stats(x, "clip_cov")
-    drawn = _selected(x, "clip_cov", stats)
+    stats = _step_stats(x, "clip_cov")
+    mean_adv, mean_lp = (stats.mean_adv, stats.mean_log_prob) if stats is not None else _own_means(x)
     loss_mat, flags = ppo_clip_loss(torch.exp(x.log_ratio), x.advantages, x.cfg.clip_ratio_low, x.cfg.clip_ratio_high)
-    loss_mat = torch.where(drawn, 0.0, loss_mat)
+    cov = _covariance(x.advantages, x.log_prob, mean_adv, mean_lp)
+    idx, keys = _clip_cov_candidates(cov, x.mask, flags["high"] | flags["low"], x.old_log_prob, x.cfg)
+    threshold = stats.threshold if stats is not None else kth_largest_local(keys, _share_count(x, x.cfg.clip_cov_ratio))
+    keep, num_drawn = x.mask, 0
+    if threshold is not None:
+        sel = keys >= threshold
+        keep = x.mask.clone()
+        keep[idx[0][sel], idx[1][sel]] = False  # the drawn tokens: no value, no gradient
+        num_drawn = int(sel.sum())
     metrics = clip_metrics(flags, x.log_ratio, x.mask)
-    metrics["pg_covfrac"] = token_share(drawn, x.mask)
-    return weighted_sum(loss_mat, x.mask, x.seq_weights), metrics
+    metrics["pg_covfrac"] = num_drawn / max(int(x.mask.sum()), 1)
+    return weighted_sum(loss_mat, keep, x.seq_weights), metrics
 
 
 @register_policy_loss("kl_cov", step_stats=KL_COV_STEP_STATS, settings=("kl_cov_ratio", "ppo_kl_coef"))
@@ -253,9 +251,21 @@ def compute_policy_loss_kl_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[st
     are the step's (:data:`KL_COV_STEP_STATS`, pre-pass ``log_prob``). Shapes, signature and
     errors as :func:`compute_policy_loss_clip_cov`.
     """
-    stats = _stats(x, "kl_cov")
-    chosen = _selected(x, "kl_cov", stats)
+    stats = _step_stats(x, "kl_cov")
+    mean_adv, mean_lp = (stats.mean_adv, stats.mean_log_prob) if stats is not None else _own_means(x)
     lr = x.log_ratio
-    loss_mat = -x.advantages * torch.exp(lr) + torch.where(chosen, x.cfg.ppo_kl_coef * lr.abs(), 0.0)
-    metrics = {"pg_covfrac": token_share(chosen, x.mask), "ppo_kl": ppo_kl(lr, x.mask)}
-    return weighted_sum(loss_mat, x.mask, x.seq_weights), metrics
+    loss = weighted_sum(-x.advantages * torch.exp(lr), x.mask, x.seq_weights)
+    cov = _covariance(x.advantages, x.log_prob, mean_adv, mean_lp)
+    if stats is not None:
+        threshold = stats.threshold
+    else:
+        key = kth_largest_local(ordered_key(cov[x.mask]), _share_count(x, x.cfg.kl_cov_ratio))
+        threshold = None if key is None else key_value(key)
+    num_chosen = 0
+    if threshold is not None:  # the threshold is one of the inputs' Cov values, exact in their dtype
+        rows, cols = torch.nonzero(x.mask & (cov >= threshold), as_tuple=True)
+        penalty = x.cfg.ppo_kl_coef * lr[rows, cols].abs()  # only the k chosen tokens: a sparse term
+        loss = loss + (x.seq_weights[rows].to(lr.dtype) * penalty).sum()
+        num_chosen = int(rows.numel())
+    metrics = {"pg_covfrac": num_chosen / max(int(x.mask.sum()), 1), "ppo_kl": ppo_kl(lr, x.mask)}
+    return loss, metrics

@@ -99,3 +99,39 @@ def test_trl_config_takes_every_registered_loss_and_the_new_settings(tmp_path, d
     with pytest.raises(ValueError, match="tau_pos"):
         trl.EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, loss_mode="sapo", tau_pos=0.0,
                            report_to=[])
+
+
+@pytest.mark.parametrize("off_policy", [True, False])
+@pytest.mark.parametrize("loss_mode", ["kl_cov", "clip_cov"])
+def test_trl_accumulated_gradient_is_exact_for_the_covariance_losses(tmp_path, loss_mode, off_policy):
+    """Two micro-batches through EchoGRPOTrainer._compute_loss == the whole step as one batch, also
+    on-policy, where the step statistics need the current log-probs (not zeros, as ECHO may use)."""
+    pytest.importorskip("trl")
+    from tests.integrations.test_trl_adapter import _grads, fabricated_window, make_trainer
+
+    trainer = make_trainer(tmp_path, loss_mode=loss_mode, loss_agg_mode="token-mean", kl_cov_ratio=0.2,
+                           clip_cov_ratio=0.2, clip_cov_lb=-1.0, clip_cov_ub=1.0)
+    model = trainer.model
+    model.train()
+    mbs = fabricated_window(trainer, off_policy=off_policy)
+    trainer._buffered_inputs = mbs
+    trainer.current_gradient_accumulation_steps = 2
+    model.zero_grad()
+    total, chosen = 0.0, []
+    for k, mb in enumerate(mbs):
+        trainer._step = k
+        loss = trainer._compute_loss(model, mb)
+        loss.backward()
+        total += float(loss.detach())
+    acc = _grads(model)
+    model.zero_grad()
+    cat = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0] if k != "num_items_in_batch"}
+    log_prob, _ = trainer._log_probs(model, cat)
+    old = cat["old_per_token_logps"] if off_policy else log_prob.detach()
+    ref, m = rl.compute_policy_loss(loss_mode, old, log_prob, cat["advantages"], cat["completion_mask"], "token-mean",
+                                    trainer.policy_loss_config)
+    ref.backward()
+    assert m["pg_covfrac"] > 0  # tokens were selected: the comparison is not vacuous
+    assert total == pytest.approx(float(ref.detach()), rel=1e-5, abs=1e-7)
+    for a, b in zip(acc, _grads(model)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -66,6 +66,7 @@ from echotrain.rl import (
     needs_log_prob_prepass,
 )
 from echotrain.rl.config import POLICY_LOSS_FIELDS, with_policy_loss_fields
+from echotrain.rl.objectives import loss_step_stats
 
 __all__ = ["EchoGRPOConfig", "EchoGRPOTrainer"]
 
@@ -177,18 +178,24 @@ class EchoGRPOTrainer(GRPOTrainer):
     def compute_step_stats_for(self, model, mbs: list[dict[str, Any]]) -> StepStats:
         """Step-global statistics of one optimizer step from its micro-batches (TRL input dicts).
 
-        ECHO off-policy runs the no-grad pre-pass here; on-policy (no ``old_per_token_logps``)
-        the current log-probs equal the old ones and zeros stand for both (R = 1 exactly).
+        A loss with a pre-pass (ECHO, Clip-Cov, KL-Cov) runs it here off-policy; on-policy (no
+        ``old_per_token_logps``) the current log-probs equal the old ones: for statistics of log rho
+        only (ECHO, ``ratio_only``) zeros stand for both (R = 1 exactly); the others run the
+        pre-pass and use its log-probs as both.
         """
         cfg = self.policy_loss_config
         loss_mode, agg = self.args.loss_mode, self.args.loss_agg_mode
         prepass = needs_log_prob_prepass(loss_mode, cfg)
+        ratio_only = prepass and loss_step_stats(loss_mode).ratio_only
         stat_mbs = []
         for mb in mbs:
             mask = self._mask(mb)
             old = mb.get("old_per_token_logps")
             entry = {"response_mask": mask, "advantages": mb["advantages"], "group_index": mb["group_index"]}
-            if old is None:
+            if old is None and prepass and not ratio_only:
+                with torch.no_grad():
+                    entry["old_log_prob"] = entry["log_prob"] = self._log_probs(model, mb)[0]
+            elif old is None:
                 entry["old_log_prob"] = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
                 entry["log_prob"] = entry["old_log_prob"]
             else:

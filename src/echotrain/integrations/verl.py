@@ -223,7 +223,8 @@ def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str
 
     The returned function raises ``ValueError`` for ``rollout_is_weights`` (verl's rollout
     correction is not supported: disable ``algorithm.rollout_correction``), for
-    ``loss_agg_mode="balanced"`` (use :data:`ADV_ESTIMATORS`), for modes verl does not have, for ``seq-mean-token-sum-norm`` without ``loss_scale_factor``, and
+    ``loss_agg_mode="balanced"`` (use :data:`ADV_ESTIMATORS`), for modes verl does not have, for
+    ``seq-mean-token-sum-norm`` without ``loss_scale_factor``, and
     for ``dp_size > 1`` without the global count; plus every error of
     :func:`echotrain.rl.compute_policy_loss`.
     """

@@ -1,4 +1,7 @@
-"""Policy losses: token PPO clip (GRPO/DAPO, dual-clip), GSPO, GSPO-token and ECHO.
+"""Policy losses: token PPO clip (GRPO/DAPO, dual-clip), GSPO, GSPO-token and ECHO; the registry.
+
+The field's other losses (CISPO, SAPO, GMPO, DPPO, GPG, Clip-/KL-Cov, DRO, LUSPO, VESPO) are
+registrations in :mod:`echotrain.rl.losses`, built on the pieces here.
 
 Each loss is a function registered in :data:`POLICY_LOSSES` with verl's signature::
 
@@ -193,8 +196,9 @@ def prepared_policy_loss(default_loss_agg_mode: str) -> Callable[[LossCore], Pol
     return deco
 
 
-def _ppo_clipped(x: PreparedInputs, ratio: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clip of ``ratio`` ``(B, T)`` against the advantages, aggregated, with verl's metrics."""
+def ppo_clipped_loss(x: PreparedInputs, ratio: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clip of ``ratio`` ``(B, T)`` against the advantages (no dual-clip unless configured),
+    aggregated with ``x.seq_weights``: ``(loss 0-d, verl's clip metrics)``."""
     cfg = x.cfg
     loss_mat, flags = ppo_clip_loss(ratio, x.advantages, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
     return weighted_sum(loss_mat, x.mask, x.seq_weights), clip_metrics(flags, x.log_ratio, x.mask)
@@ -217,7 +221,7 @@ def compute_policy_loss_vanilla(x: PreparedInputs) -> tuple[torch.Tensor, dict[s
     verl's signature and arguments: :func:`prepared_policy_loss`; returns ``(loss 0-d,
     metrics)``; errors: :func:`compute_policy_loss`.
     """
-    return _ppo_clipped(x, torch.exp(x.log_ratio))
+    return ppo_clipped_loss(x, torch.exp(x.log_ratio))
 
 
 @register_policy_loss("gspo", settings=_CLIP)
@@ -233,7 +237,7 @@ def compute_policy_loss_gspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str,
     """
     c = x.cfg.log_ratio_clamp
     seq_log_ratio = sequence_log_ratio(x.log_ratio, x.mask).clamp(-c, c)
-    return _ppo_clipped(x, torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(x.log_ratio))
+    return ppo_clipped_loss(x, torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(x.log_ratio))
 
 
 @register_policy_loss("gspo_token", settings=_CLIP)
@@ -249,7 +253,7 @@ def compute_policy_loss_gspo_token(x: PreparedInputs) -> tuple[torch.Tensor, dic
     seq_log_ratio = sequence_log_ratio(x.log_ratio, x.mask).detach().unsqueeze(-1)
     c, lp = x.cfg.log_ratio_clamp, x.log_prob
     # where, not a product: log_prob may be -inf/NaN at padding (-inf - -inf = NaN)
-    return _ppo_clipped(x, torch.exp(torch.clamp(seq_log_ratio + torch.where(x.mask, lp - lp.detach(), 0), -c, c)))
+    return ppo_clipped_loss(x, torch.exp(torch.clamp(seq_log_ratio + torch.where(x.mask, lp - lp.detach(), 0), -c, c)))
 
 
 @register_policy_loss("echo", step_stats=ECHO_STEP_STATS, settings=_CLIP + (
@@ -306,7 +310,8 @@ def compute_policy_loss(
     """Dispatch to the policy loss registered as ``loss_mode`` in :data:`POLICY_LOSSES`.
 
     Args:
-        loss_mode: "vanilla", "gspo", "gspo_token" or "echo" (or any registered name).
+        loss_mode: any name in :data:`POLICY_LOSSES` ("vanilla", "gspo", "gspo_token", "echo",
+            and those of :mod:`echotrain.rl.losses`).
         old_log_prob, log_prob: ``(B, T)`` float log-probs (nats); ``log_prob`` carries grad.
             Padding may hold anything (NaN, -inf): it gets neither value nor gradient.
             float32/bfloat16/float64; with float16, rho = exp(log rho) overflows for

@@ -155,7 +155,8 @@ class TrainConfig:
                                          "no-grad pass: no update has happened yet, so they are the same numbers "
                                          "(bit-identical with one mini-batch; the later mini-batches still get theirs "
                                          "from the pass before any update). Saves 1/num_mini_batches of that pass. "
-                                         "Off with several processes and with SAM (its second pass runs at w + e).",
+                                         "Off with several processes, with SAM (its second pass runs at w + e) and with losses whose step "
+                                         "statistics read the log-probs before that forward (clip_cov, kl_cov).",
                                          group="update")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (transformers' "
                                       "gradient_checkpointing_enable, non-reentrant): less memory, ~30% more update "

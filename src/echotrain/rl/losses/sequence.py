@@ -14,7 +14,7 @@ from echotrain.rl.aggregation import weighted_sum
 from echotrain.rl.losses.common import ppo_kl, token_share
 from echotrain.rl.objectives import (
     PreparedInputs,
-    _ppo_clipped,
+    ppo_clipped_loss,
     prepared_policy_loss,
     register_policy_loss,
     sequence_log_ratio,
@@ -68,4 +68,4 @@ def compute_policy_loss_luspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str
     """
     c = x.cfg.log_ratio_clamp
     seq_log_ratio = sequence_log_ratio(x.log_ratio, x.mask).clamp(-c, c)
-    return _ppo_clipped(x, torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(x.log_ratio))
+    return ppo_clipped_loss(x, torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(x.log_ratio))

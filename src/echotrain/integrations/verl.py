@@ -56,8 +56,9 @@ Config mapping: the token clip comes from verl's actor config (``clip_ratio_low`
 ``clip_ratio_high``, falling back to ``clip_ratio``, then to the ``config`` given to
 :func:`register_with_verl`); ``clip_ratio_c`` (dual-clip; verl's actor config sets 3.0) is
 applied where verl's own counterpart applies it -- ``echotrain_vanilla`` and
-``echotrain_echo`` (a token-PPO loss) -- and never to ``echotrain_gspo`` /
-``echotrain_gspo_token``, because verl's ``gspo`` has no dual-clip (:data:`DUAL_CLIP_LOSSES`);
+``echotrain_echo`` (a token-PPO loss) as the dual-clip, ``echotrain_dppo_tv`` / ``_kl`` as their
+IS cap -- and never to ``echotrain_gspo`` / ``echotrain_gspo_token``, because verl's ``gspo`` has
+no dual-clip (:data:`DUAL_CLIP_LOSSES`: the losses that declare ``clip_ratio_c``);
 ECHO's batch band and the other echotrain-only knobs
 (every :class:`echotrain.rl.PolicyLossConfig` field verl does not have: ``batch_clip_low/high``,
 ``batch_ratio``, ``detach_kappa``, ``echo_pessimistic``, ``echo_token_clip``, ``echo_token_cap``,

@@ -89,14 +89,16 @@ def token_hash(old_log_prob: torch.Tensor, position: torch.Tensor) -> torch.Tens
     return _shift_right(h, 2)
 
 
-def kth_largest_key(keys: list[torch.Tensor], k: int, reduce_fn: ReduceFn) -> int | None:
+def kth_largest_key(keys: list[torch.Tensor], k: int, reduce_fn: ReduceFn,
+                    device: torch.device | None = None) -> int | None:
     """The k-th largest of the int64 ``keys`` of every micro-batch and rank (None if there are none;
     the smallest if fewer than k exist, so that all are selected).
 
     Exact: each rank keeps its own k largest (the step's k largest are among them), then a
-    bisection over the int64 range with one all-reduced count per round (64 rounds).
+    bisection over the int64 range with one all-reduced count per round (64 rounds). ``device``:
+    where the all-reduced counts live when this rank has no micro-batch (default: the keys').
     """
-    local = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)
+    local = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64, device=device)
     if local.numel() > k:
         local = torch.topk(local, k).values
     f64 = dict(dtype=torch.float64, device=local.device)
@@ -167,7 +169,7 @@ def _finish(mode: str):
         mean_adv, mean_lp = float(sums[0]) / n, float(sums[1]) / n
         share = cfg.kl_cov_ratio if mode == "kl_cov" else cfg.clip_cov_ratio
         keys = [_local_keys(mb, cfg, mode, mean_adv, mean_lp) for mb in mbs]
-        key = kth_largest_key(keys, max(1, int(step.num_tokens * share)), reduce_fn)
+        key = kth_largest_key(keys, max(1, int(step.num_tokens * share)), reduce_fn, sums.device)
         count = 0.0 if key is None else float(sum(int((kk >= key).sum()) for kk in keys))
         selected = float(reduce_fn(torch.tensor([count], dtype=torch.float64, device=sums.device), "sum"))
         threshold = key if key is None or mode == "clip_cov" else key_value(key)

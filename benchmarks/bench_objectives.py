@@ -1,4 +1,4 @@
-"""Time loss + backward of each policy loss / aggregation against vanilla token-mean.
+"""Time loss + backward of every registered policy loss / aggregation against vanilla token-mean.
 
 Ratios against a baseline measured in the same run (interleaved rounds in shuffled order,
 process CPU time, min and median over rounds), on
@@ -18,6 +18,7 @@ share of tokens a +-0.2 token band would clip.
 from __future__ import annotations
 
 import argparse
+import inspect
 import platform
 import random
 import statistics
@@ -26,7 +27,8 @@ from typing import Callable
 
 import torch
 
-from echotrain.rl import compute_advantages, compute_policy_loss, compute_step_stats
+from echotrain.rl import POLICY_LOSSES, compute_advantages, compute_policy_loss, compute_step_stats
+from echotrain.rl.objectives import loss_step_stats
 
 
 def make_inputs(B: int, T: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -46,6 +48,13 @@ def case(loss_mode: str, agg: str, cfg: dict, x: dict, step=None) -> Callable[[]
         loss, _ = compute_policy_loss(loss_mode, x["old_log_prob"], lp, x["advantages"], x["response_mask"], agg, cfg,
                                       group_index=x["group_index"], step=step)
         loss.backward()
+
+    return run
+
+
+def stats_case(loss_mode: str, agg: str, cfg: dict, mbs: list) -> Callable[[], None]:
+    def run() -> None:
+        compute_step_stats(mbs, loss_mode=loss_mode, loss_agg_mode=agg, config=cfg)
 
     return run
 
@@ -105,6 +114,8 @@ def main() -> None:
     base = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, norm_constant=float(args.T))
     echo_cfg = {**base, "batch_clip_low": 0.01, "batch_clip_high": 0.01}  # R_geo ~ 0.95 here: clipped
     mbs = [{k: v for k, v in x.items()}]
+    # the losses' own settings at their defaults; clip_cov/kl_cov at verl's 2e-4 share
+    loss_cfg = {**base, "clip_ratio_c": None}
     cases: dict[str, Callable[[], None]] = {
         "vanilla token-mean (baseline)": case("vanilla", "token-mean", base, x),
         "vanilla token-mean (same as baseline: noise control)": case("vanilla", "token-mean", base, x),
@@ -121,7 +132,18 @@ def main() -> None:
             "echo", "token-mean", echo_cfg, x, compute_step_stats(mbs, loss_mode="echo", loss_agg_mode="token-mean", config=echo_cfg)
         ),
         "echo balanced (geo, R clipped)": case("echo", "balanced", echo_cfg, x),
+        "vanilla token-sum": case("vanilla", "token-sum", base, x),
     }
+    # every other registered loss, in its own default aggregation (the registry's list: a new loss is timed too)
+    for name in POLICY_LOSSES:
+        if name in ("vanilla", "gspo", "gspo_token", "echo"):
+            continue
+        agg = inspect.signature(POLICY_LOSSES[name]).parameters["loss_agg_mode"].default
+        cases[f"{name} {agg}"] = case(name, agg, loss_cfg, x)
+        if loss_step_stats(name) is not None:  # the trainer's path: step stats once, then the loss
+            step = compute_step_stats(mbs, loss_mode=name, loss_agg_mode=agg, config=loss_cfg)
+            cases[f"{name} {agg} + step stats (micro-batch path)"] = case(name, agg, loss_cfg, x, step)
+            cases[f"{name}: compute_step_stats alone (once per optimizer step)"] = stats_case(name, agg, loss_cfg, mbs)
     if not args.no_verl:
         v = verl_case(x)
         if v is not None:

@@ -177,7 +177,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ValueError, match="loss_mode"):
         EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, loss_mode="nope")
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, loss_agg_mode="token-sum")
+        EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, loss_agg_mode="token-max")
     with pytest.raises(ValueError, match="multiple of"):
         EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=8,
                        gradient_accumulation_steps=2, steps_per_generation=3)

@@ -61,8 +61,8 @@ def test_external_normalisers_override_local_counts():
 
 def test_errors_name_the_problem():
     loss, mask = _pinned()
-    with pytest.raises(ValueError, match=r"loss_agg_mode='token-sum' is unknown; valid: \['balanced'"):
-        agg_loss(loss, mask, "token-sum")
+    with pytest.raises(ValueError, match=r"loss_agg_mode='token-max' is unknown; valid: \['balanced'"):
+        agg_loss(loss, mask, "token-max")
     with pytest.raises(ValueError, match="needs norm_constant"):
         agg_loss(loss, mask, "seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="needs advantages and group_index"):

@@ -263,7 +263,7 @@ def _valid():
 
 
 def test_unknown_loss_mode_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"loss_mode='ppo' is unknown; valid: \['echo', 'gspo', 'gspo_token', 'vanilla'"):
+    with pytest.raises(ValueError, match=r"loss_mode='ppo' is unknown; valid: \['cispo', 'clip_cov', 'dppo_kl', 'dppo_tv', 'dro', 'echo', 'geo_mean', 'gpg', 'gspo', 'gspo_token', 'kl_cov', 'luspo', 'sapo', 'vanilla', 'vespo'\]"):
         compute_policy_loss("ppo", *_valid())
     assert {"vanilla", "gspo", "gspo_token", "echo"} <= set(POLICY_LOSSES)
 

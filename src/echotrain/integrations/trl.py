@@ -66,6 +66,7 @@ from echotrain.rl import (
     needs_log_prob_prepass,
 )
 from echotrain.rl.config import POLICY_LOSS_FIELDS, with_policy_loss_fields
+from echotrain.rl.objectives import loss_step_stats
 
 __all__ = ["EchoGRPOConfig", "EchoGRPOTrainer"]
 
@@ -85,13 +86,14 @@ class EchoGRPOConfig(GRPOConfig):
     """
 
     loss_mode: str = field(default="echo", metadata={"help": (
-        "echotrain policy loss (echotrain.rl.POLICY_LOSSES): vanilla (token PPO clip; GRPO/DAPO), gspo (arXiv "
-        "2507.18071), gspo_token, echo (batch-level clip of R, then token clip; docs/design/objectives.md "
-        "section 4).")})
+        "echotrain policy loss: any name in echotrain.rl.POLICY_LOSSES (vanilla = token PPO clip, gspo, gspo_token, "
+        "echo = batch-level clip of R then token clip, and verl's / TRL's cispo, sapo, geo_mean, dppo_tv, dppo_kl, gpg, "
+        "clip_cov, kl_cov, dro, luspo, vespo; docs/design/objectives.md). TRL's sapo_temperature_* are tau_pos / "
+        "tau_neg here; TRL's cispo epsilon_high (the cap) is 1 + epsilon_high here with cispo_lower_clip=False.")})
     loss_agg_mode: str = field(default="token-mean", metadata={"help": (
-        "echotrain loss aggregation (echotrain.rl.AGG_MODES): token-mean (DAPO), seq-mean-token-mean (GRPO), "
-        "seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO, C = norm_constant), balanced (Balanced "
-        "Aggregation, arXiv 2605.04077). Always exact over the optimizer step.")})
+        "echotrain loss aggregation: any name in echotrain.rl.AGG_MODES (token-mean = DAPO, seq-mean-token-mean = "
+        "GRPO, seq-mean-token-sum, seq-mean-token-sum-norm = Dr. GRPO with C = norm_constant, token-sum, balanced = "
+        "Balanced Aggregation, arXiv 2605.04077). Always exact over the optimizer step.")})
     disable_dropout: bool = field(default=True, metadata={"help": (
         "Disable dropout (TRL's default is False): the ECHO pre-pass and the with-grad pass must agree.")})
 
@@ -176,18 +178,24 @@ class EchoGRPOTrainer(GRPOTrainer):
     def compute_step_stats_for(self, model, mbs: list[dict[str, Any]]) -> StepStats:
         """Step-global statistics of one optimizer step from its micro-batches (TRL input dicts).
 
-        ECHO off-policy runs the no-grad pre-pass here; on-policy (no ``old_per_token_logps``)
-        the current log-probs equal the old ones and zeros stand for both (R = 1 exactly).
+        A loss with a pre-pass (ECHO, Clip-Cov, KL-Cov) runs it here off-policy; on-policy (no
+        ``old_per_token_logps``) the current log-probs equal the old ones: for statistics of log rho
+        only (ECHO, ``ratio_only``) zeros stand for both (R = 1 exactly); the others run the
+        pre-pass and use its log-probs as both.
         """
         cfg = self.policy_loss_config
         loss_mode, agg = self.args.loss_mode, self.args.loss_agg_mode
         prepass = needs_log_prob_prepass(loss_mode, cfg)
+        ratio_only = prepass and loss_step_stats(loss_mode).ratio_only
         stat_mbs = []
         for mb in mbs:
             mask = self._mask(mb)
             old = mb.get("old_per_token_logps")
             entry = {"response_mask": mask, "advantages": mb["advantages"], "group_index": mb["group_index"]}
-            if old is None:
+            if old is None and prepass and not ratio_only:
+                with torch.no_grad():
+                    entry["old_log_prob"] = entry["log_prob"] = self._log_probs(model, mb)[0]
+            elif old is None:
                 entry["old_log_prob"] = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
                 entry["log_prob"] = entry["old_log_prob"]
             else:

@@ -35,6 +35,13 @@ verl name              echotrain     compared with verl
 ``echotrain_gspo_token`` ``gspo_token`` equals verl's ``gspo`` (the GSPO-token form) up to the
                                      documented log-ratio clamp difference
 ``echotrain_echo``     ``echo``      R is the micro-batch's (see below)
+``echotrain_<name>``   ``<name>``    every other registered loss (:data:`POLICY_LOSS_NAMES` is read
+                                     from :data:`echotrain.rl.POLICY_LOSSES`): ``cispo``, ``sapo``,
+                                     ``geo_mean``, ``dppo_tv``/``dppo_kl``, ``gpg``, ``clip_cov``,
+                                     ``kl_cov``, ``dro`` equal verl's loss of the same name up to
+                                     the differences of docs/design/objectives.md §9; ``luspo``,
+                                     ``vespo`` are TRL's (verl has none); ``clip_cov``/``kl_cov``
+                                     take their means and top-k over the call (as verl's own do)
 ====================== ============= ==============================================================
 
 Documented differences from verl (docs/design/objectives.md §8, each an explicit expectation in
@@ -49,8 +56,9 @@ Config mapping: the token clip comes from verl's actor config (``clip_ratio_low`
 ``clip_ratio_high``, falling back to ``clip_ratio``, then to the ``config`` given to
 :func:`register_with_verl`); ``clip_ratio_c`` (dual-clip; verl's actor config sets 3.0) is
 applied where verl's own counterpart applies it -- ``echotrain_vanilla`` and
-``echotrain_echo`` (a token-PPO loss) -- and never to ``echotrain_gspo`` /
-``echotrain_gspo_token``, because verl's ``gspo`` has no dual-clip (:data:`DUAL_CLIP_LOSSES`);
+``echotrain_echo`` (a token-PPO loss) as the dual-clip, ``echotrain_dppo_tv`` / ``_kl`` as their
+IS cap -- and never to ``echotrain_gspo`` / ``echotrain_gspo_token``, because verl's ``gspo`` has
+no dual-clip (:data:`DUAL_CLIP_LOSSES`: the losses that declare ``clip_ratio_c``);
 ECHO's batch band and the other echotrain-only knobs
 (every :class:`echotrain.rl.PolicyLossConfig` field verl does not have: ``batch_clip_low/high``,
 ``batch_ratio``, ``detach_kappa``, ``echo_pessimistic``, ``echo_token_clip``, ``echo_token_cap``,
@@ -83,13 +91,21 @@ loss here is positively homogeneous in A, scaling each response's advantage by
 ``seq-mean-token-sum`` (weight 1/N per sequence) gives BA exactly (design §5). Exact when every
 mini-batch holds whole groups of the same size (verl's ``rollout.n``), e.g. one mini-batch per
 step; metrics such as ``pg_clipfrac`` are unaffected, but verl's entropy and KL terms are then
-aggregated with ``seq-mean-token-sum``, not BA.
+aggregated with ``seq-mean-token-sum``, not BA. ``dro`` (its penalty is not scaled by A),
+``clip_cov`` and ``kl_cov`` (their covariance is not homogeneous in A) are not positively
+homogeneous in A, so this route is not BA for them.
+
+Settings of the other losses: each loss declares at registration the
+:class:`echotrain.rl.PolicyLossConfig` fields it reads (``settings``); those verl has are read
+from verl's config at call time (``actor.tau_pos`` / ``tau_neg``, ``actor.policy_loss.clip_cov_ratio``
+/ ``clip_cov_lb`` / ``clip_cov_ub`` / ``kl_cov_ratio`` / ``ppo_kl_coef`` / ``dro_beta``), the others
+(``cispo_lower_clip``, ``vespo_*``) from the ``config`` given to :func:`register_with_verl`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -113,24 +129,42 @@ __all__ = [
     "verl_core_algos",
 ]
 
-#: verl policy-loss name -> echotrain loss_mode.
-POLICY_LOSS_NAMES: dict[str, str] = {
-    "echotrain_vanilla": "vanilla",
-    "echotrain_gspo": "gspo",
-    "echotrain_gspo_token": "gspo_token",
-    "echotrain_echo": "echo",
-}
-#: echotrain loss_modes that take verl's dual-clip ``clip_ratio_c``, as verl's token-level
-#: ``vanilla`` does; verl's ``gspo`` has none, so the GSPO forms never get it through verl.
-DUAL_CLIP_LOSSES: frozenset[str] = frozenset({"vanilla", "echo"})
+class _VerlLossNames(Mapping[str, str]):
+    """verl policy-loss name ``echotrain_<loss_mode>`` -> echotrain ``loss_mode``, for every name in
+    :data:`echotrain.rl.POLICY_LOSSES` (live: a loss registered later is listed too)."""
+
+    def __getitem__(self, key: str) -> str:
+        if isinstance(key, str) and key.startswith("echotrain_") and key[len("echotrain_"):] in POLICY_LOSSES:
+            return key[len("echotrain_"):]
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([f"echotrain_{name}" for name in POLICY_LOSSES])
+
+    def __len__(self) -> int:
+        return len(POLICY_LOSSES)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+#: verl policy-loss name -> echotrain loss_mode: ``echotrain_<name>`` for every registered loss.
+POLICY_LOSS_NAMES: Mapping[str, str] = _VerlLossNames()
+#: echotrain loss_modes that read ``clip_ratio_c`` (declared in their registration's ``settings``):
+#: the dual-clip of ``vanilla`` / ``echo`` and DPPO's IS cap, as verl's own losses read it; verl's
+#: ``gspo`` has none, so the GSPO forms never get it through verl. A live view.
+DUAL_CLIP_LOSSES = POLICY_LOSSES.names(lambda info: "clip_ratio_c" in info.get("settings", ()))
 #: verl advantage-estimator name -> what it computes.
 ADV_ESTIMATORS: dict[str, str] = {
     "echotrain_grpo_balanced": "GRPO advantages (std-normalised unless algorithm.norm_adv_by_std_in_grpo=False) "
     "scaled for Balanced Aggregation; use with loss_agg_mode=seq-mean-token-sum",
 }
 
-# verl aggregation modes that echotrain implements identically
-_SHARED_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# verl aggregation modes that echotrain implements identically (all of verl 0.9.1's)
+_SHARED_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+#: PolicyLossConfig fields verl keeps under ``actor.policy_loss`` (the others it has sit on ``actor``).
+_VERL_POLICY_LOSS_KEYS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
+_CLIP_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
 def _get(config: Any, key: str, default: Any = None) -> Any:
     """``config.key`` for verl's ActorConfig / AlgoConfig (dataclasses with ``.get``), omegaconf
     DictConfig or a plain dict; ``default`` when absent or None."""
@@ -148,15 +182,25 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
 def _loss_config(verl_config: Any, base: PolicyLossConfig, loss_mode: str) -> PolicyLossConfig:
     """echotrain's PolicyLossConfig for one call: token clip (and dual-clip) from verl's actor
     config where it sets them, else from ``base``; dual-clip only for :data:`DUAL_CLIP_LOSSES`,
-    as verl applies it."""
+    as verl applies it; and every other setting the loss declared at registration (``settings``)
+    that verl's config has (``actor.tau_pos``, ``actor.policy_loss.clip_cov_ratio``, ...)."""
     clip_c = _get(verl_config, "clip_ratio_c", base.clip_ratio_c)
     low = _get(verl_config, "clip_ratio_low", _get(verl_config, "clip_ratio", base.clip_ratio_low))
     high = _get(verl_config, "clip_ratio_high", _get(verl_config, "clip_ratio", base.clip_ratio_high))
+    extra = {}
+    for name in POLICY_LOSSES.info(loss_mode).get("settings", ()):
+        if name in _CLIP_KEYS:
+            continue
+        source = _get(verl_config, "policy_loss") if name in _VERL_POLICY_LOSS_KEYS else verl_config
+        value = _get(source, name)
+        if value is not None:
+            extra[name] = value
     return dataclasses.replace(
         base,
         clip_ratio_low=float(low),
         clip_ratio_high=float(high),
         clip_ratio_c=None if clip_c is None or loss_mode not in DUAL_CLIP_LOSSES else float(clip_c),
+        **extra,
     )
 
 
@@ -180,8 +224,8 @@ def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str
 
     The returned function raises ``ValueError`` for ``rollout_is_weights`` (verl's rollout
     correction is not supported: disable ``algorithm.rollout_correction``), for
-    ``loss_agg_mode="balanced"`` (use :data:`ADV_ESTIMATORS`), for verl modes echotrain does not
-    share (``token-sum``), for ``seq-mean-token-sum-norm`` without ``loss_scale_factor``, and
+    ``loss_agg_mode="balanced"`` (use :data:`ADV_ESTIMATORS`), for modes verl does not have, for
+    ``seq-mean-token-sum-norm`` without ``loss_scale_factor``, and
     for ``dp_size > 1`` without the global count; plus every error of
     :func:`echotrain.rl.compute_policy_loss`.
     """
@@ -225,6 +269,8 @@ def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str
         mask = response_mask.bool()
         loss, metrics = compute_policy_loss(loss_mode, old_log_prob, log_prob, advantages, mask, loss_agg_mode, cfg)
         # rescale the local normaliser to the step's: loss_mb * local / global * dp_size
+        if loss_agg_mode == "token-sum":  # no normaliser: each rank's sum, times dp_size (as verl)
+            return loss * dp_size, {f"actor/{k}": float(v) for k, v in metrics.items()}
         if loss_agg_mode == "token-mean":
             local, total = float(mask.sum()), info.get("batch_num_tokens")
             name = "batch_num_tokens"

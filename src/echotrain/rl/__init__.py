@@ -12,6 +12,7 @@ name tuples ``POLICY_LOSSES``, ``ADV_METHODS``, ``AGG_MODES``, ``KL_ESTIMATORS``
 
 - :mod:`~echotrain.rl.advantages`  group advantages (GRPO, Dr. GRPO, batch-std), zero-variance flags
 - :mod:`~echotrain.rl.objectives`  PPO/GRPO/DAPO clip, GSPO, GSPO-token, ECHO; ``POLICY_LOSSES``
+- :mod:`~echotrain.rl.losses`      CISPO, SAPO, GMPO, DPPO, GPG, Clip-/KL-Cov, DRO, LUSPO, VESPO
 - :mod:`~echotrain.rl.echo`        ECHO's math: batch ratio R, kappa, token loss, step statistics
 - :mod:`~echotrain.rl.surrogate`   clamped log-ratio, PPO clip (shared by the losses)
 - :mod:`~echotrain.rl.aggregation` ``loss_agg_mode`` weights incl. Balanced Aggregation
@@ -37,6 +38,7 @@ from echotrain.rl.objectives import (
     compute_policy_loss,
     register_policy_loss,
 )
+from echotrain.rl import losses as _losses  # noqa: F401,E402  (registers the losses of echotrain.rl.losses)
 from echotrain.rl.step import LossStepStats
 from echotrain.rl.presets import PRESETS, Preset, get_preset
 from echotrain.rl.shaping import overlong_reward_penalty, truncated_response_mask

@@ -8,6 +8,7 @@ sequence (``agg_weights``); the modes differ only in the weights (docs/design/ob
 ``seq-mean-token-mean``    w_i = 1 / (|o_i| * N_seqs)             (GRPO original)
 ``seq-mean-token-sum``     w_i = 1 / N_seqs
 ``seq-mean-token-sum-norm`` w_i = 1 / (N_seqs * C)                 (Dr. GRPO, C a constant)
+``token-sum``              w_i = 1                                 (verl's token-sum: the plain sum)
 ``balanced``               w_i = (k_g/G_g)/T+_g or (m_g/G_g)/T-_g, / N_groups  (Balanced Agg.)
 =========================  ==========================================================
 
@@ -320,6 +321,18 @@ def _balanced(x: AggInputs) -> torch.Tensor:
     c_pos, c_neg = balanced.coefficients()
     w = torch.where(sign > 0, c_pos[ids], torch.where(sign < 0, c_neg[ids], 0.0))
     return w * (lengths > 0)
+
+
+@register_agg_mode("token-sum")
+def _token_sum(x: AggInputs) -> torch.Tensor:
+    """w_i = 1: the plain sum over the step's valid tokens (verl's ``token-sum``).
+
+    Exact under micro-batches and ranks with no step statistic at all: the sum of the micro-batch
+    sums is the step's sum (each rank's loss is multiplied by ``dp_size`` as for every mode,
+    because DDP averages gradients; verl does the same).
+    """
+    return (x.lengths > 0).to(torch.float64)
+
 
 
 def agg_loss(

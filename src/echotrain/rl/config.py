@@ -63,6 +63,22 @@ def _is_bool(v: Any) -> str | None:
     return None if isinstance(v, bool) else "must be a bool"
 
 
+def _positive(v: Any) -> str | None:
+    return None if _is_real(v) and v > 0 else "must be a finite float > 0"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if _is_real(v) and v >= 0 else "must be a finite float >= 0"
+
+
+def _finite(v: Any) -> str | None:
+    return None if _is_real(v) else "must be a finite float"
+
+
+def _fraction(v: Any) -> str | None:
+    return None if _is_real(v) and 0 < v <= 1 else "must be a share in (0, 1]"
+
+
 def _setting(default: Any, help: str, check: Check | None = None, choices: tuple | None = None) -> Any:
     """A :class:`PolicyLossConfig` field: its default, help text, valid choices and check."""
     return field(default=default, metadata={"help": help, "choices": choices, "check": check})
@@ -82,13 +98,17 @@ class PolicyLossConfig:
 
     clip_ratio_low: float = _setting(
         0.2, "Token clip eps_low: ratio floor 1 - eps_low (PPO, arXiv 1707.06347). PPO/GRPO/DAPO: 0.2; GSPO: 3e-4 "
-        "on its sequence ratio (arXiv 2507.18071).", _eps("ratio floor 1 - eps_low > 0"))
+        "on its sequence ratio (arXiv 2507.18071). Also, as in verl: the DPPO divergence threshold for A < 0 "
+        "(dppo_tv: probability drop, dppo_kl: binary KL) and GMPO's log-ratio clip (paper: 0.4).",
+        _eps("ratio floor 1 - eps_low > 0"))
     clip_ratio_high: float = _setting(
         0.2, "Token clip eps_high: ratio ceiling 1 + eps_high. GRPO 0.2; DAPO clip-higher 0.28 (arXiv 2503.14476); "
-        "GSPO 4e-4.", _eps())
+        "GSPO 4e-4. DPPO: the threshold for A > 0; GMPO: the upper log-ratio clip (paper 0.4).", _eps())
     clip_ratio_c: float | None = _setting(
         None, "Dual-clip constant c (> 1) capping the loss of negative-advantage tokens at -A*c (Dual-clip PPO, "
-        "arXiv 1912.09729; verl uses 3.0). Empty/none disables dual-clip (our default).",
+        "arXiv 1912.09729; verl uses 3.0). Empty/none disables dual-clip (our default). dppo_tv/dppo_kl read it, as "
+        "verl does, as the cap of their truncated IS weight (none: 20, verl's fallback; DPPO arXiv 2602.04879 §5.4 "
+        "recommends a large cap).",
         lambda v: None if v is None or (_is_real(v) and v > 1) else
         "must be > 1 for dual-clip PPO (or None to disable)")
     batch_clip_low: float = _setting(
@@ -134,9 +154,49 @@ class PolicyLossConfig:
         20.0, "log rho is clamped to +-this before exp, with zero gradient beyond (verl uses 20).",
         lambda v: None if _is_real(v) and v > 0 else "must be finite and > 0")  # inf: exp overflows
 
+    # ---- the losses of echotrain.rl.losses (verl's names where verl has the setting, TRL's otherwise)
+    cispo_lower_clip: bool = _setting(
+        True, "CISPO (MiniMax-M1, arXiv 2506.13585 Eq. 4-5): clip the detached IS weight from below too, "
+        "sg(clip(rho, 1 - clip_ratio_low, 1 + clip_ratio_high)) (true, verl's cispo: the default) or only from above, "
+        "sg(min(rho, 1 + clip_ratio_high)) (false: TRL's cispo and the paper, which sets no lower bound). TRL's "
+        "epsilon_high is the cap itself (ScaleRL, arXiv 2510.13786, recommends 5.0 = clip_ratio_high 4.0).", _is_bool)
+    tau_pos: float = _setting(
+        1.0, "SAPO (arXiv 2511.20347) gate temperature for tokens with A > 0: the soft gate is "
+        "sigmoid(tau (rho - 1)) 4 / tau. Paper, verl and TRL (sapo_temperature_pos): 1.0.", _positive)
+    tau_neg: float = _setting(
+        1.05, "SAPO gate temperature for tokens with A <= 0 (the paper sets tau_neg > tau_pos so negative updates "
+        "decay faster off-policy). Paper, verl and TRL (sapo_temperature_neg): 1.05.", _positive)
+    clip_cov_ratio: float = _setting(
+        2e-4, "Clip-Cov (Cui et al., arXiv 2505.22617): share r of the step's valid tokens whose gradient is "
+        "detached, drawn among those with clip_cov_lb < Cov < clip_cov_ub. verl default 2e-4.", _fraction)
+    clip_cov_lb: float = _setting(
+        1.0, "Clip-Cov: lower bound of the covariance band of candidate tokens (verl default 1.0).", _finite)
+    clip_cov_ub: float = _setting(
+        5.0, "Clip-Cov: upper bound of the covariance band (> clip_cov_lb; verl default 5.0).", _finite)
+    kl_cov_ratio: float = _setting(
+        2e-4, "KL-Cov (Cui et al., arXiv 2505.22617): share k of the step's valid tokens with the largest "
+        "covariance Cov = (A - mean A)(log pi - mean log pi) that get the KL penalty. verl default 2e-4.", _fraction)
+    ppo_kl_coef: float = _setting(
+        0.1, "KL-Cov: coefficient of the |log rho| penalty on the selected tokens (verl default 0.1).", _non_negative)
+    dro_beta: float = _setting(
+        0.1, "DRO (verl's dro: REINFORCE with a quadratic log-ratio penalty, l = -(A log pi - beta/2 (log rho)^2)): "
+        "beta > 0. verl has no default (it requires the key); 0.1 is ours, provisional: with unit-scale advantages "
+        "it pulls back only when |log rho| approaches 10 A.", _positive)
+    vespo_k_pos: float = _setting(
+        2.0, "VESPO (arXiv 2602.10693) power k of the gamma weight phi(w) = e^lambda w^k e^(-lambda w) for A >= 0 "
+        "(w: the sequence IS ratio). TRL's name and default 2.0.", _non_negative)
+    vespo_lambda_pos: float = _setting(
+        3.0, "VESPO decay lambda for A >= 0 (TRL default 3.0).", _positive)
+    vespo_k_neg: float = _setting(
+        3.0, "VESPO power k for A < 0 (TRL default 3.0).", _non_negative)
+    vespo_lambda_neg: float = _setting(
+        2.0, "VESPO decay lambda for A < 0 (TRL default 2.0).", _positive)
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check_setting(f, getattr(self, f.name))
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb} >= {self.clip_cov_ub}")
 
 
 def check_setting(f: dataclasses.Field, value: Any) -> None:

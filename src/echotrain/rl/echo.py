@@ -301,4 +301,5 @@ def _step_finish(sums: torch.Tensor, mbs: list[StepBatch], step: StepStats, redu
 
 
 #: ECHO's declaration of its step statistics: the no-grad pre-pass, sums of log rho and rho, R.
-ECHO_STEP_STATS = LossStepStats(needs_log_prob=True, num_sums=2, local_sums=_step_local_sums, finish=_step_finish)
+ECHO_STEP_STATS = LossStepStats(needs_log_prob=True, num_sums=2, local_sums=_step_local_sums, finish=_step_finish,
+                                ratio_only=True)

@@ -1,4 +1,7 @@
-"""Policy losses: token PPO clip (GRPO/DAPO, dual-clip), GSPO, GSPO-token and ECHO.
+"""Policy losses: token PPO clip (GRPO/DAPO, dual-clip), GSPO, GSPO-token and ECHO; the registry.
+
+The field's other losses (CISPO, SAPO, GMPO, DPPO, GPG, Clip-/KL-Cov, DRO, LUSPO, VESPO) are
+registrations in :mod:`echotrain.rl.losses`, built on the pieces here.
 
 Each loss is a function registered in :data:`POLICY_LOSSES` with verl's signature::
 
@@ -50,7 +53,8 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "loss_mode")
 
 
-def register_policy_loss(name: str, *, step_stats: LossStepStats | None = None) -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(name: str, *, step_stats: LossStepStats | None = None,
+                         **info: Any) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a policy loss under ``name`` in :data:`POLICY_LOSSES`.
 
     Args:
@@ -60,11 +64,17 @@ def register_policy_loss(name: str, *, step_stats: LossStepStats | None = None) 
             ECHO declares its no-grad pre-pass and the sums giving R); None for none.
             :func:`~echotrain.rl.compute_step_stats` runs it and passes the result as
             ``step.loss_stats``.
+        **info: further declarations, kept in ``POLICY_LOSSES.info(name)``. Read elsewhere:
+            ``settings`` (tuple of the :class:`PolicyLossConfig` fields the loss reads beyond
+            the aggregation's; the verl adapter takes exactly these from verl's config) and
+            ``exact`` (False, with ``exact_reason``, for a loss that is not exact under
+            micro-batches; absent means exact).
 
     Raises:
         ValueError: ``name`` is already registered.
     """
-    return POLICY_LOSSES.register(name, step_stats=step_stats)
+    return POLICY_LOSSES.register(name, step_stats=step_stats, **info)
+
 
 
 def loss_step_stats(loss_mode: str) -> LossStepStats | None:
@@ -186,8 +196,9 @@ def prepared_policy_loss(default_loss_agg_mode: str) -> Callable[[LossCore], Pol
     return deco
 
 
-def _ppo_clipped(x: PreparedInputs, ratio: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clip of ``ratio`` ``(B, T)`` against the advantages, aggregated, with verl's metrics."""
+def ppo_clipped_loss(x: PreparedInputs, ratio: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clip of ``ratio`` ``(B, T)`` against the advantages (no dual-clip unless configured),
+    aggregated with ``x.seq_weights``: ``(loss 0-d, verl's clip metrics)``."""
     cfg = x.cfg
     loss_mat, flags = ppo_clip_loss(ratio, x.advantages, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c)
     return weighted_sum(loss_mat, x.mask, x.seq_weights), clip_metrics(flags, x.log_ratio, x.mask)
@@ -196,7 +207,10 @@ def _ppo_clipped(x: PreparedInputs, ratio: torch.Tensor) -> tuple[torch.Tensor, 
 # --------------------------------------------------------------------------- losses
 
 
-@register_policy_loss("vanilla")
+_CLIP = ("clip_ratio_low", "clip_ratio_high")
+
+
+@register_policy_loss("vanilla", settings=_CLIP + ("clip_ratio_c",))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_vanilla(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO clip with an asymmetric band: GRPO, DAPO clip-higher, optional dual-clip.
@@ -207,10 +221,10 @@ def compute_policy_loss_vanilla(x: PreparedInputs) -> tuple[torch.Tensor, dict[s
     verl's signature and arguments: :func:`prepared_policy_loss`; returns ``(loss 0-d,
     metrics)``; errors: :func:`compute_policy_loss`.
     """
-    return _ppo_clipped(x, torch.exp(x.log_ratio))
+    return ppo_clipped_loss(x, torch.exp(x.log_ratio))
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", settings=_CLIP)
 @prepared_policy_loss("seq-mean-token-mean")
 def compute_policy_loss_gspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: one clipped sequence ratio per response (arXiv 2507.18071, Eq. 5-7).
@@ -223,10 +237,10 @@ def compute_policy_loss_gspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str,
     """
     c = x.cfg.log_ratio_clamp
     seq_log_ratio = sequence_log_ratio(x.log_ratio, x.mask).clamp(-c, c)
-    return _ppo_clipped(x, torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(x.log_ratio))
+    return ppo_clipped_loss(x, torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(x.log_ratio))
 
 
-@register_policy_loss("gspo_token")
+@register_policy_loss("gspo_token", settings=_CLIP)
 @prepared_policy_loss("seq-mean-token-mean")
 def compute_policy_loss_gspo_token(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO-token: s_{i,t} = sg[s_i] * pi(o_{i,t}) / sg[pi(o_{i,t})] (arXiv 2507.18071, Eq. 13-14).
@@ -239,10 +253,12 @@ def compute_policy_loss_gspo_token(x: PreparedInputs) -> tuple[torch.Tensor, dic
     seq_log_ratio = sequence_log_ratio(x.log_ratio, x.mask).detach().unsqueeze(-1)
     c, lp = x.cfg.log_ratio_clamp, x.log_prob
     # where, not a product: log_prob may be -inf/NaN at padding (-inf - -inf = NaN)
-    return _ppo_clipped(x, torch.exp(torch.clamp(seq_log_ratio + torch.where(x.mask, lp - lp.detach(), 0), -c, c)))
+    return ppo_clipped_loss(x, torch.exp(torch.clamp(seq_log_ratio + torch.where(x.mask, lp - lp.detach(), 0), -c, c)))
 
 
-@register_policy_loss("echo", step_stats=ECHO_STEP_STATS)
+@register_policy_loss("echo", step_stats=ECHO_STEP_STATS, settings=_CLIP + (
+    "clip_ratio_c", "batch_clip_low", "batch_clip_high", "batch_ratio", "detach_kappa", "echo_pessimistic",
+    "echo_token_clip", "echo_token_cap"))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_echo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """ECHO: clip the batch ratio R, rescale every token ratio by kappa, token-clip on top.
@@ -294,7 +310,8 @@ def compute_policy_loss(
     """Dispatch to the policy loss registered as ``loss_mode`` in :data:`POLICY_LOSSES`.
 
     Args:
-        loss_mode: "vanilla", "gspo", "gspo_token" or "echo" (or any registered name).
+        loss_mode: any name in :data:`POLICY_LOSSES` ("vanilla", "gspo", "gspo_token", "echo",
+            and those of :mod:`echotrain.rl.losses`).
         old_log_prob, log_prob: ``(B, T)`` float log-probs (nats); ``log_prob`` carries grad.
             Padding may hold anything (NaN, -inf): it gets neither value nor gradient.
             float32/bfloat16/float64; with float16, rho = exp(log rho) overflows for

@@ -50,6 +50,20 @@ PRESETS: dict[str, Preset] = {
         "gspo", "grpo", "gspo", "seq-mean-token-mean", PolicyLossConfig(clip_ratio_low=3e-4, clip_ratio_high=4e-4),
         source="GSPO arXiv 2507.18071 (eps 3e-4 / 4e-4)",
     ),
+    "cispo": Preset(
+        "cispo", "grpo", "cispo", "token-mean",
+        PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=4.0, cispo_lower_clip=False),
+        source="CISPO, MiniMax-M1 arXiv 2506.13585 (IS weight capped from above only, token-mean); cap 1 + 4.0 = "
+               "5.0 from ScaleRL arXiv 2510.13786 (TRL's recommended epsilon_high); clip_ratio_low unused",
+    ),
+    "sapo": Preset(
+        "sapo", "grpo", "sapo", "seq-mean-token-mean", PolicyLossConfig(tau_pos=1.0, tau_neg=1.05),
+        source="SAPO arXiv 2511.20347 (tau_pos 1.0, tau_neg 1.05, sequence-mean of token means)",
+    ),
+    "gmpo": Preset(
+        "gmpo", "grpo", "geo_mean", "seq-mean-token-mean", PolicyLossConfig(clip_ratio_low=0.4, clip_ratio_high=0.4),
+        source="GMPO arXiv 2507.20673 (token log-ratio clip (-0.4, 0.4), i.e. rho in (e^-0.4, e^0.4))",
+    ),
     "echo": Preset(
         "echo", "grpo", "echo", "token-mean", PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28),
         source="ECHO (OpenReview); our formulation, docs/design/objectives.md §4; batch band provisional",

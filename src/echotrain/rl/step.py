@@ -83,12 +83,17 @@ class LossStepStats:
             ``sums``, this rank's ``mbs`` (list of :class:`StepBatch`), the step's counts
             (``step``, with ``loss_stats=None``) and ``reduce_fn(tensor, op)`` for any further
             all-reduce round; the result becomes ``step.loss_stats``.
+        ratio_only: the statistics read the log-probs only through log rho = log_prob -
+            old_log_prob (ECHO's R), so on-policy (log rho = 0) any equal pair, e.g. zeros, gives
+            them without a forward pass. False (the default) when they read ``log_prob`` itself
+            (Clip-Cov / KL-Cov's mean log-prob): then the pre-pass runs on-policy too.
     """
 
     needs_log_prob: bool
     num_sums: int
     local_sums: Callable[[StepBatch, PolicyLossConfig], torch.Tensor]
     finish: Callable[[torch.Tensor, list[StepBatch], StepStats, ReduceFn], Any]
+    ratio_only: bool = False
 
 
 def seq_weights(

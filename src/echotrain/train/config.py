@@ -119,10 +119,12 @@ class TrainConfig:
     adv_estimator: str = _f("grpo", "Advantage estimator (echotrain.rl.compute_advantages): grpo = (r-mean)/std per group; "
                             "grpo_no_std = Dr. GRPO r-mean; batch_std = group-centred, batch-std scaled.",
                             group="objective")
-    loss_mode: str = _f("echo", "Policy loss from echotrain.rl.POLICY_LOSSES: vanilla (token PPO clip), gspo, gspo_token, echo.",
+    loss_mode: str = _f("echo", "Policy loss from echotrain.rl.POLICY_LOSSES: vanilla (token PPO clip), gspo, gspo_token, echo, and "
+                        "verl's/TRL's cispo, sapo, geo_mean (GMPO), dppo_tv, dppo_kl, gpg, clip_cov, kl_cov, dro, luspo, "
+                        "vespo (docs/design/objectives.md §9).",
                         group="objective")
     loss_agg_mode: str = _f("token-mean", "Loss aggregation (echotrain.rl.AGG_MODES): token-mean (DAPO), seq-mean-token-mean "
-                            "(GRPO), seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO), balanced (BA, 2605.04077). "
+                            "(GRPO), seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO), token-sum, balanced (BA, 2605.04077). "
                             "Normalisers are global to the optimizer step.", group="objective")
     kl_coef: float = _f(0.0, "beta of the KL penalty to the initial (reference) policy; 0 disables and skips the reference "
                         "model. GRPO used 0.04; DAPO and Dr. GRPO drop it (0).", group="objective")
@@ -155,7 +157,8 @@ class TrainConfig:
                                          "no-grad pass: no update has happened yet, so they are the same numbers "
                                          "(bit-identical with one mini-batch; the later mini-batches still get theirs "
                                          "from the pass before any update). Saves 1/num_mini_batches of that pass. "
-                                         "Off with several processes and with SAM (its second pass runs at w + e).",
+                                         "Off with several processes, with SAM (its second pass runs at w + e) and with losses whose step "
+                                         "statistics read the log-probs before that forward (clip_cov, kl_cov).",
                                          group="update")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (transformers' "
                                       "gradient_checkpointing_enable, non-reentrant): less memory, ~30% more update "
@@ -524,6 +527,10 @@ def validate(cfg: TrainConfig) -> None:
         problem = f.metadata["check"](v) if f.metadata.get("check") else None  # PolicyLossConfig's checks
         if problem:
             raise ConfigError(f"{f.name}={v!r}: {problem}")
+    try:  # PolicyLossConfig's checks across fields (e.g. clip_cov_lb < clip_cov_ub)
+        cfg.policy_loss_config()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     for key, names in _registry_choices().items():
         if getattr(cfg, key) not in names:
             raise ConfigError(_unknown_msg(key, getattr(cfg, key), list(names)))

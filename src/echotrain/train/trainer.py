@@ -32,6 +32,7 @@ import torch
 
 from echotrain.optim.sam import SAM
 from echotrain.rl import compute_advantages, overlong_reward_penalty, truncated_response_mask
+from echotrain.rl.objectives import loss_step_stats
 from echotrain.train.checkpoint import resume_from, save_checkpoint, seed_everything
 from echotrain.train.collect import Collector, PromptStream, default_reward_fn
 from echotrain.train.config import TrainConfig, save_config
@@ -232,7 +233,11 @@ class Trainer:
 
         # 4. old log-probs (rollout policy), entropy, reference log-probs; with reuse the first
         # update's own rows take theirs from its with-grad forward (the policy has not changed yet)
-        reuse = cfg.reuse_on_policy_log_probs and not self.dist.enabled and not isinstance(self.optimizer, SAM)
+        # (and not when the loss's step statistics read the log-probs themselves, e.g. Clip-Cov's
+        # mean log-prob: they are computed before the with-grad forward)
+        declared = loss_step_stats(cfg.loss_mode)
+        reuse = (cfg.reuse_on_policy_log_probs and not self.dist.enabled and not isinstance(self.optimizer, SAM)
+                 and (declared is None or declared.ratio_only))
         data.old_log_prob, data.entropy = old_log_probs(
             functools.partial(self._log_probs_batched, self.model, with_entropy=True), batch,
             splits[0] if reuse else None)

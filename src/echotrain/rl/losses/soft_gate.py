@@ -1,0 +1,37 @@
+"""SAPO: a smooth, temperature-controlled gate in place of PPO's hard clip."""
+
+from __future__ import annotations
+
+import torch
+
+from echotrain.rl.aggregation import weighted_sum
+from echotrain.rl.losses.common import ppo_kl
+from echotrain.rl.objectives import PreparedInputs, prepared_policy_loss, register_policy_loss
+
+
+def sapo_gate(ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """f(rho) = sigmoid(tau (rho - 1)) * 4 / tau, elementwise (SAPO, arXiv 2511.20347, Eq. 5).
+
+    f(1) = 2 / tau and f'(rho) = 4 sigmoid (1 - sigmoid), which is 1 at rho = 1: on-policy the
+    gradient is the plain policy gradient; it decays smoothly as rho leaves 1.
+    """
+    return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+
+
+@register_policy_loss("sapo", settings=("tau_pos", "tau_neg"))
+@prepared_policy_loss("seq-mean-token-mean")
+def compute_policy_loss_sapo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO: l_{i,t} = -f_{i,t}(rho_{i,t}) A_{i,t} (Soft Adaptive Policy Optimization, arXiv 2511.20347, Eq. 5-6).
+
+    f = :func:`sapo_gate` with tau = ``tau_pos`` where A > 0 and ``tau_neg`` where A <= 0
+    (paper, verl and TRL: 1.0 and 1.05); the gradient -A 4 s (1 - s) rho grad log pi,
+    s = sigmoid(tau (rho - 1)), fades smoothly off-policy instead of dropping to 0 at a clip.
+    Default ``loss_agg_mode`` ``seq-mean-token-mean`` (the paper's; verl's ``sapo`` always uses
+    it and ignores ``loss_agg_mode``, we honour the argument). Inputs ``(B, T)`` as
+    :func:`~echotrain.rl.compute_policy_loss` (verl's signature); returns ``(loss 0-d,
+    metrics)`` with ``ppo_kl``; same errors.
+    """
+    lr = x.log_ratio
+    tau = torch.where(x.advantages > 0, lr.new_tensor(x.cfg.tau_pos), lr.new_tensor(x.cfg.tau_neg))
+    loss_mat = -sapo_gate(torch.exp(x.log_ratio), tau) * x.advantages
+    return weighted_sum(loss_mat, x.mask, x.seq_weights), {"ppo_kl": ppo_kl(x.log_ratio, x.mask)}

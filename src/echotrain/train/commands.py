@@ -126,10 +126,12 @@ def run_train(args: argparse.Namespace) -> int:
     torch.set_num_threads(cfg.num_threads or max(1, preflight.affinity_cores() // local_world_size()))
     t0 = time.perf_counter()
     from echotrain.train.dist import WorldSizeMismatch
+    from echotrain.train.lag import StalenessMismatch
 
     try:
         trainer = Trainer(cfg, task=task, resume=args.resume is not None)
-    except (OSError, WorldSizeMismatch) as exc:  # a hub id that passed the checks but does not exist; -nproc change
+    except (OSError, WorldSizeMismatch, StalenessMismatch) as exc:  # a hub id that passed the checks but does
+        # not exist; a resume with another number of processes or another staleness
         if getattr(args, "debug", False):
             raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)

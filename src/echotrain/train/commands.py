@@ -71,7 +71,13 @@ def _resolve_train_config(args: argparse.Namespace):
         if not isinstance(base, dict):
             raise ConfigError(f"--resume {run_dir!r}: {saved} is not a mapping of keys to values")
         base["output_dir"] = str(run_dir)
-    return resolve_config(yaml_values, overrides, base=base)
+    cfg = resolve_config(yaml_values, overrides, base=base)
+    saved_lag = int((base or {}).get("staleness") or 0)
+    if base is not None and cfg.staleness != saved_lag:  # cheap here; the Trainer checks the checkpoint too
+        raise ConfigError(f"--resume: the run was written with staleness={saved_lag} and this run has "
+                          f"staleness={cfg.staleness}; resume with staleness={saved_lag} (its checkpoints hold "
+                          "the rollouts generated ahead for that lag)")
+    return cfg
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -28,7 +28,11 @@ per-token log-probs travel with the rollouts as ``rollout_log_prob`` (the behavi
 ``rollout_version`` records the version of the weights that sampled each rollout.
 
 Metrics (added to each ``metrics.jsonl`` record when ``staleness > 0``; a synchronous run has
-none of them, so its records are unchanged) are declared in :data:`STALENESS_METRICS`.
+none of them, so its records are unchanged) are declared in :data:`STALENESS_METRICS`. With
+``staleness > 0`` the step's ``time/generation`` and ``time/scoring`` are the seconds the step
+spent generating (the batches of later steps: k + 1 of them at step 1, none in the last k steps),
+and ``entropy`` / ``ppo_kl`` are the learner's on the older weights' rollouts. KL(old || current)
+is the existing ``ppo_kl``.
 """
 
 from __future__ import annotations

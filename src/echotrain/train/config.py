@@ -117,7 +117,7 @@ class TrainConfig:
                         "(echotrain.train.lag); the learner recomputes old_log_prob (proximal policy) and the "
                         "sampler's log-probs are kept as rollout_log_prob with each rollout's rollout_version. "
                         "Memory: the k queued rollout batches (token ids, masks, rewards, log-probs; "
-                        "staleness/queue_mb, well under 1 MB on the default job), no weight snapshots, with or "
+                        "staleness/queue_mb: ~0.12 MB per batch on the default job), no weight snapshots, with or "
                         "without LoRA; the queue is in each checkpoint, so --resume is exact and needs the same k. "
                         "Same seed and k: bit-identical runs. 0 = synchronous (on-policy) training. AReaL and "
                         "prime-rl run 2-8 asynchronously.", group="rollout")

@@ -3,7 +3,7 @@
 
 Runs, in one process group: ``group`` (rollout_rng=group, compared with one process), ``lora`` (the same with
 LoRA adapters), ``uneven`` (3 groups: a rank with no rows in a mini-batch),
-``stream`` (per-rank RNG streams), ``killed`` (stream, killed after step 2's metrics, so the
+``lag`` (group, staleness=2), ``stream`` (per-rank RNG streams), ``killed`` (stream, killed after step 2's metrics, so the
 step-1 checkpoint is the last) and ``killed`` resumed. Not a test module (no ``test_`` prefix).
 """
 
@@ -45,6 +45,8 @@ def main(out: Path) -> None:
     run(out, "lora", rollout_rng="group", lora_r=4, lora_alpha=8)
     # 3 groups, mini-batches of 2 and 1 groups: rank 1 has no rows in one of them
     run(out, "uneven", rollout_rng="group", prompts_per_step=3, steps=2)
+    # fixed lag: each rank keeps the same queue of rollouts generated ahead (the batch is gathered)
+    run(out, "lag", rollout_rng="group", staleness=2)
 
     def kill_at_2(step, record):
         if step == 2:

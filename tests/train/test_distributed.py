@@ -106,6 +106,20 @@ def test_two_processes_equal_one_process_with_lora(two_process_runs, tmp_path, t
         torch.testing.assert_close(p2[k], p1[k], rtol=1e-4, atol=1e-5)
 
 
+def test_two_processes_equal_one_process_with_a_lag(two_process_runs, tmp_path, tiny_tokenizer, make_tiny_model,
+                                                   digit_task):
+    _, one = one_process(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "one", rollout_rng="group",
+                         staleness=2)
+    two = read_jsonl(two_process_runs / "lag" / "metrics.jsonl")
+    assert [r["staleness/max"] for r in two] == [0, 1, 2]
+    for a, b in zip(one, two, strict=True):
+        for k, v in strip(a).items():
+            assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    # rank 0's checkpoint holds the queue (every rank's is the same): step 3's rollouts after step 1
+    ck = load_checkpoint(two_process_runs / "lag" / "checkpoints" / "step_00000001.pt")
+    assert [t for t, _ in ck["extra"]["rollouts"]["queue"]] == [2, 3]
+
+
 def test_two_process_kill_and_resume_is_exact(two_process_runs):
     full = read_jsonl(two_process_runs / "stream" / "metrics.jsonl")
     resumed = read_jsonl(two_process_runs / "killed" / "metrics.jsonl")

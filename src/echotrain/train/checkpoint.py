@@ -13,7 +13,7 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -163,11 +163,14 @@ def latest_valid_checkpoint(run_dir: str | os.PathLike) -> tuple[Path | None, li
 
 
 def resume_from(run_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                scheduler: Any, data: Any, dist: Any, device: torch.device) -> int:
+                scheduler: Any, data: Any, dist: Any, device: torch.device,
+                extra_state: Callable[[dict[str, Any]], None] | None = None) -> int:
     """Restore a run from the latest valid checkpoint in ``run_dir``: model (or LoRA adapters),
     optimizer, scheduler, ``data`` (``load_state_dict``: the prompt stream position) and this
     rank's RNG state. Rank 0 then drops the metrics / samples / eval lines after it (they are
-    recomputed). ``dist``: the run's :class:`echotrain.train.dist.DistContext`.
+    recomputed). ``dist``: the run's :class:`echotrain.train.dist.DistContext`;
+    ``extra_state(extra)`` restores the trainer's own part of the checkpoint (``extra``, e.g. the
+    rollout queue of ``staleness > 0``) and may raise to refuse it.
 
     Returns:
         the checkpoint's step.
@@ -197,6 +200,8 @@ def resume_from(run_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer
     if state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     data.load_state_dict(state["data"])
+    if extra_state is not None:
+        extra_state(state.get("extra", {}))
     rngs = state.get("extra", {}).get("rng_ranks")
     set_rng_state(rngs[dist.rank] if rngs else state["rng"])
     step = int(state["step"])

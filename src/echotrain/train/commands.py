@@ -71,7 +71,13 @@ def _resolve_train_config(args: argparse.Namespace):
         if not isinstance(base, dict):
             raise ConfigError(f"--resume {run_dir!r}: {saved} is not a mapping of keys to values")
         base["output_dir"] = str(run_dir)
-    return resolve_config(yaml_values, overrides, base=base)
+    cfg = resolve_config(yaml_values, overrides, base=base)
+    saved_lag = int((base or {}).get("staleness") or 0)
+    if base is not None and cfg.staleness != saved_lag:  # cheap here; the Trainer checks the checkpoint too
+        raise ConfigError(f"--resume: the run was written with staleness={saved_lag} and this run has "
+                          f"staleness={cfg.staleness}; resume with staleness={saved_lag} (its checkpoints hold "
+                          "the rollouts generated ahead for that lag)")
+    return cfg
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -126,10 +132,12 @@ def run_train(args: argparse.Namespace) -> int:
     torch.set_num_threads(cfg.num_threads or max(1, preflight.affinity_cores() // local_world_size()))
     t0 = time.perf_counter()
     from echotrain.train.dist import WorldSizeMismatch
+    from echotrain.train.lag import StalenessMismatch
 
     try:
         trainer = Trainer(cfg, task=task, resume=args.resume is not None)
-    except (OSError, WorldSizeMismatch) as exc:  # a hub id that passed the checks but does not exist; -nproc change
+    except (OSError, WorldSizeMismatch, StalenessMismatch) as exc:  # a hub id that passed the checks but does
+        # not exist; a resume with another number of processes or another staleness
         if getattr(args, "debug", False):
             raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)

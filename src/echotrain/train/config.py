@@ -114,6 +114,15 @@ class TrainConfig:
     top_k: int = _f(0, "Top-k sampling for rollouts; 0 disables. Keep 0 for RL.", group="rollout")
     rollout_batch_size: int = _f(0, "Sequences per generate() call; 0 = all B*G in one call (fastest with KV cache).",
                                  group="rollout")
+    staleness: int = _f(0, "Fixed-lag off-policy training (k >= 0): the rollouts of step t are sampled by the weights "
+                        "of step t - k (the initial weights for t <= k), generated k steps ahead into a queue "
+                        "(echotrain.train.lag); the learner recomputes old_log_prob (proximal policy) and the "
+                        "sampler's log-probs are kept as rollout_log_prob with each rollout's rollout_version. "
+                        "Memory: the k queued rollout batches (token ids, masks, rewards, log-probs; "
+                        "staleness/queue_mb: ~0.12 MB per batch on the default job), no weight snapshots, with or "
+                        "without LoRA; the queue is in each checkpoint, so --resume is exact and needs the same k. "
+                        "Same seed and k: bit-identical runs. 0 = synchronous (on-policy) training. AReaL and "
+                        "prime-rl run 2-8 asynchronously.", group="rollout")
 
     # ---- objective (defaults come from the preset) ------------------------------------------
     adv_estimator: str = _f("grpo", "Advantage estimator (echotrain.rl.compute_advantages): grpo = (r-mean)/std per group; "
@@ -553,8 +562,8 @@ def validate(cfg: TrainConfig) -> None:
     for key in ("steps", "prompts_per_step", "num_generations", "max_new_tokens", "num_mini_batches", "ppo_epochs",
                 "micro_batch_size", "max_sampling_rounds"):
         need(getattr(cfg, key) >= 1, key, "must be >= 1")
-    for key in ("num_threads", "rollout_batch_size", "warmup_steps", "eval_prompts", "eval_every", "save_every", "log_samples",
-                "top_k", "no_signal_steps"):
+    for key in ("num_threads", "rollout_batch_size", "staleness", "warmup_steps", "eval_prompts", "eval_every", "save_every",
+                "log_samples", "top_k", "no_signal_steps"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     need(cfg.keep_last >= 1, "keep_last", "must be >= 1")
     need(cfg.num_mini_batches <= cfg.prompts_per_step, "num_mini_batches",

@@ -39,9 +39,17 @@ class StepData:
             responses with overlong filtering).
         seq_advantages: (N,) float32 group-relative advantage of each sequence.
         advantages: (N, T) float32, ``seq_advantages`` broadcast over ``response_mask``.
-        old_log_prob: (N, T) float32 log-probs of the rollout policy.
-        entropy: (N, T) float32 token entropy of the rollout policy.
+        old_log_prob: (N, T) float32 log-probs of the learner's weights at the step's start (the
+            proximal policy; the rollout policy itself when ``staleness=0``).
+        entropy: (N, T) float32 token entropy of those weights.
         ref_log_prob: (N, T) float32 reference-policy log-probs, None without a KL term.
+
+    Attributes (set with the rollouts, by :class:`echotrain.train.lag.LaggedRollouts`):
+        rollout_version: (N,) int64 version of the weights that sampled each rollout: the number
+            of training steps they had completed (the learner at step t has version t - 1; with
+            ``staleness=k`` the rollouts of step t have version ``max(t - 1 - k, 0)``).
+        rollout_log_prob: (N, T) float32 per-token log-probs of the sampling (behaviour) policy
+            at the response positions; None unless recorded (``staleness > 0`` always records it).
     """
 
     batch: RolloutBatch
@@ -62,6 +70,8 @@ class StepData:
     old_log_prob: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     ref_log_prob: torch.Tensor | None = None
+    rollout_version: torch.Tensor | None = None
+    rollout_log_prob: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -74,9 +84,12 @@ class StepData:
     def select(self, idx: torch.Tensor) -> "StepData":
         """Rows ``idx`` (1-d int64) of the rollout fields (a new object; the others are kept)."""
         rows = idx.tolist()
+        per_row = {k: getattr(self, k)[idx] for k in ("rollout_version", "rollout_log_prob")
+                   if getattr(self, k) is not None}
         return dataclasses.replace(self, batch=self.batch.select(idx), rewards=self.rewards[idx],
                                    correct=self.correct[idx], format_ok=self.format_ok[idx],
-                                   examples=[self.examples[i] for i in rows], texts=[self.texts[i] for i in rows])
+                                   examples=[self.examples[i] for i in rows], texts=[self.texts[i] for i in rows],
+                                   **per_row)
 
     @staticmethod
     def concat(parts: Sequence["StepData"], pad_id: int) -> "StepData":

@@ -6,8 +6,9 @@ One training step (:meth:`Trainer.train_step`) reads top to bottom, in the spiri
              DAPO dynamic sampling keeps only groups with mixed correctness and refills
 2. score     DAPO overlong reward shaping; overlong filtering of the loss mask
 3. advantage group-relative advantages (``compute_advantages``)
-4. old log-probs of the sampled tokens under the rollout policy (no grad), the token entropy,
-   and the reference policy's when ``kl_coef > 0``
+4. old log-probs of the sampled tokens under the learner's current weights (no grad; the
+   rollout policy itself unless ``staleness > 0``), the token entropy, and the reference
+   policy's when ``kl_coef > 0``
 5. update    one optimizer step per mini-batch of whole groups, exactly micro-batched
              (``train/update.py``: ECHO pre-pass, step statistics, SAM closure)
 6. metrics   one line of metrics.jsonl (``train/metrics.py``), samples, progress bar, checkpoint
@@ -37,6 +38,7 @@ from echotrain.train.checkpoint import resume_from, save_checkpoint, seed_everyt
 from echotrain.train.collect import Collector, PromptStream, default_reward_fn
 from echotrain.train.config import TrainConfig, save_config
 from echotrain.train.dist import init_distributed, rank_seed
+from echotrain.train.lag import LaggedRollouts
 from echotrain.train.features import prepare_policy
 from echotrain.train.lora import is_lora, model_state, reference_policy, save_final_model
 from echotrain.train.no_signal import ALL_ZERO_VARIANCE, NoSignalWatch, all_zero_variance
@@ -140,6 +142,9 @@ class Trainer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.collector = Collector(cfg, self.model, tokenizer, reward_fn, self.prompts, self.dist, pad_id,
                                    autocast_dtype=self.autocast_dtype)
+        # staleness=k: each step's rollouts were generated k steps ahead by the weights of then (train/lag.py)
+        self.rollouts = LaggedRollouts(lambda: self.collector.collect(), cfg.staleness, cfg.steps,
+                                       behaviour_log_prob=lambda b: self._log_probs_batched(self.model, b)[0])
         self.start_step = 0
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -149,7 +154,8 @@ class Trainer:
         if resume:
             self.start_step = resume_from(self.run_dir, model=self.model, optimizer=self.optimizer,
                                           scheduler=self.scheduler, data=self.prompts, dist=self.dist,
-                                          device=self.device)
+                                          device=self.device,
+                                          extra_state=lambda extra: self.rollouts.load_state_dict(extra.get("rollouts")))
         self.logger: Any = NullLogger()
         if self.dist.is_main:  # rank 0 alone writes the run directory
             # the run directory actually used, so the saved config reruns / resumes into it
@@ -213,8 +219,9 @@ class Trainer:
         cfg = self.cfg
         t_start, cpu_start = time.perf_counter(), time.process_time()
 
-        # 1. collect: rollouts, each round scored (DAPO dynamic sampling keeps mixed groups)
-        data = self.collector.collect()
+        # 1. collect: rollouts, each round scored (DAPO dynamic sampling keeps mixed groups); with
+        # staleness=k those generated k steps ago, while this step generates step + k's
+        data = self.rollouts.rollouts_for(step)
         batch = data.batch
 
         # 2. score: DAPO overlong reward shaping; overlong filtering masks truncated responses
@@ -253,6 +260,7 @@ class Trainer:
         record = step_record(step, data, updates, last_lr=self.scheduler.get_last_lr()[0], t_start=t_start,
                              cpu_start=cpu_start, t_update=t_update, device=self.device)
         record[ALL_ZERO_VARIANCE] = int(all_zero_variance(data.rewards, batch.group_index))
+        record.update(self.rollouts.step_metrics(step, data))  # staleness/* (none when staleness=0)
         return record
 
     # ------------------------------------------------------------------ evaluation
@@ -283,6 +291,8 @@ class Trainer:
         path = self.run_dir / "checkpoints" / f"step_{step:08d}.pt"
         if self.dist.is_main:
             extra = {"world_size": self.dist.world_size, "rng_ranks": rngs if self.dist.enabled else None}
+            if self.cfg.staleness:  # the rollouts generated ahead (train/lag.py); every rank holds the same
+                extra["rollouts"] = self.rollouts.state_dict()
             path = save_checkpoint(self.run_dir, step, model=self.model, optimizer=self.optimizer,
                                    scheduler=self.scheduler, data_state=self.prompts.state_dict(),
                                    keep_last=self.cfg.keep_last, extra=extra, model_state=model_state(self.model))

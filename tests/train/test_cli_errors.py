@@ -244,5 +244,5 @@ def test_subprocess_exit_code_no_traceback_and_debug(tmp_path):
     out = subprocess.run(base, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "malformed YAML" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run(base + ["--debug"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and "Traceback" in out.stderr and "ConfigError" in out.stderr
+    assert out.returncode == 2 and "Traceback" in out.stderr and "ConfigError" in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]

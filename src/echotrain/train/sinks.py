@@ -22,7 +22,8 @@ On ``--resume`` a sink is built with ``start_step`` = the checkpoint's step: the
 are run (and logged) again, so a sink must drop what it holds past it or continue the same run:
 TensorBoard purges events from step ``start_step + 1`` on (``SummaryWriter(purge_step=...)``);
 W&B continues the same run id, kept in ``<run>/wandb/run_id`` (``wandb.init(id=...,
-resume="allow")``).
+resume="allow")``; offline, each process writes its own ``offline-run-*`` folder under that id,
+and ``wandb sync`` of them fills one run). trackio opens a run of the same name.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ are run (and logged) again, so a sink must drop what it holds past it or continu
 TensorBoard purges events from step ``start_step + 1`` on (``SummaryWriter(purge_step=...)``);
 W&B continues the same run id, kept in ``<run>/wandb/run_id`` (``wandb.init(id=...,
 resume="allow")``; offline, each process writes its own ``offline-run-*`` folder under that id,
-and ``wandb sync`` of them fills one run). trackio opens a run of the same name.
+and ``wandb sync`` of them fills one run).
 """
 
 from __future__ import annotations

@@ -28,3 +28,40 @@ def shared_data() -> Path:
     if not path.is_dir():
         pytest.skip(f"shared data folder not found at {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def testbed_cache(tmp_path_factory) -> Path:
+    """An ``ECHOTRAIN_CACHE`` root where ``model=testbed`` loads at once: the user's cache when it
+    holds the built testbed (``echotrain testbed``), else a stand-in with the testbed's architecture
+    and random weights under the same key (building the real one takes 3-8 minutes), the
+    converted SmolLM2 folder linked in. Sets ``ECHOTRAIN_CACHE`` for the session (subprocesses
+    inherit it); returns the root."""
+    import json
+
+    from echotrain.models.gguf import default_cache_dir
+    from echotrain.models.looped import LoopedTransformer
+    from echotrain.models.testbed import TestbedConfig, testbed_dir
+
+    real = default_cache_dir()
+    if (testbed_dir(TestbedConfig(), real) / "testbed.json").is_file():
+        root = real
+    else:
+        root = tmp_path_factory.mktemp("echotrain-cache")
+        if (real / "models").is_dir():
+            (root / "models").symlink_to(real / "models", target_is_directory=True)
+        folder = testbed_dir(TestbedConfig(), root)
+        folder.mkdir(parents=True)
+        torch.manual_seed(0)
+        model = LoopedTransformer(TestbedConfig().looped_config())
+        torch.save(model.state_dict(), folder / "model.pt")
+        (folder / "testbed.json").write_text(json.dumps({"steps": 0, "accuracy": 0.0, "reached_target": False,
+                                                         "history": [], "seconds": 0.0, "num_params": model.num_params(),
+                                                         "key": folder.name, "stand_in": True}))
+    old = os.environ.get("ECHOTRAIN_CACHE")
+    os.environ["ECHOTRAIN_CACHE"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("ECHOTRAIN_CACHE", None)
+    else:
+        os.environ["ECHOTRAIN_CACHE"] = old

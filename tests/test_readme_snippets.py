@@ -36,11 +36,12 @@ NOT_RUN = {
 # single commands of otherwise-run blocks that are not run here: prefix -> why
 NOT_RUN_COMMANDS = {
     "echotrain testbed": "builds the real CPU testbed (3-8 min); tests/models/test_testbed.py builds a tiny one",
-    "echotrain train --config configs/testbed.yaml": "needs the real testbed cache (above); test_testbed.py runs an RL step on a tiny one",
-    "echotrain compare configs/compare/testbed.yaml --jobs": "runs 45 cells; tests/train/test_compare_runner.py runs the grid runner on a tiny model",
-    "echotrain compare configs/compare/echo_band.yaml": "runs 30 cells (see above)",
-    "echotrain compare configs/compare/testbed.yaml --cell": "one real testbed cell (see above)",
-    "echotrain compare report runs/compare/testbed": "needs a finished study; tests/compare aggregates hand-made run directories",
+    # the commands on shipped configs and the testbed: tests/test_documented_commands.py runs them
+    "echotrain train --config configs/testbed.yaml": "tests/test_documented_commands.py (testbed model)",
+    "echotrain compare configs/compare/testbed.yaml --jobs": "tests/test_documented_commands.py (--dry-run; the grid: slow)",
+    "echotrain compare configs/compare/echo_band.yaml": "tests/test_documented_commands.py (--dry-run)",
+    "echotrain compare configs/compare/testbed.yaml --cell": "tests/test_documented_commands.py (one tiny cell)",
+    "echotrain compare report runs/compare/testbed": "tests/test_documented_commands.py (after the slow grid)",
     "echotrain compare restate docs/experiments": "reads the committed summaries relative to the repository root "
                                                   "(this test runs in a scratch folder); tests/compare/test_restate.py "
                                                   "runs it through the CLI on every committed study",

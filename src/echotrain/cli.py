@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``echotrain`` command; returns the process exit code.
 
     Exit codes: 0 done, 2 bad input (one message naming the key or path; ``--debug`` anywhere on
-    the command line adds the traceback), 130 interrupted (Ctrl-C).
+    the command line adds the traceback, still exit 2), 130 interrupted (Ctrl-C).
     """
     set_omp_wait_policy()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -181,8 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         from echotrain.train.config import ConfigError
 
-        if debug or not isinstance(exc, ConfigError):
+        if not isinstance(exc, ConfigError):
             raise
+        if debug:  # a bad input stays exit 2; --debug adds where it was raised
+            import traceback
+
+            traceback.print_exc()
         print(f"echotrain: error: {exc}", file=sys.stderr)
         return 2
 

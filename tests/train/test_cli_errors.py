@@ -244,5 +244,78 @@ def test_subprocess_exit_code_no_traceback_and_debug(tmp_path):
     out = subprocess.run(base, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "malformed YAML" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run(base + ["--debug"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and "Traceback" in out.stderr and "ConfigError" in out.stderr
+    assert out.returncode == 2 and "Traceback" in out.stderr and "ConfigError" in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+# ---------------------------------------------------------------- output_dir, eval settings, model paths
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any model load fails the test: these errors must come first."""
+    import echotrain.models
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the error")
+
+    monkeypatch.setattr(echotrain.models, "load_policy", refuse)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_unwritable_output_dir_before_any_model_load(cwd, capsys, no_model_load):
+    """/proc accepts no new entry, even for root (whom os.access always allows)."""
+    fails(capsys, cwd, ["train", "model=testbed", "task=testbed", "output_dir=/proc/forbidden/run"],
+          "output_dir='/proc/forbidden/run'", "cannot write in /proc")
+    # --debug adds the traceback and keeps exit 2
+    assert cli.main(["train", "model=testbed", "task=testbed", "output_dir=/proc/forbidden", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ConfigError" in err and "output_dir='/proc/forbidden'" in err
+
+
+def test_read_only_output_dir(cwd, capsys, no_model_load):
+    ro = cwd / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        from echotrain.train import preflight
+
+        try:
+            preflight.check_writable(ro, "output_dir")
+            can_write = True
+        except Exception:
+            can_write = False
+        if can_write:
+            pytest.skip("this user (root) can write into a 0o555 folder; the /proc case above covers root")
+        fails(capsys, cwd, ["train", f"output_dir={ro / 'run'}"], "output_dir=", "cannot write in", str(ro))
+    finally:
+        ro.chmod(0o755)
+
+
+def test_eval_greedy_with_several_samples_is_refused(cwd, capsys, no_model_load):
+    fails(capsys, cwd, ["eval", "--temperature", "0"], "temperature=0", "n=4", "--n 1")
+    fails(capsys, cwd, ["eval", "--temperature", "0", "--n", "2", "--k", "1,2"], "n=2", "identical")
+    fails(capsys, cwd, ["eval", "--temperature", "-1", "--n", "1"], "--temperature must be >= 0")
+    # the suite path refuses with the same rule
+    fails(capsys, cwd, ["eval", "--benchmark", "gsm8k=nowhere.jsonl", "--temperature", "0", "--n", "4"],
+          "decodes greedily", "--n 1")
+
+
+def test_eval_missing_path_like_model_says_no_such_folder(cwd, capsys, no_model_load):
+    (cwd / "runs").mkdir()
+    err = fails(capsys, cwd, ["eval", "--model", "runs/does-not-exist"], "'runs/does-not-exist'", "no such folder",
+                "runs/ exists")
+    assert "hub" not in err
+    # no local runs/ folder: could be a hub id, so the message says both
+    fails(capsys, cwd, ["eval", "--model", "other/does-not-exist"], "no such local file or folder",
+          "needs the Hugging Face hub model")
+    fails(capsys, cwd, ["train", "model=runs/none"], "model='runs/none'", "no such folder")
+
+
+def test_every_local_model_name_passes_the_preflight_offline(cwd):
+    """Each name load_policy resolves without the hub (one table) is accepted with HF_HUB_OFFLINE=1."""
+    from echotrain.models.hf import LOCAL_MODELS
+    from echotrain.train import preflight
+
+    assert "testbed" in LOCAL_MODELS and "smollm2-135m-instruct" in LOCAL_MODELS
+    for name in LOCAL_MODELS:
+        preflight.check_model(name)
+        preflight.check_eval_model(name)

@@ -62,3 +62,31 @@ def test_checkpoint_atomic_keep_last_and_rng(tmp_path, tiny_model):
         load_checkpoint(tmp_path / "nope.pt")
     s = rng_state()
     assert {"python", "numpy", "torch"} <= set(s) and not math.isnan(float(torch.rand(())))
+
+
+def test_checkpoint_write_is_durable(tmp_path, tiny_model, monkeypatch):
+    """fsync of the new file before the rename, of the folder after it (the rename itself is
+    durable only then), and of the folder again after old checkpoints are removed."""
+    import os
+    import stat
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append("replace")
+        real_replace(src, dst)
+
+    opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-3)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    save_checkpoint(tmp_path, 1, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+    assert events == ["fsync file", "replace", "fsync dir"]
+    events.clear()
+    save_checkpoint(tmp_path, 2, model=tiny_model, optimizer=opt, scheduler=None, data_state={}, keep_last=1)
+    assert events == ["fsync file", "replace", "fsync dir", "fsync dir"]  # the last one: step 1 removed
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002.pt"]

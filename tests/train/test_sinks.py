@@ -171,3 +171,90 @@ def test_trackio_read_back(tracked_run):
     rows = db.execute("SELECT step, metrics FROM metrics WHERE run_name = ? ORDER BY step", (run_dir.name,)).fetchall()
     assert [int(r[0]) for r in rows] == [1, 2]
     assert [json.loads(r[1])["reward/mean"] for r in rows] == pytest.approx([r["reward/mean"] for r in records])
+
+
+# ---------------------------------------------------------------- resume
+def test_tensorboard_resume_purges_the_steps_run_again(tmp_path, testbed_cache, capsys):
+    """A run killed after step 3 with its last checkpoint at step 2, resumed: step 3 is logged
+    again, and the event files read back hold each step once (purge_step), with the new values."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from echotrain import cli
+
+    run = tmp_path / "run"
+    args = ["model=testbed", "task=testbed", "prompts_per_step=2", "num_generations=2", "max_new_tokens=4",
+            "micro_batch_size=4", "eval_prompts=0", "num_threads=1", "progress=false", "plots=false",
+            "save_final_model=false", "report_to=tensorboard", "save_every=1", "keep_last=3", "steps=3"]
+    assert cli.main(["train", *args, f"output_dir={run}"]) == 0
+    (run / "checkpoints" / "step_00000003.pt").unlink()  # as if killed before step 3's checkpoint
+    assert cli.main(["train", "--resume", str(run)]) == 0, capsys.readouterr().err
+    records = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert len(glob.glob(str(run / "tensorboard" / "events.out.tfevents.*"))) == 2  # one file per process
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    for key in ("reward/mean", "grad_norm", "lr"):
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == [1, 2, 3], key
+        assert [e.value for e in events] == pytest.approx([r[key] for r in records], rel=1e-6, abs=1e-7)
+
+
+def test_tensorboard_sink_purge_step(monkeypatch, tmp_path):
+    """The writer is opened with purge_step = start_step + 1 on resume, none on a new run."""
+    pytest.importorskip("tensorboard")
+    import torch.utils.tensorboard as tb
+
+    seen = []
+
+    class FakeWriter:
+        def __init__(self, log_dir, purge_step=None):
+            seen.append((log_dir, purge_step))
+
+    monkeypatch.setattr(tb, "SummaryWriter", FakeWriter)
+    SINKS["tensorboard"](tmp_path, {}, "p")
+    SINKS["tensorboard"](tmp_path, {}, "p", start_step=7)
+    assert seen == [(str(tmp_path / "tensorboard"), None), (str(tmp_path / "tensorboard"), 8)]
+
+
+def test_wandb_resume_continues_the_same_run_id(monkeypatch, tmp_path):
+    """The W&B run id is kept in <run>/wandb/run_id; a resumed run passes it with resume='allow'."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from echotrain.train.sinks import WandbSink, build_sinks
+
+    calls = []
+
+    class FakeRun:
+        def __init__(self, **kw):
+            self.kw, self.logged = kw, []
+
+        def log(self, values, step):
+            self.logged.append((step, values))
+
+        def finish(self):
+            pass
+
+    def init(**kw):
+        calls.append(kw)
+        return FakeRun(**kw)
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    (first,) = build_sinks(["wandb"], tmp_path, {"lr": 1}, "proj")
+    first.log({"step": 1, "reward/mean": 0.5}, 1)
+    first.close()
+    run_id = (tmp_path / WandbSink.RUN_ID_FILE).read_text().strip()
+    assert len(run_id) == 8 and run_id.isalnum() and run_id.islower()
+    (second,) = build_sinks(["wandb"], tmp_path, {"lr": 1}, "proj", start_step=1)
+    assert [c["id"] for c in calls] == [run_id, run_id]
+    assert all(c["resume"] == "allow" and c["mode"] == "offline" and c["dir"] == str(tmp_path) for c in calls)
+    other = tmp_path / "other"
+    other.mkdir()
+    build_sinks(["wandb"], other, {}, "proj")
+    assert calls[-1]["id"] != run_id  # another run directory, another run

@@ -119,6 +119,10 @@ def run_compare(args: argparse.Namespace) -> int:
                 get_task(c.config.task, **c.config.task_options)
             except (KeyError, ValueError, TypeError) as exc:
                 raise ConfigError(f"task={c.config.task!r} task_options={c.config.task_options}: {exc}") from None
+        from echotrain.train import preflight
+
+        for model in dict.fromkeys(c.config.model for c in cells):  # as echotrain train does, once per model
+            preflight.check_model(model)
         for c in cells:
             check_cell_config(c)
     except (ConfigError, ValueError) as exc:

@@ -112,12 +112,13 @@ def run_suite_command(args: argparse.Namespace) -> int:
         return fail(exc)
     import torch
 
+    from echotrain.train.checkpoint import CheckpointError
     from echotrain.train.evaluate import load_for_eval
 
     torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:
         model, tok, desc = load_for_eval(args.model, device=args.device)
-    except OSError as exc:  # a model that passed the checks but does not load
+    except (OSError, CheckpointError) as exc:  # a model that passed the checks but does not load
         if getattr(args, "debug", False):
             raise
         return fail(exc)

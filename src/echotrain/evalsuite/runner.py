@@ -127,9 +127,11 @@ def _check_settings(n: int, ks: Sequence[int], temperature: float, top_p: float,
         raise SuiteInputError(f"temperature (--temperature) must be >= 0 (0 = greedy), got {temperature!r}")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise SuiteInputError(f"top_p (--top-p) must be in (0, 1], got {top_p!r}")
-    if temperature == 0 and n > 1:
-        raise SuiteInputError(f"temperature=0 decodes greedily, so the n={n} samples of a problem would be "
-                              f"identical; use n=1 (--n 1) or a temperature > 0")
+    from echotrain.train.evaluate import greedy_samples_error
+
+    greedy = greedy_samples_error(n, temperature)
+    if greedy:
+        raise SuiteInputError(greedy)
 
 
 _SETTING_KEYS = ("n", "ks", "temperature", "top_p", "max_new_tokens", "batch_size", "seed", "limit",

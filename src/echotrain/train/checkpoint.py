@@ -3,8 +3,8 @@
 A checkpoint is one ``torch.save`` file ``<run>/checkpoints/step_<step, 8 digits>.pt`` holding the
 model, optimizer and scheduler state dicts, every RNG state (python, numpy, torch CPU and CUDA),
 the data position and the step. It is written to a temporary file in the same folder, flushed
-to disk and renamed over the final name, so a run killed at any moment leaves either the old
-or the new checkpoint, never a torn one.
+to disk (``fsync``), renamed over the final name and the folder fsynced, so a run killed at any
+moment (or a power loss) leaves either the old or the new checkpoint, never a torn one.
 """
 
 from __future__ import annotations
@@ -49,8 +49,24 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """``fsync`` a directory, so the entries renamed or removed in it survive a power loss (POSIX:
+    a rename is durable only once its directory is synced). A no-op where directories cannot be
+    opened (Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # pragma: no cover - Windows
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temp file in the same folder, fsync, then ``os.replace`` onto ``path``."""
+    """``torch.save`` to a temp file in the same folder, fsync it, ``os.replace`` it onto
+    ``path``, then fsync the folder (:func:`fsync_dir`): after a crash at any moment ``path`` is
+    the old file or the complete new one, and once this returns the new one is on disk."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -60,6 +76,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -103,8 +120,12 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         "extra": dict(extra or {}),
     }
     atomic_torch_save(state, path)
+    removed = False
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
+        removed = True
+    if removed:
+        fsync_dir(path.parent)
     return path
 
 
@@ -162,6 +183,27 @@ def latest_valid_checkpoint(run_dir: str | os.PathLike) -> tuple[Path | None, li
     return None, damaged
 
 
+def restart_schedule(scheduler: Any, saved: dict[str, Any]) -> None:
+    """Continue ``scheduler`` (a ``LambdaLR`` built for *this* run: its multiplier functions and
+    peak LRs come from the resumed config, e.g. a larger ``steps``) from a checkpoint's scheduler
+    state ``saved``: only the count of optimizer steps taken (``last_epoch``) is taken from the
+    checkpoint. Each parameter group's ``lr`` is then set to ``base_lr * lr_lambda(last_epoch)``
+    of the new schedule, so the first resumed update already uses it, not the LR the optimizer
+    state stored (with cosine over the old ``steps`` that is 0 at the end of a finished run).
+
+    A scheduler that is not a ``LambdaLR`` is restored as saved (``load_state_dict``).
+    """
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        scheduler.load_state_dict(saved)
+        return
+    scheduler.last_epoch = int(saved["last_epoch"])
+    groups = scheduler.optimizer.param_groups
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = list(lrs)  # what get_last_lr() returns, as after a step()
+
+
 def resume_from(run_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: Any, data: Any, dist: Any, device: torch.device,
                 extra_state: Callable[[dict[str, Any]], None] | None = None) -> int:
@@ -198,7 +240,7 @@ def resume_from(run_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer
     load_model_state(model, state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
+        restart_schedule(scheduler, state["scheduler"])
     data.load_state_dict(state["data"])
     if extra_state is not None:
         extra_state(state.get("extra", {}))

@@ -207,6 +207,15 @@ def run_eval(args: argparse.Namespace) -> int:
         print(f"echotrain eval: error: need --n >= 1, --prompts >= 1 and every k in [1, n={args.n}]; got k={ks}",
               file=sys.stderr)
         return 2
+    from echotrain.train.evaluate import greedy_samples_error
+
+    if not args.temperature >= 0:  # also NaN
+        print(f"echotrain eval: error: --temperature must be >= 0 (0 = greedy), got {args.temperature}", file=sys.stderr)
+        return 2
+    greedy = greedy_samples_error(args.n, args.temperature)
+    if greedy:
+        print(f"echotrain eval: error: {greedy}", file=sys.stderr)
+        return 2
     options: dict[str, Any] = {}
     for item in args.task_option:
         if "=" not in item:
@@ -232,13 +241,14 @@ def run_eval(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    from echotrain.train.checkpoint import CheckpointError
     from echotrain.train.evaluate import evaluate, load_for_eval
     from echotrain.train.precision import autocast, resolve_for
 
     torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:
         model, tok, desc = load_for_eval(args.model, device=args.device)
-    except OSError as exc:
+    except (OSError, CheckpointError) as exc:
         if getattr(args, "debug", False):
             raise
         print(f"echotrain eval: error: {exc}", file=sys.stderr)

@@ -30,6 +30,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def greedy_samples_error(n: int, temperature: float) -> str | None:
+    """Why ``n`` samples at ``temperature`` are refused, or None: ``temperature=0`` decodes
+    greedily, so every sample of a prompt is the same and ``n > 1`` only repeats the work (and
+    makes pass@k for k > 1 equal pass@1). ``echotrain eval`` (``--task`` and ``--suite``) refuses
+    it with exit 2 rather than silently resetting ``n`` (a documented choice: the command line the
+    user wrote is the one that runs)."""
+    if temperature == 0 and n > 1:
+        return (f"temperature=0 (--temperature 0) decodes greedily, so the n={n} samples of a prompt would be "
+                "identical; use --n 1, or a temperature > 0 to sample")
+    return None
+
+
 def default_eval_task(task: Any, task_name: str, task_options: dict[str, Any]) -> Any:
     """The task of a training run's greedy evaluation: ``task.eval_task()`` when the task has one
     (its held-out split), else the task built by ``get_task(task_name, **task_options)`` with
@@ -107,6 +119,8 @@ def load_for_eval(model: str | None, device: str = "cpu") -> tuple[Any, Any, str
     - run directory (has ``config.yaml``): its ``final_model`` if present, else the base model of
       its config with the latest checkpoint's weights;
     - a checkpoint file ``.../checkpoints/step_*.pt``: the run's base model with these weights;
+      a LoRA run's checkpoint (``lora_r > 0`` in its config.yaml) holds the adapters only, so
+      they are put on the base model (the run's ``lora_*`` settings) and merged into it;
     - anything else (or None): ``echotrain.models.load_policy(model)``.
 
     Returns:
@@ -114,9 +128,11 @@ def load_for_eval(model: str | None, device: str = "cpu") -> tuple[Any, Any, str
 
     Raises:
         FileNotFoundError: a run directory without a model or checkpoint.
+        echotrain.train.checkpoint.CheckpointError: a damaged checkpoint, or one whose weights do
+            not fit the run's base model (names both).
     """
     from echotrain.models import load_policy
-    from echotrain.train.checkpoint import latest_valid_checkpoint, load_checkpoint
+    from echotrain.train.checkpoint import CheckpointError, latest_valid_checkpoint, load_checkpoint
 
     if model is not None and os.path.exists(model):
         p = Path(model)
@@ -136,9 +152,24 @@ def load_for_eval(model: str | None, device: str = "cpu") -> tuple[Any, Any, str
             return m, tok, str(p)
         import yaml
 
-        base = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("model")
+        run_cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        base = run_cfg.get("model")
         m, tok = load_policy(base, device=device)
-        m.load_state_dict(load_checkpoint(ckpt, map_location=device)["model"])
+        state = load_checkpoint(ckpt, map_location=device)["model"]
+        lora_r = int(run_cfg.get("lora_r") or 0)
+        if lora_r > 0:  # the checkpoint holds the adapters only: base model + adapters, merged for speed
+            from echotrain.train.lora import apply_lora, load_model_state
+
+            m = apply_lora(m, r=lora_r, alpha=float(run_cfg.get("lora_alpha", 16.0)), dropout=0.0,
+                           target_modules=str(run_cfg.get("lora_target_modules", "all-linear")))
+            load_model_state(m, state)
+            m = m.merge_and_unload().eval()
+            return m, tok, f"{ckpt} (base {base or 'default'} + LoRA r={lora_r} adapters)"
+        try:
+            m.load_state_dict(state)
+        except RuntimeError as exc:  # e.g. a checkpoint of another base model
+            raise CheckpointError(f"checkpoint {str(ckpt)!r} does not fit its run's base model {base or 'default'!r}: "
+                                  f"{str(exc).splitlines()[0]}") from exc
         return m, tok, f"{ckpt} (base {base or 'default'})"
     m, tok = load_policy(model, device=device)
     return m, tok, model or "smollm2-135m-instruct (embedded default)"

@@ -56,9 +56,18 @@ def apply_lora(model: Any, *, r: int, alpha: float, dropout: float, target_modul
         ImportError: peft is not installed (names the extra to install).
         ValueError: empty target list, or no module of the model matches.
     """
+    import torch
+
     peft = _peft()
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=parse_target_modules(target_modules),
-                          bias="none", task_type="CAUSAL_LM")
+    # peft's CAUSAL_LM wrapper needs transformers' generation API; our own models (the testbed's
+    # LoopedTransformer) have their own generate and get the task-agnostic wrapper; peft then cannot
+    # tell the output head, so all-linear leaves out ``lm_head`` by name, as it does for transformers
+    task_type = "CAUSAL_LM" if hasattr(model, "prepare_inputs_for_generation") else None
+    targets = parse_target_modules(target_modules)
+    exclude = (["lm_head"] if task_type is None and targets == "all-linear"
+               and isinstance(getattr(model, "lm_head", None), torch.nn.Linear) else None)
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
+                          task_type=task_type, exclude_modules=exclude)
     return peft.get_peft_model(model, cfg)
 
 

@@ -192,21 +192,22 @@ def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
 class MetricsLogger:
     """Appends step records to ``metrics.jsonl`` (flushed each step) and mirrors them to the
     tracker sinks named in ``report_to`` (:mod:`echotrain.train.sinks`: tensorboard, wandb,
-    trackio; comma-separated).
+    trackio; comma-separated). ``start_step``: the checkpoint step of a ``--resume`` (the sinks
+    then drop or continue what they hold past it), 0 for a new run.
 
     Raises:
         ValueError: unknown sink name. ImportError: a sink's library is missing (names the extra).
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, report_to: str | list[str] = "", project: str = "echotrain",
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, start_step: int = 0):
         from echotrain.train.sinks import build_sinks, parse_report_to
 
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "samples.jsonl"
         names = parse_report_to(",".join(report_to) if isinstance(report_to, list) else report_to)
-        self.sinks = build_sinks(names, self.run_dir, config, project)
+        self.sinks = build_sinks(names, self.run_dir, config, project, start_step=start_step)
 
     def log(self, record: dict[str, Any]) -> None:
         """Append one step record (and send it to every sink)."""

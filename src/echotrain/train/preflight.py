@@ -4,8 +4,9 @@
 before a model is loaded or a run directory is written. Each raises :class:`ConfigError` with
 one message naming the key or path, the problem and what to do; the CLI prints it and exits 2.
 
-- :func:`check_model` a local folder / ``.gguf`` file must exist (a folder must hold a
-  ``config.json``); a hub id must look like one and be reachable or cached.
+- :func:`check_model` a local model name (embedded, ``testbed``) is known offline; a local
+  folder / ``.gguf`` file must exist (a folder must hold a ``config.json``); a hub id must look
+  like one and be reachable or cached.
 - :func:`check_task` builds the task (cheap) and turns its errors (missing JSONL file, a row
   without an answer, no network for a hub data set) into one message.
 - :func:`check_device` ``cuda``/``cuda:N``/``mps`` must exist in this torch build and machine.
@@ -30,8 +31,8 @@ from typing import Any
 
 from echotrain.train.config import ConfigError
 
-__all__ = ["affinity_cores", "check_device", "check_eval_model", "check_model", "check_resume", "check_task",
-           "check_threads", "cpu_cores", "hub_reachable"]
+__all__ = ["affinity_cores", "check_device", "check_eval_model", "check_model", "check_output_dir", "check_resume",
+           "check_task", "check_threads", "check_writable", "cpu_cores", "hub_reachable"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 _TRUTHY = ("1", "true", "yes", "on")
@@ -135,22 +136,25 @@ def require_hub(repo_id: str, repo_type: str, key: str, alternative: str) -> Non
         _go_offline()
         return
     why = "HF_HUB_OFFLINE is set" if _offline_env() else "huggingface.co is not reachable (no network)"
-    raise ConfigError(f"{key}: needs the Hugging Face hub {repo_type} {repo_id!r}, but {why} and it is not in the "
+    raise ConfigError(f"{key} needs the Hugging Face hub {repo_type} {repo_id!r}, but {why} and it is not in the "
                       f"local cache ({_hub_cache()}); {alternative}")
 
 
 def check_model(name: str | None, key: str = "model") -> None:
     """Check a ``model`` value before loading it (see :func:`echotrain.models.load_policy`).
 
+    A local model name (:data:`echotrain.models.hf.LOCAL_MODELS`: the embedded models and
+    ``testbed``) never needs the hub; it is checked by :func:`echotrain.models.hf.check_local_model`.
+
     Raises:
-        ConfigError: a missing local path or ``.gguf`` file, a folder without ``config.json``, a
+        ConfigError: an embedded model whose package is missing, a missing local path or ``.gguf`` file, a folder without ``config.json``, a
             string that is neither a path nor a hub id, or a hub id with no network and no cache.
     """
-    from echotrain.models.gguf import EMBEDDED_MODELS, locate_gguf
+    from echotrain.models.hf import DEFAULT_MODEL, LOCAL_MODELS, check_local_model, local_model_names
 
-    if name is None or name in EMBEDDED_MODELS:
+    if name is None or name in LOCAL_MODELS:
         try:
-            locate_gguf(name or "smollm2-135m-instruct")
+            check_local_model(name or DEFAULT_MODEL)
         except (FileNotFoundError, KeyError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
         return
@@ -170,9 +174,13 @@ def check_model(name: str | None, key: str = "model") -> None:
     looks_like_path = s.startswith(("/", "./", "../", "~")) or s.count("/") > 1 or os.sep + os.sep in s
     if looks_like_path or not _REPO_ID.match(s):
         raise ConfigError(f"{key}={s!r}: no such file or folder, and not a Hugging Face hub id (org/name); "
-                          f"embedded models: {', '.join(sorted(EMBEDDED_MODELS))}")
-    require_hub(s, "model", f"{key}={s!r}", "give a local model folder or a .gguf file, or run where the hub is "
-                "reachable once to fill the cache")
+                          f"local models: {', '.join(local_model_names())}")
+    if "/" in s and p.parent.is_dir() and not _in_hub_cache(s, "model"):
+        # "runs/x" where runs/ is a local folder: a path that does not exist, not a hub id to fetch
+        raise ConfigError(f"{key}={s!r}: no such folder ({p.parent}/ exists here but holds no {p.name!r}); give an "
+                          "existing model folder, run directory or .gguf file")
+    require_hub(s, "model", f"{key}={s!r}: no such local file or folder, and it", "give a local model folder or a "
+                ".gguf file, or run where the hub is reachable once to fill the cache")
 
 
 def check_task(name: str, options: dict[str, Any], key: str = "task") -> Any:
@@ -276,25 +284,45 @@ def check_resume(run_dir: str | os.PathLike, steps: int) -> Path:
 
 
 def check_output_dir(output_dir: str | None, resume: bool) -> None:
-    """A new run must not write into a file or into another run's directory.
+    """A new run must not write into a file or into another run's directory, and must be able to
+    create its directory (``output_dir``, or ``runs/`` when unset).
 
     Raises:
         ConfigError: ``output_dir`` is a file, holds a run already (``metrics.jsonl`` or
-            ``checkpoints/``) and this is not ``--resume``, or its nearest existing parent is not writable.
+            ``checkpoints/``) and this is not ``--resume``, or nothing can be created in it / its
+            nearest existing parent (:func:`check_writable`).
     """
-    if not output_dir:
-        return
-    p = Path(output_dir).expanduser()
+    p = Path(output_dir or "runs").expanduser()  # unset: runs/<preset>-<time> is created in the working folder
+    key = f"output_dir={output_dir!r}" if output_dir else "output_dir (unset: runs/<preset>-<time>)"
     if p.exists() and not p.is_dir():
-        raise ConfigError(f"output_dir={output_dir!r} is a file, not a folder")
-    if not resume and p.is_dir() and ((p / "metrics.jsonl").exists() or (p / "checkpoints").exists()):
+        raise ConfigError(f"{key} is a file, not a folder" if output_dir else f"{key}: {p} is a file, not a folder")
+    if output_dir and not resume and p.is_dir() and ((p / "metrics.jsonl").exists() or (p / "checkpoints").exists()):
         raise ConfigError(f"output_dir={output_dir!r} holds a run already; continue it with --resume {output_dir} or "
                           "choose another output_dir")
     parent = p
     while not parent.exists():
         parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"output_dir={output_dir!r}: {parent} is not writable")
+    check_writable(parent, key)
+
+
+def check_writable(folder: str | os.PathLike, key: str) -> None:
+    """``folder`` (an existing directory) accepts a new entry: a temporary subfolder is created
+    and removed at once. A real write, not ``os.access``: root passes every permission check,
+    yet cannot create anything in ``/proc`` or on a read-only mount.
+
+    Raises:
+        ConfigError: the folder cannot be written; the message starts with ``key`` and gives the
+            reason (``strerror``).
+    """
+    import tempfile
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"{key}: {folder} is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".echotrain-write-check-", dir=folder))
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot write in {folder} ({exc.strerror or exc}); give a writable folder") from None
 
 
 def check_chat_template(value: str | None) -> None:

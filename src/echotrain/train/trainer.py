@@ -166,7 +166,7 @@ class Trainer:
                 lora=is_lora(self.model),
                 autocast=setting_name(self.autocast_dtype), autocast_reason=self.autocast_reason))
             self.logger = MetricsLogger(self.run_dir, report_to=cfg.report_to, project=cfg.wandb_project,
-                                        config=cfg.to_dict())
+                                        config=cfg.to_dict(), start_step=self.start_step)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """``cfg.optimizer`` on the trainable parameters, from its registry entry (which settings it

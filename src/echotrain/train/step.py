@@ -42,6 +42,11 @@ class StepData:
         old_log_prob: (N, T) float32 log-probs of the rollout policy.
         entropy: (N, T) float32 token entropy of the rollout policy.
         ref_log_prob: (N, T) float32 reference-policy log-probs, None without a KL term.
+        rollout_log_prob: (N, T) float32 log-probs of the sampled tokens under the model that
+            generated them, recorded inside generation (``batch.rollout_log_prob``:
+            ``log_softmax(logits / temperature)`` over the full vocabulary, the distribution
+            ``old_log_prob`` is computed from), 0 off the response positions; the behaviour
+            policy of ``rollout_correction`` and the train/inference mismatch metrics.
     """
 
     batch: RolloutBatch
@@ -62,6 +67,7 @@ class StepData:
     old_log_prob: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     ref_log_prob: torch.Tensor | None = None
+    rollout_log_prob: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.batch)

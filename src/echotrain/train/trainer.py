@@ -41,6 +41,7 @@ from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, r
                                      step_record, write_json_atomic)
 from echotrain.train.rollout import RolloutBatch
 from echotrain.train.stability import stability_flags
+from echotrain.rl.correction import rollout_mismatch_metrics
 from echotrain.train.step import StepData
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
                                     update_mini_batch)
@@ -228,7 +229,10 @@ class Trainer:
 
         # 4. old log-probs (rollout policy), entropy, reference log-probs; with reuse the first
         # update's own rows take theirs from its with-grad forward (the policy has not changed yet)
-        reuse = cfg.reuse_on_policy_log_probs and not self.dist.enabled and not isinstance(self.optimizer, SAM)
+        # (not with a rollout correction either: it reads every old log-prob before the first update)
+        reuse = cfg.reuse_on_policy_log_probs and not self.dist.enabled and not isinstance(self.optimizer, SAM) \
+            and self.loss_config.rollout_correction is None
+        data.rollout_log_prob = batch.rollout_log_prob
         data.old_log_prob, data.entropy = old_log_probs(
             functools.partial(self._log_probs_batched, self.model, with_entropy=True), batch,
             splits[0] if reuse else None)
@@ -241,8 +245,12 @@ class Trainer:
 
         # 6. metrics
         self._samples = sample_rows(step, data, cfg.log_samples)
-        return step_record(step, data, updates, last_lr=self.scheduler.get_last_lr()[0], t_start=t_start,
-                           cpu_start=cpu_start, t_update=t_update, device=self.device)
+        record = step_record(step, data, updates, last_lr=self.scheduler.get_last_lr()[0], t_start=t_start,
+                             cpu_start=cpu_start, t_update=t_update, device=self.device)
+        if data.rollout_log_prob is not None:  # train/inference mismatch of the whole step, every step
+            record.update(rollout_mismatch_metrics(data.old_log_prob, data.rollout_log_prob, data.response_mask,
+                                                   self.loss_config.log_ratio_clamp))
+        return record
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict[str, float]:

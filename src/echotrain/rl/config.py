@@ -163,7 +163,7 @@ class PolicyLossConfig:
         20.0, "log rho is clamped to +-this before exp, with zero gradient beyond (verl uses 20).",
         lambda v: None if _is_real(v) and v > 0 else "must be finite and > 0")  # inf: exp overflows
 
-    # ---- behaviour-policy (rollout) correction: echotrain.rl.correction, docs/design/objectives.md §8
+    # ---- behaviour-policy (rollout) correction: echotrain.rl.correction, docs/design/objectives.md §9
     rollout_correction: str | None = _setting(
         None, "Behaviour-policy correction stage applied to every policy loss, given the sampler's per-token "
         "log-probs rollout_log_prob (echotrain.rl.correction): a registered name or a comma-separated chain of them "

@@ -10,7 +10,7 @@ learner's recomputed ``old_log_prob``). A correction turns the sampler's per-tok
 - a modified ``response_mask`` (B, T): rejected tokens leave the loss *and* its normalisers,
 
 so every registered policy loss gets every correction with no per-loss code
-(:func:`echotrain.rl.compute_policy_loss` applies them; docs/design/objectives.md §8). The
+(:func:`echotrain.rl.compute_policy_loss` applies them; docs/design/objectives.md §9). The
 importance ratio of the correction is w = pi_old / mu = exp(old_log_prob - rollout_log_prob)
 (log-ratio clamped to +-``log_ratio_clamp``, verl's safety bound of 20).
 

@@ -13,6 +13,8 @@ name tuples ``POLICY_LOSSES``, ``ADV_METHODS``, ``AGG_MODES``, ``KL_ESTIMATORS``
 - :mod:`~echotrain.rl.advantages`  group advantages (GRPO, Dr. GRPO, batch-std), zero-variance flags
 - :mod:`~echotrain.rl.objectives`  PPO/GRPO/DAPO clip, GSPO, GSPO-token, ECHO; ``POLICY_LOSSES``
 - :mod:`~echotrain.rl.echo`        ECHO's math: batch ratio R, kappa, token loss, step statistics
+- :mod:`~echotrain.rl.correction`  behaviour-policy corrections (``rollout_correction``: TIS, IcePop/MIS,
+  k1/k2/k3 rejection, off-policy sequence mask, decoupled PPO); ``ROLLOUT_CORRECTIONS``
 - :mod:`~echotrain.rl.surrogate`   clamped log-ratio, PPO clip (shared by the losses)
 - :mod:`~echotrain.rl.aggregation` ``loss_agg_mode`` weights incl. Balanced Aggregation
 - :mod:`~echotrain.rl.step`        ``StepStats`` and ``LossStepStats`` (what a loss declares)
@@ -30,6 +32,7 @@ from echotrain.rl.aggregation import (
     register_agg_mode,
 )
 from echotrain.rl.config import ECHO_DEFAULT_BATCH_BAND, PolicyLossConfig, as_policy_loss_config
+from echotrain.rl.correction import ROLLOUT_CORRECTIONS, apply_rollout_correction, register_rollout_correction
 from echotrain.rl.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from echotrain.rl.objectives import (
     POLICY_LOSSES,
@@ -60,10 +63,12 @@ __all__ = [
     "PREPASS_LOSS_MODES",
     "PRESETS",
     "PolicyLossConfig",
+    "ROLLOUT_CORRECTIONS",
     "Preset",
     "StepStats",
     "agg_loss",
     "agg_weights",
+    "apply_rollout_correction",
     "as_policy_loss_config",
     "balanced_stats",
     "compute_advantages",
@@ -77,6 +82,7 @@ __all__ = [
     "register_agg_mode",
     "register_kl_estimator",
     "register_policy_loss",
+    "register_rollout_correction",
     "shard_batch",
     "split_micro_batches",
     "step_agg_loss",

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from echotrain.rl.correction_names import ROLLOUT_CORRECTIONS, parse_rollout_correction
 from echotrain.rl.validation import check_choice
 
 #: Provisional ECHO batch band (eps_b_low, eps_b_high) on R. Ours: no published value exists.
@@ -79,8 +80,6 @@ def _rollout_correction_check(v: Any) -> str | None:
         return None
     if not isinstance(v, str):
         return "must be a registered correction name, a comma-separated list of them, or none"
-    from echotrain.rl.correction import ROLLOUT_CORRECTIONS, parse_rollout_correction  # registry imports this module
-
     try:
         parse_rollout_correction(v)
     except ValueError as exc:

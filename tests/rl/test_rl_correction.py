@@ -288,6 +288,21 @@ def test_a_newly_registered_correction_joins_the_enumerations():
 # --------------------------------------------------------------------------- bad inputs and settings
 
 
+def test_a_raw_signature_loss_without_the_weights_keyword_is_refused_clearly():
+    @POLICY_LOSSES.register("_raw_vanilla", step_stats=None)
+    def raw(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, *,
+            group_index=None, step=None):
+        return compute_policy_loss("vanilla", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+
+    try:
+        b = _batch()
+        with pytest.raises(ValueError, match="loss_mode='_raw_vanilla' does not take rollout_is_weights"):
+            compute_policy_loss("_raw_vanilla", b["old_log_prob"], b["log_prob"], b["advantages"], b["response_mask"],
+                                "token-mean", dict(rollout_correction="token_is"), rollout_log_prob=b["rollout_log_prob"])
+    finally:
+        POLICY_LOSSES.unregister("_raw_vanilla")
+
+
 def test_a_correction_without_rollout_log_prob_fails_naming_it():
     b = _batch()
     with pytest.raises(ValueError, match="rollout_correction='token_is' needs rollout_log_prob"):

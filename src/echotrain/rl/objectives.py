@@ -288,6 +288,17 @@ def compute_policy_loss_echo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str,
     return loss, metrics
 
 
+def _accepts_rollout_is_weights(fn: PolicyLossFn) -> bool:
+    """Whether a registered loss takes the ``rollout_is_weights`` keyword (verl's signature)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: let the call decide
+        return True
+    return "rollout_is_weights" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def compute_policy_loss(
     loss_mode: str,
     old_log_prob: torch.Tensor,
@@ -353,7 +364,11 @@ def compute_policy_loss(
         corrected = apply_rollout_correction(old_log_prob, rollout_log_prob, advantages, response_mask, cfg,
                                              stats=None if step is None else step.correction)
         response_mask, extra["rollout_is_weights"], corr_metrics = corrected
-    loss, metrics = POLICY_LOSSES[loss_mode](
+    fn = POLICY_LOSSES[loss_mode]
+    if extra and not _accepts_rollout_is_weights(fn):
+        raise ValueError(f"loss_mode={loss_mode!r} does not take rollout_is_weights, so rollout_correction cannot "
+                         "apply to it: register it with prepared_policy_loss or add verl's rollout_is_weights keyword")
+    loss, metrics = fn(
         old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, group_index=group_index, step=step,
         **extra)
     if corr_metrics:

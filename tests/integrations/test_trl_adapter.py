@@ -214,3 +214,50 @@ def test_loss_fields_are_policy_loss_config_fields(tmp_path):
     assert (plc.norm_constant, plc.clip_ratio_low, plc.clip_ratio_high, plc.log_ratio_clamp) == (12.0, 0.1, 0.3, 5.0)
     with pytest.raises(ValueError, match="norm_constant must be > 0"):
         EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, norm_constant=0)
+
+
+def test_rollout_correction_needs_vllm_log_probs(tmp_path):
+    with pytest.raises(ValueError, match="rollout_correction='token_is' needs the sampler's per-token log-probs"):
+        make_trainer(tmp_path, rollout_correction="token_is")
+
+
+@pytest.mark.parametrize("correction", ["token_is", "seq_mask,rejection"])
+def test_rollout_correction_with_vllm_log_probs_is_exact_over_the_window(tmp_path, correction):
+    """With TRL's sampling_per_token_logps (vLLM) as rollout_log_prob, two micro-batches through
+    _compute_loss == the whole step as one batch (batch-normalised weights are step-global)."""
+    import dataclasses
+
+    trainer = make_trainer(tmp_path, loss_mode="vanilla", loss_agg_mode="token-mean")
+    # as with use_vllm=True (vLLM itself is not installed here): the correction reads TRL's key
+    trainer.policy_loss_config = dataclasses.replace(trainer.policy_loss_config, rollout_correction=correction,
+                                                     rollout_is_threshold=1.05, rollout_is_threshold_lower=0.95,
+                                                     rollout_is_batch_normalize=True, rollout_rs="token_k2",
+                                                     rollout_rs_threshold=0.002)
+    model = trainer.model
+    model.train()
+    mbs = fabricated_window(trainer)
+    g = torch.Generator().manual_seed(3)
+    for mb in mbs:
+        mb["sampling_per_token_logps"] = mb["old_per_token_logps"] + 0.05 * torch.randn(
+            mb["old_per_token_logps"].shape, generator=g)
+    trainer._buffered_inputs = mbs
+    trainer.current_gradient_accumulation_steps = 2
+    model.zero_grad()
+    total = 0.0
+    for k, mb in enumerate(mbs):
+        trainer._step = k
+        loss = trainer._compute_loss(model, mb)
+        loss.backward()
+        total += float(loss.detach())
+    acc = _grads(model)
+    assert trainer._metrics["train"]["echotrain/rollout_corr/frac_high"][-1] > 0
+    model.zero_grad()
+    cat = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0] if k != "num_items_in_batch"}
+    log_prob, _ = trainer._log_probs(model, cat)
+    ref, _ = compute_policy_loss("vanilla", cat["old_per_token_logps"], log_prob, cat["advantages"],
+                                 cat["completion_mask"], "token-mean", trainer.policy_loss_config,
+                                 group_index=cat["group_index"], rollout_log_prob=cat["sampling_per_token_logps"])
+    ref.backward()
+    assert total == pytest.approx(float(ref.detach()), rel=1e-5, abs=1e-7)
+    for a, b in zip(acc, _grads(model)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

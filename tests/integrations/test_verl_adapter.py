@@ -201,8 +201,8 @@ def test_errors_are_clear():
         fn(old, log_prob, adv, mask, loss_agg_mode="token-max", config=_actor())
     with pytest.raises(ValueError, match="loss_scale_factor"):
         fn(old, log_prob, adv, mask, loss_agg_mode="seq-mean-token-sum-norm", config=_actor())
-    with pytest.raises(ValueError, match="rollout_correction"):
-        fn(old, log_prob, adv, mask, config=_actor(), rollout_is_weights=torch.ones_like(old))
+    with pytest.raises(ValueError, match="rollout_correction='token_is': in verl the correction is verl's own"):
+        make_verl_policy_loss("vanilla", {"rollout_correction": "token_is"})
     with pytest.raises(ValueError, match="batch_num_tokens"):
         fn(old, log_prob, adv, mask, loss_agg_mode="token-mean", config=_actor(dp_size=2))
     with pytest.raises(ValueError, match="clip_ratio_c"):
@@ -370,3 +370,15 @@ def test_balanced_estimator_takes_the_ba_flags_from_the_config():
     pooled = balanced_advantage_scale(adv, mask, gid, {"ba_scope": "batch"})
     assert not torch.equal(per_group, pooled)
     torch.testing.assert_close(pooled, 4 * torch.tensor([2 / 12, 1 / 4, 2 / 12, 0.0]))
+
+
+def test_verl_rollout_is_weights_reach_every_echotrain_loss():
+    """verl's rollout correction weights multiply each token's loss: weights of 2 double the loss."""
+    from echotrain.rl import POLICY_LOSSES
+
+    old, log_prob, adv, mask = _batch(6)
+    for name in POLICY_LOSSES:
+        fn = make_verl_policy_loss(name)
+        plain, _ = fn(old, log_prob, adv, mask, config=None)
+        doubled, _ = fn(old, log_prob, adv, mask, config=None, rollout_is_weights=torch.full_like(old, 2.0))
+        assert float(doubled) == pytest.approx(2 * float(plain), rel=1e-6), name

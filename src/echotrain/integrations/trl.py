@@ -147,6 +147,10 @@ class EchoGRPOTrainer(GRPOTrainer):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"EchoGRPOTrainer does not support {bad} (the echotrain loss has no such term)")
+        if args.rollout_correction is not None and not args.use_vllm:
+            raise ValueError(f"rollout_correction={args.rollout_correction!r} needs the sampler's per-token log-probs, "
+                             "which TRL records only when generating with vLLM (use_vllm=True: "
+                             "sampling_per_token_logps); set rollout_correction=None")
         super().__init__(*pargs, args=args, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError("EchoGRPOTrainer does not support MoE auxiliary losses (set router_aux_loss_coef=0)")
@@ -191,8 +195,10 @@ class EchoGRPOTrainer(GRPOTrainer):
         for mb in mbs:
             mask = self._mask(mb)
             old = mb.get("old_per_token_logps")
-            entry = {"response_mask": mask, "advantages": mb["advantages"], "group_index": mb["group_index"]}
-            if old is None and prepass and not ratio_only:
+            entry = {"response_mask": mask, "advantages": mb["advantages"], "group_index": mb["group_index"],
+                     "rollout_log_prob": mb.get("sampling_per_token_logps")}
+            if old is None and ((prepass and not ratio_only) or cfg.rollout_correction is not None):
+                # the pre-pass's statistics read the log-probs, or the correction needs pi_old itself
                 with torch.no_grad():
                     entry["old_log_prob"] = entry["log_prob"] = self._log_probs(model, mb)[0]
             elif old is None:
@@ -224,7 +230,8 @@ class EchoGRPOTrainer(GRPOTrainer):
         old = log_prob.detach() if old is None else old
         loss, metrics = compute_policy_loss(
             self.args.loss_mode, old, log_prob, inputs["advantages"], mask, self.args.loss_agg_mode,
-            self.policy_loss_config, group_index=inputs["group_index"], step=step)
+            self.policy_loss_config, group_index=inputs["group_index"], step=step,
+            rollout_log_prob=inputs.get("sampling_per_token_logps"))  # vLLM's log-probs: rollout_correction
         m = mask.bool()
         self._metrics[mode]["entropy"].append(float(entropies.detach()[m].mean()) if m.any() else 0.0)
         for k, v in metrics.items():

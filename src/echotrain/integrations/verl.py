@@ -50,7 +50,11 @@ of ``scripts/verl_upstream_tests.py`` is recorded in docs/design/objectives.md):
 log-ratios are clamped at +-``log_ratio_clamp`` (20) with zero gradient beyond, where verl's
 ``vanilla`` clamps at +-20 the same way but verl's ``gspo`` clamps only the sequence mean from
 above at 10; ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` raises (verl divides by
-the padded width); ECHO's R is per micro-batch; ``rollout_is_weights`` are refused.
+the padded width); ECHO's R is per micro-batch. verl's rollout correction
+(``algorithm.rollout_correction``: its ``rollout_is_weights`` and rejection mask) is verl's own
+stage and applies to every echotrain loss (the weights multiply each token's loss, as in verl's
+losses); echotrain's ``rollout_correction`` setting is refused here (verl's loss signature has
+no ``rollout_log_prob``: configure the correction in verl).
 
 Config mapping: the token clip comes from verl's actor config (``clip_ratio_low`` /
 ``clip_ratio_high``, falling back to ``clip_ratio``, then to the ``config`` given to
@@ -222,16 +226,20 @@ def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str
         echotrain ``config`` is used as is, token clip included) and the metrics are
         echotrain's, prefixed ``actor/``.
 
-    The returned function raises ``ValueError`` for ``rollout_is_weights`` (verl's rollout
-    correction is not supported: disable ``algorithm.rollout_correction``), for
-    ``loss_agg_mode="balanced"`` (use :data:`ADV_ESTIMATORS`), for modes verl does not have, for
-    ``seq-mean-token-sum-norm`` without ``loss_scale_factor``, and
+    ``rollout_is_weights`` (verl's rollout correction) multiply each token's loss. The
+    returned function raises ``ValueError`` for
+    ``loss_agg_mode="balanced"`` (use :data:`ADV_ESTIMATORS`), for verl modes echotrain does not
+    share (``token-sum``), for ``seq-mean-token-sum-norm`` without ``loss_scale_factor``, and
     for ``dp_size > 1`` without the global count; plus every error of
     :func:`echotrain.rl.compute_policy_loss`.
     """
     if loss_mode not in POLICY_LOSSES:
         raise ValueError(f"unknown loss_mode {loss_mode!r}; valid: {sorted(POLICY_LOSSES)}")
     base = as_policy_loss_config(config)
+    if base.rollout_correction is not None:
+        raise ValueError(f"rollout_correction={base.rollout_correction!r}: in verl the correction is verl's own stage "
+                         "(algorithm.rollout_correction: rollout_is, rollout_rs, ...); its weights reach the echotrain "
+                         "loss as rollout_is_weights. Leave echotrain's rollout_correction none")
 
     def policy_loss(
         old_log_prob: torch.Tensor,
@@ -242,11 +250,6 @@ def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str
         config: Any = None,
         rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        if rollout_is_weights is not None:
-            raise ValueError(
-                "echotrain losses do not apply verl's rollout_is_weights; disable algorithm.rollout_correction "
-                "or use a verl loss"
-            )
         if loss_agg_mode == "balanced":
             raise ValueError(
                 "loss_agg_mode='balanced' cannot be computed inside a verl loss (no prompt groups); use "
@@ -267,7 +270,10 @@ def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str
                 )
             cfg = dataclasses.replace(cfg, norm_constant=float(factor))
         mask = response_mask.bool()
-        loss, metrics = compute_policy_loss(loss_mode, old_log_prob, log_prob, advantages, mask, loss_agg_mode, cfg)
+        # verl's own rollout correction (algorithm.rollout_correction) computed the weights and the
+        # rejection mask; every echotrain loss applies them like verl's losses do
+        loss, metrics = compute_policy_loss(loss_mode, old_log_prob, log_prob, advantages, mask, loss_agg_mode, cfg,
+                                            rollout_is_weights=rollout_is_weights)
         # rescale the local normaliser to the step's: loss_mb * local / global * dp_size
         if loss_agg_mode == "token-sum":  # no normaliser: each rank's sum, times dp_size (as verl)
             return loss * dp_size, {f"actor/{k}": float(v) for k, v in metrics.items()}

@@ -14,6 +14,8 @@ name tuples ``POLICY_LOSSES``, ``ADV_METHODS``, ``AGG_MODES``, ``KL_ESTIMATORS``
 - :mod:`~echotrain.rl.objectives`  PPO/GRPO/DAPO clip, GSPO, GSPO-token, ECHO; ``POLICY_LOSSES``
 - :mod:`~echotrain.rl.losses`      CISPO, SAPO, GMPO, DPPO, GPG, Clip-/KL-Cov, DRO, LUSPO, VESPO
 - :mod:`~echotrain.rl.echo`        ECHO's math: batch ratio R, kappa, token loss, step statistics
+- :mod:`~echotrain.rl.correction`  behaviour-policy corrections (``rollout_correction``: TIS, IcePop/MIS,
+  k1/k2/k3 rejection, off-policy sequence mask, decoupled PPO); ``ROLLOUT_CORRECTIONS``
 - :mod:`~echotrain.rl.surrogate`   clamped log-ratio, PPO clip (shared by the losses)
 - :mod:`~echotrain.rl.aggregation` ``loss_agg_mode`` weights incl. Balanced Aggregation
 - :mod:`~echotrain.rl.step`        ``StepStats`` and ``LossStepStats`` (what a loss declares)
@@ -31,6 +33,7 @@ from echotrain.rl.aggregation import (
     register_agg_mode,
 )
 from echotrain.rl.config import ECHO_DEFAULT_BATCH_BAND, PolicyLossConfig, as_policy_loss_config
+from echotrain.rl.correction import ROLLOUT_CORRECTIONS, apply_rollout_correction, register_rollout_correction
 from echotrain.rl.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from echotrain.rl.objectives import (
     POLICY_LOSSES,
@@ -62,10 +65,12 @@ __all__ = [
     "PREPASS_LOSS_MODES",
     "PRESETS",
     "PolicyLossConfig",
+    "ROLLOUT_CORRECTIONS",
     "Preset",
     "StepStats",
     "agg_loss",
     "agg_weights",
+    "apply_rollout_correction",
     "as_policy_loss_config",
     "balanced_stats",
     "compute_advantages",
@@ -79,6 +84,7 @@ __all__ = [
     "register_agg_mode",
     "register_kl_estimator",
     "register_policy_loss",
+    "register_rollout_correction",
     "shard_batch",
     "split_micro_batches",
     "step_agg_loss",

@@ -371,6 +371,11 @@ def agg_loss(
 
 
 def weighted_sum(loss_mat: torch.Tensor, mask: torch.Tensor, seq_weights: torch.Tensor) -> torch.Tensor:
-    """``sum_i w_i sum_t M_{i,t} l_{i,t}`` (no checks), in ``loss_mat``'s dtype."""
+    """``sum_i w_i sum_t M_{i,t} l_{i,t}`` (no checks), in ``loss_mat``'s dtype.
+
+    ``seq_weights`` ``(B,)``, or ``(B, T)`` per-token weights w_{i,t} (a rollout correction's
+    weights times the aggregation weights: ``sum_{i,t} w_{i,t} M_{i,t} l_{i,t}``)."""
+    if seq_weights.dim() == 2:
+        return torch.where(mask, loss_mat * seq_weights.to(loss_mat.dtype), 0.0).sum()
     seq_sums = torch.where(mask, loss_mat, 0.0).sum(-1)
     return (seq_sums * seq_weights.to(loss_mat.dtype)).sum()

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from echotrain.rl.correction_names import ROLLOUT_CORRECTIONS, parse_rollout_correction
 from echotrain.rl.validation import check_choice
 
 #: Provisional ECHO batch band (eps_b_low, eps_b_high) on R. Ours: no published value exists.
@@ -37,6 +38,9 @@ BATCH_RATIOS = ("geo", "arith")
 #: ECHO's token-level clip on top of the batch clip (docs/design/objectives.md §4, "open choices").
 ECHO_TOKEN_CLIPS = ("ppo", "none", "truncate")
 BA_SCOPES = ("group", "batch")
+#: Rejection statistics of the ``rejection`` correction (verl 0.9.1's ``rollout_rs`` options).
+RS_STATISTICS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+                 "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
 #: A field's check: value -> None if valid, else what is wrong ("must be ...").
 Check = Callable[[Any], "str | None"]
@@ -57,6 +61,30 @@ def _eps(upper: str | None = None) -> Check:
         return None
 
     return check
+
+
+def _positive(optional: bool = False) -> Check:
+    """Check of a threshold: a finite float > 0 (or None if ``optional``)."""
+
+    def check(v: Any) -> str | None:
+        if optional and v is None:
+            return None
+        return None if _is_real(v) and v > 0 else "must be a finite float > 0" + (" (or none)" if optional else "")
+
+    return check
+
+
+def _rollout_correction_check(v: Any) -> str | None:
+    """Check of ``rollout_correction``: None or a comma-separated list of registered names."""
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        return "must be a registered correction name, a comma-separated list of them, or none"
+    try:
+        parse_rollout_correction(v)
+    except ValueError as exc:
+        return f"is invalid ({exc}); valid names: {sorted(ROLLOUT_CORRECTIONS)}"
+    return None
 
 
 def _is_bool(v: Any) -> str | None:
@@ -191,12 +219,70 @@ class PolicyLossConfig:
         3.0, "VESPO power k for A < 0 (TRL default 3.0).", _non_negative)
     vespo_lambda_neg: float = _setting(
         2.0, "VESPO decay lambda for A < 0 (TRL default 2.0).", _positive)
+    # ---- behaviour-policy (rollout) correction: echotrain.rl.correction, docs/design/objectives.md §10
+    rollout_correction: str | None = _setting(
+        None, "Behaviour-policy correction stage applied to every policy loss, given the sampler's per-token "
+        "log-probs rollout_log_prob (echotrain.rl.correction): a registered name or a comma-separated chain of them "
+        "(token_is, seq_is, token_mask, seq_mask, rejection, offpolicy_mask, decoupled; weights multiply, masks "
+        "combine). Empty/none (default): no correction, today's loss bit-identical. verl: "
+        "algorithm.rollout_correction.rollout_is / rollout_rs.", _rollout_correction_check)
+    rollout_is_threshold: float = _setting(
+        2.0, "Upper threshold C on the importance weight pi_old/pi_rollout for token_is / seq_is (truncation, "
+        "min(w, C); TIS, Yao et al. 2025) and token_mask / seq_mask (weights above C are masked; IcePop, MIS). verl "
+        "rollout_is_threshold (default 2.0; typical 1.5-5 token, 2-10 sequence).", _positive())
+    rollout_is_threshold_lower: float | None = _setting(
+        None, "Lower threshold on the importance weight: token_is / seq_is raise weights below it to it, token_mask "
+        "/ seq_mask mask them (IcePop band [0.5, 5], arXiv 2510.18855). Empty/none: no lower threshold. Must be <= "
+        "rollout_is_threshold. verl: the lower half of rollout_is_threshold=\"lower_upper\" (IcePop only).",
+        _positive(optional=True))
+    rollout_is_batch_normalize: bool = _setting(
+        False, "Divide the correction weights by their mean over the optimizer step's kept tokens (token-level "
+        "weights) or sequences (sequence-level) so they average 1 (self-normalised IS); step-global, exact under "
+        "micro-batches and ranks. verl rollout_is_batch_normalize (default False).", _is_bool)
+    rollout_rs: str = _setting(
+        "token_k1", "Statistic of the rejection correction (verl rollout_rs, one option): token_k1/k2/k3 per token, "
+        "seq_sum_*, seq_mean_* (k1/k2/k3) or seq_max_* (k2/k3) per sequence, with k1 = log(pi_rollout/pi_old), "
+        "k2 = (log r)^2/2, k3 = r - 1 - log r, r = pi_old/pi_rollout (Schulman 2020). Rejected tokens leave the loss "
+        "and its normalisers (response_mask).", choices=RS_STATISTICS)
+    rollout_rs_threshold: float = _setting(
+        2.0, "Rejection upper threshold (verl rollout_rs_threshold): for k2/k3 statistics an upper bound on the "
+        "divergence; for k1 statistics an upper bound on the ratio exp(k1) = pi_rollout/pi_old (of the sequence "
+        "product for seq_sum, the geometric mean for seq_mean).", _positive())
+    rollout_rs_threshold_lower: float | None = _setting(
+        None, "Rejection lower ratio bound for k1 statistics (verl: the lower half of rollout_rs_threshold="
+        "\"lower_upper\"); empty/none: 1 / rollout_rs_threshold as in verl. Unused by k2/k3. Must be <= "
+        "rollout_rs_threshold.", _positive(optional=True))
+    behav_imp_weight_cap: float | None = _setting(
+        None, "decoupled PPO: tokens whose behaviour weight pi_prox/pi_behav (= exp(old_log_prob - "
+        "rollout_log_prob)) exceeds this cap get weight 0 (AReaL behav_imp_weight_cap, arXiv 2505.24298). "
+        "Empty/none: no cap.", lambda v: None if v is None or (_is_real(v) and v >= 1) else
+        "must be a finite float >= 1 (or none for no cap)")
+    offpolicy_mask_delta: float = _setting(
+        0.1, "offpolicy_mask (DeepSeek-V3.2 off-policy sequence masking, arXiv 2512.02556): a negative-advantage "
+        "sequence whose mean token KL estimate (1/|o|) sum log(pi_rollout/pi_old) exceeds delta gets weight 0. "
+        "No published value; 0.1 is ours.", _eps())
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check_setting(f, getattr(self, f.name))
-        if not self.clip_cov_lb < self.clip_cov_ub:
-            raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb} >= {self.clip_cov_ub}")
+        problem = cross_field_problem(self)
+        if problem:
+            raise ValueError(problem)
+
+
+def cross_field_problem(values: Any) -> str | None:
+    """What is wrong between settings (``values``: a :class:`PolicyLossConfig` or any object with
+    its attributes, e.g. a TrainConfig), or None: lower thresholds above their upper ones, a
+    Clip-Cov band with clip_cov_lb >= clip_cov_ub."""
+    for low, high in (("rollout_is_threshold_lower", "rollout_is_threshold"),
+                      ("rollout_rs_threshold_lower", "rollout_rs_threshold")):
+        lo, hi = getattr(values, low), getattr(values, high)
+        if lo is not None and _is_real(lo) and _is_real(hi) and lo > hi:
+            return f"{low}={lo!r} must be <= {high}={hi!r} (thresholds in the wrong order)"
+    lb, ub = getattr(values, "clip_cov_lb"), getattr(values, "clip_cov_ub")
+    if _is_real(lb) and _is_real(ub) and not lb < ub:
+        return f"clip_cov_lb={lb!r} must be < clip_cov_ub={ub!r}"
+    return None
 
 
 def check_setting(f: dataclasses.Field, value: Any) -> None:

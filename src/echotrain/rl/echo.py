@@ -198,7 +198,7 @@ def echo_loss(
         log_ratio: ``(B, T)`` clamped log rho, 0 at padding (carries grad).
         log_ratio_sum: its float64 sum (shared with the caller's ``ppo_kl``).
         advantages: ``(B, T)`` or broadcastable A. mask: bool ``(B, T)``.
-        seq_w: ``(B,)`` float64 aggregation weights. cfg: the loss config.
+        seq_w: ``(B,)`` float64 aggregation weights (``(B, T)`` with a rollout correction). cfg: the loss config.
         step: the step's statistics or None.
 
     Returns:
@@ -287,12 +287,12 @@ def _step_finish(sums: torch.Tensor, mbs: list[StepBatch], step: StepStats, redu
     grad_sum = 0.0
     if clipped and not cfg.detach_kappa:
         s = torch.zeros(1, dtype=torch.float64, device=sums.device)
-        for old, lp, adv, mask, gi in mbs:
+        for old, lp, adv, mask, gi, is_w in mbs:
             ratio = torch.exp(clamped_log_ratio(lp, old, cfg.log_ratio_clamp, mask))
             x = (kappa * ratio).detach().requires_grad_(True)
             with torch.enable_grad():
                 loss_mat, _ = echo_token_loss(ratio, x, adv, cfg, clipped)
-                w = seq_weights(mask, adv, step.loss_agg_mode, cfg, gi, step)
+                w = seq_weights(mask, adv, step.loss_agg_mode, cfg, gi, step, is_w)
                 (g,) = torch.autograd.grad(weighted_sum(loss_mat, mask, w), x)
             s += (g.to(torch.float64) * ratio.to(torch.float64)).sum()
         grad_sum = float(reduce_fn(s, "sum"))

@@ -46,7 +46,8 @@ from echotrain.rl.echo import (  # noqa: F401  re-exported: ECHO's math lives in
 from echotrain.rl.registry import Registry
 from echotrain.rl.step import LossStepStats, StepStats, seq_weights
 from echotrain.rl.surrogate import clamped_log_ratio, ppo_clip_loss
-from echotrain.rl.validation import check_choice, check_group_index, check_token_inputs
+from echotrain.rl.correction import apply_rollout_correction, parse_rollout_correction
+from echotrain.rl.validation import check_choice, check_finite, check_group_index, check_same_shape, check_token_inputs
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 #: ``loss_mode`` name -> policy loss function (verl's signature, above); a live mapping.
@@ -133,7 +134,8 @@ class PreparedInputs:
     ``old_log_prob``, ``log_prob``: the ``(B, T)`` inputs as given (``log_prob`` carries grad;
     padding may hold anything); ``advantages``: ``(B, T)`` or ``(B, 1)``, checked; ``mask``:
     bool ``(B, T)``; ``seq_weights``: ``(B,)`` float64 aggregation weights (the step's when
-    ``step`` is given); ``log_ratio``: ``(B, T)`` clamped log rho, 0 at padding; ``cfg``: the
+    ``step`` is given), ``(B, T)`` when a rollout correction's weights multiply them (pass it
+    to :func:`~echotrain.rl.aggregation.weighted_sum`, which takes both); ``log_ratio``: ``(B, T)`` clamped log rho, 0 at padding; ``cfg``: the
     :class:`PolicyLossConfig`; ``step``: the step's statistics or None.
     """
 
@@ -162,10 +164,13 @@ def prepared_policy_loss(default_loss_agg_mode: str) -> Callable[[LossCore], Pol
     ``advantages`` ``(B, T)`` or ``(B,)``, ``response_mask`` ``(B, T)`` bool or 0/1,
     ``loss_agg_mode`` one of :data:`echotrain.rl.AGG_MODES`, ``config`` a
     :class:`PolicyLossConfig` or dict, ``group_index`` ``(B,)`` int prompt-group ids
-    (``balanced`` only) and ``step`` the step-global statistics (:mod:`echotrain.rl.stepwise`)
-    or None. It checks the inputs, builds the config, the aggregation weights and the clamped
-    log-ratio, calls ``core`` and multiplies its loss by ``step.dp_size``. Errors: see
-    :func:`compute_policy_loss`.
+    (``balanced`` only), ``step`` the step-global statistics (:mod:`echotrain.rl.stepwise`)
+    or None and ``rollout_is_weights`` ``(B, T)`` per-token weights of a rollout correction
+    (verl's argument; :mod:`echotrain.rl.correction`) or None. It checks the inputs, builds the
+    config, the aggregation weights (times ``rollout_is_weights``: ``x.seq_weights`` is then
+    ``(B, T)``, and a core that aggregates with :func:`~echotrain.rl.aggregation.weighted_sum`
+    gets the correction with no code of its own) and the clamped log-ratio, calls ``core``
+    and multiplies its loss by ``step.dp_size``. Errors: see :func:`compute_policy_loss`.
     """
 
     def deco(core: LossCore) -> PolicyLossFn:
@@ -179,12 +184,16 @@ def prepared_policy_loss(default_loss_agg_mode: str) -> Callable[[LossCore], Pol
             *,
             group_index: torch.Tensor | None = None,
             step: StepStats | None = None,
+            rollout_is_weights: torch.Tensor | None = None,
         ) -> tuple[torch.Tensor, dict[str, float]]:
             cfg = as_policy_loss_config(config)
             adv, mask = check_token_inputs(old_log_prob, log_prob, advantages, response_mask)
             if group_index is not None:
                 check_group_index("group_index", group_index, mask.shape[0])
-            w = seq_weights(mask, adv, loss_agg_mode, cfg, group_index, step)
+            if rollout_is_weights is not None:
+                check_same_shape("response_mask", mask, rollout_is_weights=rollout_is_weights)
+                check_finite("rollout_is_weights", rollout_is_weights, mask)
+            w = seq_weights(mask, adv, loss_agg_mode, cfg, group_index, step, rollout_is_weights)
             log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
             loss, metrics = core(PreparedInputs(old_log_prob, log_prob, adv, mask, w, log_ratio, cfg, step))
             return loss * (1 if step is None else step.dp_size), metrics
@@ -295,6 +304,17 @@ def compute_policy_loss_echo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str,
     return loss, metrics
 
 
+def _accepts_rollout_is_weights(fn: PolicyLossFn) -> bool:
+    """Whether a registered loss takes the ``rollout_is_weights`` keyword (verl's signature)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: let the call decide
+        return True
+    return "rollout_is_weights" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def compute_policy_loss(
     loss_mode: str,
     old_log_prob: torch.Tensor,
@@ -306,8 +326,11 @@ def compute_policy_loss(
     *,
     group_index: torch.Tensor | None = None,
     step: StepStats | None = None,
+    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Dispatch to the policy loss registered as ``loss_mode`` in :data:`POLICY_LOSSES`.
+    """Dispatch to the policy loss registered as ``loss_mode`` in :data:`POLICY_LOSSES`, after
+    the rollout correction of ``config.rollout_correction`` (any loss, no per-loss code).
 
     Args:
         loss_mode: any name in :data:`POLICY_LOSSES` ("vanilla", "gspo", "gspo_token", "echo",
@@ -323,6 +346,14 @@ def compute_policy_loss(
         group_index: ``(B,)`` int prompt-group ids, needed by ``balanced``.
         step: :class:`echotrain.rl.stepwise.StepStats` for exact micro-batching; None means
             the inputs are the whole optimizer step.
+        rollout_log_prob: ``(B, T)`` the sampler's log-probs (behaviour policy mu), needed
+            when ``config.rollout_correction`` is set: the correction
+            (:func:`~echotrain.rl.correction.apply_rollout_correction`, with the step's
+            ``step.correction`` statistics) modifies ``response_mask`` and passes its weights
+            to the loss; its step metrics (``rollout_corr/*``) join the loss's.
+        rollout_is_weights: ``(B, T)`` correction weights already applied by the caller
+            (then ``response_mask`` must be the corrected mask and ``rollout_log_prob`` is
+            unused), as verl's actor passes them.
 
     Returns:
         ``(loss, metrics)``: 0-d tensor (minimise it) and ``dict[str, float]``.
@@ -331,12 +362,32 @@ def compute_policy_loss(
         ValueError: unknown ``loss_mode`` / ``loss_agg_mode`` (lists the valid ones), shape
             mismatch, NaN/Inf at valid tokens, non-0/1 mask, bad config, missing inputs of
             the aggregation (``norm_constant``, ``group_index``), ``step`` computed for another
-            mode or another config.
+            mode or another config; ``rollout_correction`` set without ``rollout_log_prob``
+            (or a ``step`` computed without it).
         TypeError: non-tensor inputs, non-integer ``group_index``.
     """
     check_choice("loss_mode", loss_mode, POLICY_LOSSES)
     if step is not None and step.loss_mode != loss_mode:
         raise ValueError(f"step was computed for loss_mode={step.loss_mode!r}, not {loss_mode!r}")
-    return POLICY_LOSSES[loss_mode](
-        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, group_index=group_index, step=step
-    )
+    cfg = as_policy_loss_config(config)
+    extra: dict[str, Any] = {}
+    corr_metrics: dict[str, float] = {}
+    if rollout_is_weights is not None:
+        extra["rollout_is_weights"] = rollout_is_weights
+    elif parse_rollout_correction(cfg.rollout_correction):
+        if step is not None and step.correction is None:
+            raise ValueError(f"rollout_correction={cfg.rollout_correction!r}: step has no correction statistics "
+                             "(compute_step_stats needs each micro-batch's rollout_log_prob)")
+        corrected = apply_rollout_correction(old_log_prob, rollout_log_prob, advantages, response_mask, cfg,
+                                             stats=None if step is None else step.correction)
+        response_mask, extra["rollout_is_weights"], corr_metrics = corrected
+    fn = POLICY_LOSSES[loss_mode]
+    if extra and not _accepts_rollout_is_weights(fn):
+        raise ValueError(f"loss_mode={loss_mode!r} does not take rollout_is_weights, so rollout_correction cannot "
+                         "apply to it: register it with prepared_policy_loss or add verl's rollout_is_weights keyword")
+    loss, metrics = fn(
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, group_index=group_index, step=step,
+        **extra)
+    if corr_metrics:
+        metrics = {**metrics, **corr_metrics}
+    return loss, metrics

@@ -35,6 +35,7 @@ class StepBatch(NamedTuple):
     advantages: torch.Tensor
     response_mask: torch.Tensor
     group_index: torch.Tensor | None
+    rollout_is_weights: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class StepStats:
     balanced: BalancedStats | None = None  # per-group stats for loss_agg_mode="balanced"
     loss_stats: Any = None  # what the loss's LossStepStats.finish returned (ECHO: EchoStats), else None
     config: PolicyLossConfig | None = None  # the config the stats were computed with (checked by the losses)
+    correction: Any = None  # the step's rollout-correction statistics (echotrain.rl.correction.CorrectionStats), else None
 
     @property
     def echo(self) -> Any:
@@ -103,15 +105,17 @@ def seq_weights(
     cfg: PolicyLossConfig,
     group_index: torch.Tensor | None,
     step: StepStats | None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-sequence aggregation weights ``(B,)`` float64, from the step's statistics when given.
+    """Per-sequence aggregation weights ``(B,)`` float64, from the step's statistics when given;
+    times a rollout correction's ``rollout_is_weights`` ``(B, T)`` when given (then ``(B, T)``).
 
     Raises:
         ValueError: ``step`` was computed for another ``loss_agg_mode`` or another config; the
             errors of :func:`~echotrain.rl.agg_weights`.
     """
     if step is None:
-        return agg_weights(
+        w = agg_weights(
             mask,
             loss_agg_mode,
             advantages=advantages,
@@ -120,8 +124,10 @@ def seq_weights(
             ba_scope=cfg.ba_scope,
             ba_count_zero_adv=cfg.ba_count_zero_adv,
         )
-    if step.loss_agg_mode != loss_agg_mode:
-        raise ValueError(f"step was computed for loss_agg_mode={step.loss_agg_mode!r}, not {loss_agg_mode!r}")
-    if step.config is not None and step.config != cfg:
-        raise ValueError(f"step was computed with config {step.config}, not {cfg}")
-    return agg_weights(mask, loss_agg_mode, advantages=advantages, group_index=group_index, **step.agg_kwargs(cfg))
+    else:
+        if step.loss_agg_mode != loss_agg_mode:
+            raise ValueError(f"step was computed for loss_agg_mode={step.loss_agg_mode!r}, not {loss_agg_mode!r}")
+        if step.config is not None and step.config != cfg:
+            raise ValueError(f"step was computed with config {step.config}, not {cfg}")
+        w = agg_weights(mask, loss_agg_mode, advantages=advantages, group_index=group_index, **step.agg_kwargs(cfg))
+    return w if rollout_is_weights is None else w.unsqueeze(-1) * rollout_is_weights.to(torch.float64)

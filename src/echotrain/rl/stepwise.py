@@ -59,6 +59,11 @@ Rules:
 - Extra per-token terms (e.g. beta * KL to the reference) are aggregated with
   ``step_agg_loss(kl_mat, mask, step, config, advantages=..., group_index=...)``: same
   normalisers, same ``dp_size``, so they are exact too.
+- Rollout correction (``config.rollout_correction``, :mod:`echotrain.rl.correction`): give each
+  micro-batch its ``rollout_log_prob`` and pass ``rollout_log_prob=mb["rollout_log_prob"]`` to
+  ``compute_policy_loss``; aggregate extra terms with the corrected mask
+  (``apply_rollout_correction(..., stats=step.correction).response_mask``), since rejected tokens
+  leave the step's normalisers.
 - Other loss modes need no pre-pass: their step statistics depend only on ``response_mask``,
   ``advantages`` and ``group_index``, so ``compute_step_stats`` can run before any forward pass.
 - Metrics returned by ``compute_policy_loss`` are local to the micro-batch (clip fractions,
@@ -78,6 +83,16 @@ import torch
 
 from echotrain.rl.aggregation import AGG_MODES, BalancedStats, agg_loss, balanced_stats
 from echotrain.rl.config import PolicyLossConfig, as_policy_loss_config
+from echotrain.rl.correction import (
+    NUM_SUMS,
+    CorrectionInputs,
+    RawCorrection,
+    correction_inputs,
+    local_sums,
+    parse_rollout_correction,
+    raw_correction,
+)
+from echotrain.rl.correction import finish as finish_correction
 from echotrain.rl.objectives import PREPASS_LOSS_MODES, POLICY_LOSSES, loss_step_stats
 from echotrain.rl.step import ReduceFn, StepBatch, StepStats
 from echotrain.rl.validation import check_choice, check_group_index, check_token_inputs
@@ -134,7 +149,11 @@ def compute_step_stats(
         mbs: this rank's micro-batches; each a mapping with ``old_log_prob`` ``(b, T)``,
             ``advantages`` ``(b, T)`` or ``(b,)``, ``response_mask`` ``(b, T)``; plus
             ``log_prob`` ``(b, T)`` (current policy, no grad) for ECHO and ``group_index``
-            ``(b,)`` (step-wide dense non-negative int ids) for ``balanced``.
+            ``(b,)`` (step-wide dense non-negative int ids) for ``balanced``; plus
+            ``rollout_log_prob`` ``(b, T)`` (the sampler's log-probs) when
+            ``config.rollout_correction`` is set: the correction's mask then replaces
+            ``response_mask`` in every count, and its step statistics (batch normalisation,
+            metrics) join the all-reduce as ``step.correction``.
         loss_mode: a name in :data:`echotrain.rl.POLICY_LOSSES`.
         loss_agg_mode: a name in :data:`echotrain.rl.AGG_MODES`.
         config: :class:`PolicyLossConfig` or dict (the one the losses will use).
@@ -170,6 +189,8 @@ def compute_step_stats(
     needs_log_prob = needs_log_prob_prepass(loss_mode)
     balanced = loss_agg_mode == "balanced"
 
+    corr_names = parse_rollout_correction(cfg.rollout_correction)
+    corr_raw: list[tuple[CorrectionInputs, RawCorrection]] = []
     prepared: list[StepBatch] = []
     device = None
     for k, mb in enumerate(mbs):
@@ -188,6 +209,13 @@ def compute_step_stats(
                 raise ValueError(f"micro-batch {k}: group_index must be non-negative step-wide group ids")
         if cfg.ba_scope == "batch" and gi is not None:
             gi = torch.zeros_like(gi)
+        if corr_names:  # the corrected mask is the step's: counts, BA and the loss's statistics use it
+            if mb.get("rollout_log_prob") is None:
+                raise ValueError(f"micro-batch {k} has no 'rollout_log_prob' (rollout_correction="
+                                 f"{cfg.rollout_correction!r} needs the sampler's per-token log-probs)")
+            x = correction_inputs(mb["old_log_prob"], mb["rollout_log_prob"], adv, mask, cfg)
+            corr_raw.append((x, raw_correction(corr_names, x, cfg)))
+            mask = corr_raw[-1][1].keep
         prepared.append(StepBatch(mb["old_log_prob"].detach(), log_prob, adv.detach(), mask, gi))
         device = mask.device
     device = device or torch.device("cpu")
@@ -218,8 +246,21 @@ def compute_step_stats(
         if balanced:
             bal_vec += balanced_stats(p.advantages, p.response_mask, p.group_index, num_group_ids=n_ids,
                                       count_zero_adv=cfg.ba_count_zero_adv).to_vector()
-    both = reduce_fn(torch.cat([sums, loss_sums, bal_vec]), "sum")
-    sums, loss_sums, bal_vec = both[:2], both[2:2 + n_loss], both[2 + n_loss:]
+    n_corr = NUM_SUMS if corr_names else 0
+    corr_sums = torch.zeros(n_corr, **f64)
+    corr_max = torch.full((2,), float("-inf"), **f64)
+    for x, raw in corr_raw:
+        s_, m_ = local_sums(x, raw)
+        corr_sums += s_.to(corr_sums.device)
+        corr_max = torch.maximum(corr_max, m_.to(corr_max.device))
+    both = reduce_fn(torch.cat([sums, loss_sums, corr_sums, bal_vec]), "sum")
+    sums, loss_sums = both[:2], both[2:2 + n_loss]
+    corr_sums, bal_vec = both[2 + n_loss:2 + n_loss + n_corr], both[2 + n_loss + n_corr:]
+    correction = None
+    if corr_names:  # the weights' min / max: one MAX round
+        correction = finish_correction(corr_names, corr_sums, reduce_fn(corr_max, "max"), cfg)
+        prepared = [p._replace(rollout_is_weights=raw.weights / correction.norm_factor)
+                    for p, (_, raw) in zip(prepared, corr_raw)]
     step = StepStats(
         loss_mode=loss_mode,
         loss_agg_mode=loss_agg_mode,
@@ -228,6 +269,7 @@ def compute_step_stats(
         dp_size=dp_size,
         balanced=BalancedStats.from_vector(bal_vec) if balanced else None,
         config=cfg,
+        correction=correction,
     )
     if loss_stats is None:
         return step

@@ -536,10 +536,11 @@ def validate(cfg: TrainConfig) -> None:
         problem = f.metadata["check"](v) if f.metadata.get("check") else None  # PolicyLossConfig's checks
         if problem:
             raise ConfigError(f"{f.name}={v!r}: {problem}")
-    try:  # PolicyLossConfig's checks across fields (e.g. clip_cov_lb < clip_cov_ub)
-        cfg.policy_loss_config()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    from echotrain.rl.config import cross_field_problem
+
+    problem = cross_field_problem(cfg)  # between PolicyLossConfig settings (e.g. thresholds in the wrong order)
+    if problem:
+        raise ConfigError(problem)
     for key, names in _registry_choices().items():
         if getattr(cfg, key) not in names:
             raise ConfigError(_unknown_msg(key, getattr(cfg, key), list(names)))

@@ -137,7 +137,8 @@ class LaggedRollouts:
         while self.next_target <= max(step, min(step + self.staleness, self.steps)):
             data = self._generate(version)
             t_gen, t_score = t_gen + data.time_generation, t_score + data.time_scoring
-            if data.rollout_log_prob is None and self.behaviour_log_prob is not None:
+            if (data.rollout_log_prob is None and data.batch.rollout_log_prob is None
+                    and self.behaviour_log_prob is not None):
                 t0 = time.perf_counter()
                 data.rollout_log_prob = self.behaviour_log_prob(data.batch)
                 t_gen += time.perf_counter() - t0

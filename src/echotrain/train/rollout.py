@@ -16,6 +16,7 @@ Any model with ``model(input_ids, attention_mask=...).logits`` and ``model.gener
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
@@ -35,6 +36,9 @@ class RolloutBatch:
         response_mask: (N, T) float32, 1 on valid response tokens (up to and incl. the first EOS).
         group_index: (N,) int64, which prompt group each sequence belongs to.
         truncated: (N,) bool, True if the response has no EOS (hit max_new_tokens).
+        rollout_log_prob: (N, T) float32 log-probs of the sampled tokens under the model that
+            generated them, recorded at generation (:class:`RolloutLogProbRecorder`), 0 off
+            ``response_mask``; None when not recorded (e.g. greedy evaluation).
     """
 
     prompt_ids: torch.Tensor
@@ -43,6 +47,7 @@ class RolloutBatch:
     response_mask: torch.Tensor
     group_index: torch.Tensor
     truncated: torch.Tensor
+    rollout_log_prob: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -55,7 +60,67 @@ class RolloutBatch:
     def select(self, index: torch.Tensor | Sequence[int]) -> "RolloutBatch":
         """Rows ``index`` of every tensor (a new batch)."""
         idx = torch.as_tensor(index, dtype=torch.long)
-        return RolloutBatch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+        return RolloutBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                               for f in fields(self)})
+
+
+class RolloutLogProbRecorder:
+    """Records, while ``model.generate`` runs, the log-prob of every sampled token under the
+    distribution the update's ratio uses: ``log_softmax(logits.float() / temperature)`` over the
+    full vocabulary (before top-p / top-k filtering), exactly as :func:`forward_log_probs`
+    computes ``old_log_prob``; with identical numerics the two are equal, so their gap is the
+    train/inference mismatch (bf16 generation, KV cache, a stale model).
+
+    Works with any ``generate`` that calls the module once per new token with the last sampled
+    token as the last input id (Hugging Face's and the looped transformer's): a forward hook keeps
+    the last position's log-softmax ``(N, V)`` of each call, and the next call's pre-hook gathers
+    it at the token just sampled (one ``(N, V)`` buffer, no stored logits). :meth:`finish`
+    gathers the last token. Use as a context manager around ``generate``.
+    """
+
+    def __init__(self, model: Any, temperature: float):
+        self.module = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.temperature = float(temperature)
+        self.prev: torch.Tensor | None = None
+        self.cols: list[torch.Tensor] = []
+        self._handles: list[Any] = []
+
+    def _pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.prev is not None and ids is not None:
+            self.cols.append(self.prev.gather(-1, ids[:, -1:].to(self.prev.device)).squeeze(-1).float().cpu())
+
+    def _post(self, module: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        logits = out.logits[:, -1, :].float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        self.prev = torch.log_softmax(logits, dim=-1)
+
+    def __enter__(self) -> "RolloutLogProbRecorder":
+        self._handles = [self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         self.module.register_forward_hook(self._post, with_kwargs=True)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def finish(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """``(N, T)`` float32 log-probs of ``response_ids`` (N, T), the tokens ``generate`` returned.
+
+        Raises:
+            RuntimeError: the number of recorded positions is not T (a ``generate`` that does not
+                run one forward per new token).
+        """
+        if self.prev is not None and response_ids.shape[1] > len(self.cols):
+            self.cols.append(self.prev.gather(-1, response_ids[:, len(self.cols):len(self.cols) + 1]
+                                              .to(self.prev.device)).squeeze(-1).float().cpu())
+        self.prev = None
+        if len(self.cols) != response_ids.shape[1]:
+            raise RuntimeError(f"recorded {len(self.cols)} sampled-token log-probs for {response_ids.shape[1]} response "
+                               "positions: this model's generate does not run one forward per new token")
+        return torch.stack(self.cols, dim=1) if self.cols else torch.zeros(response_ids.shape, dtype=torch.float32)
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | Sequence[int] | None,
@@ -209,7 +274,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
     device = next(model.parameters()).device
     ids, attn = encode_prompts(tokenizer, texts, pad_id)
     chunk = batch_size or len(texts)
-    responses = []
+    responses, rollout_lps = [], []
     was_training = model.training
     model.eval()
     try:
@@ -227,16 +292,25 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                         and _supports_shared_prefix(model):
                     kwargs["past_key_values"] = _prefill(model, ids[::num_generations].to(device),
                                                          attn[::num_generations].to(device), num_generations)
-                out = model.generate(ids[sl].to(device), **kwargs)
+                # the sampler's own log-probs, recorded inside generate (whatever model generates)
+                recorder = RolloutLogProbRecorder(model, temperature) if do_sample else None
+                with recorder or contextlib.nullcontext():
+                    out = model.generate(ids[sl].to(device), **kwargs)
+                new_ids = out[:, ids.shape[1]:]
+                if recorder is not None:
+                    rollout_lps.append(recorder.finish(new_ids))
             # clone outside inference mode: later passes use these ids under autograd
-            responses.append(out[:, ids.shape[1]:].cpu().clone())
+            responses.append(new_ids.cpu().clone())
     finally:
         model.train(was_training)
     width = max(r.shape[1] for r in responses)
     response_ids = torch.cat([F.pad(r, (0, width - r.shape[1]), value=pad_id) for r in responses])
     mask, truncated = response_mask_from_ids(response_ids, eos, pad_id)
+    rollout_log_prob = None
+    if rollout_lps:
+        rollout_log_prob = torch.cat([F.pad(r.clone(), (0, width - r.shape[1])) for r in rollout_lps]) * mask
     return RolloutBatch(prompt_ids=ids, prompt_mask=attn, response_ids=response_ids, response_mask=mask,
-                        group_index=group_index, truncated=truncated)
+                        group_index=group_index, truncated=truncated, rollout_log_prob=rollout_log_prob)
 
 
 def _prefill(model: Any, ids: torch.Tensor, attn: torch.Tensor, repeats: int) -> Any:
@@ -270,6 +344,8 @@ def concat_rollouts(batches: Sequence[RolloutBatch], pad_token_id: int) -> Rollo
         response_mask=torch.cat([rpad(b.response_mask, T, 0) for b in batches]),
         group_index=torch.cat([b.group_index for b in batches]),
         truncated=torch.cat([b.truncated for b in batches]),
+        rollout_log_prob=None if any(b.rollout_log_prob is None for b in batches) else
+        torch.cat([rpad(b.rollout_log_prob, T, 0) for b in batches]),
     )
 
 

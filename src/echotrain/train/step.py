@@ -48,8 +48,11 @@ class StepData:
         rollout_version: (N,) int64 version of the weights that sampled each rollout: the number
             of training steps they had completed (the learner at step t has version t - 1; with
             ``staleness=k`` the rollouts of step t have version ``max(t - 1 - k, 0)``).
-        rollout_log_prob: (N, T) float32 per-token log-probs of the sampling (behaviour) policy
-            at the response positions; None unless recorded (``staleness > 0`` always records it).
+        rollout_log_prob: (N, T) float32 log-probs of the sampled tokens under the model that
+            generated them, recorded inside generation (``batch.rollout_log_prob``:
+            ``log_softmax(logits / temperature)`` over the full vocabulary, the distribution
+            ``old_log_prob`` is computed from), 0 off the response positions; the behaviour
+            policy of ``rollout_correction`` and the train/inference mismatch metrics.
     """
 
     batch: RolloutBatch

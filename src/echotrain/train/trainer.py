@@ -47,6 +47,7 @@ from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, r
                                      step_record, write_json_atomic)
 from echotrain.train.rollout import RolloutBatch
 from echotrain.train.stability import stability_flags
+from echotrain.rl.correction import rollout_mismatch_metrics
 from echotrain.train.step import StepData
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
                                     update_mini_batch)
@@ -245,6 +246,10 @@ class Trainer:
         declared = loss_step_stats(cfg.loss_mode)
         reuse = (cfg.reuse_on_policy_log_probs and not self.dist.enabled and not isinstance(self.optimizer, SAM)
                  and (declared is None or declared.ratio_only))
+        # (not with a rollout correction either: it reads every old log-prob before the first update)
+        reuse = reuse and self.loss_config.rollout_correction is None
+        if batch.rollout_log_prob is not None:  # recorded inside generation (the sampling weights)
+            data.rollout_log_prob = batch.rollout_log_prob
         data.old_log_prob, data.entropy = old_log_probs(
             functools.partial(self._log_probs_batched, self.model, with_entropy=True), batch,
             splits[0] if reuse else None)
@@ -261,6 +266,9 @@ class Trainer:
                              cpu_start=cpu_start, t_update=t_update, device=self.device)
         record[ALL_ZERO_VARIANCE] = int(all_zero_variance(data.rewards, batch.group_index))
         record.update(self.rollouts.step_metrics(step, data))  # staleness/* (none when staleness=0)
+        if data.rollout_log_prob is not None:  # train/inference mismatch of the whole step, every step
+            record.update(rollout_mismatch_metrics(data.old_log_prob, data.rollout_log_prob, data.response_mask,
+                                                   self.loss_config.log_ratio_clamp))
         return record
 
     # ------------------------------------------------------------------ evaluation

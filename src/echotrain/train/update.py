@@ -22,6 +22,7 @@ import torch
 from echotrain.optim.sam import SAM
 from echotrain.rl import compute_policy_loss, compute_step_stats, kl_penalty, needs_log_prob_prepass, step_agg_loss
 from echotrain.rl.config import PolicyLossConfig
+from echotrain.rl.correction import apply_rollout_correction
 from echotrain.rl.stepwise import split_micro_batches
 from echotrain.train.config import TrainConfig
 from echotrain.train.dist import DistContext
@@ -120,6 +121,7 @@ class MicroBatch:
     response_mask: torch.Tensor
     ref_log_prob: torch.Tensor | None = None
     log_prob: torch.Tensor | None = None
+    rollout_log_prob: torch.Tensor | None = None
 
     @property
     def group_index(self) -> torch.Tensor:
@@ -129,7 +131,7 @@ class MicroBatch:
     def stats_inputs(self) -> dict[str, torch.Tensor | None]:
         """The tensors :func:`echotrain.rl.compute_step_stats` reads."""
         return dict(old_log_prob=self.old_log_prob, advantages=self.advantages, response_mask=self.response_mask,
-                    group_index=self.group_index, log_prob=self.log_prob)
+                    group_index=self.group_index, log_prob=self.log_prob, rollout_log_prob=self.rollout_log_prob)
 
 
 def micro_batches(data: StepData, rows: torch.Tensor, micro_batch_size: int, dist: DistContext) -> list[MicroBatch]:
@@ -147,6 +149,8 @@ def micro_batches(data: StepData, rows: torch.Tensor, micro_batch_size: int, dis
                **{"batch." + k: getattr(batch, k) for k in token_fields}}
     if data.ref_log_prob is not None:
         tensors["ref_log_prob"] = data.ref_log_prob[rows]
+    if data.rollout_log_prob is not None:
+        tensors["rollout_log_prob"] = data.rollout_log_prob[rows]
     return [MicroBatch(batch=RolloutBatch(**{k: mb.pop("batch." + k) for k in token_fields}), **mb)
             for mb in split_micro_batches(tensors, micro_batch_size)]
 
@@ -201,9 +205,18 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
                 data.entropy[mb.rows] = ent.cpu()
             mask = mb.response_mask.to(log_prob.device)
             advantages, group_index = mb.advantages.to(log_prob.device), mb.group_index.to(log_prob.device)
+            old = mb.old_log_prob.to(log_prob.device)
+            extra: dict[str, Any] = {}
+            if stats.correction is not None:  # rollout_correction: its mask is the KL term's too
+                corrected = apply_rollout_correction(old, mb.rollout_log_prob.to(log_prob.device), advantages, mask,
+                                                     loss_config, stats=stats.correction)
+                mask = corrected.response_mask.to(mask.dtype)
+                extra["rollout_is_weights"] = corrected.rollout_is_weights
             loss, m = compute_policy_loss(
-                cfg.loss_mode, mb.old_log_prob.to(log_prob.device), log_prob, advantages,
-                mask, cfg.loss_agg_mode, loss_config, group_index=group_index, step=stats)
+                cfg.loss_mode, old, log_prob, advantages,
+                mask, cfg.loss_agg_mode, loss_config, group_index=group_index, step=stats, **extra)
+            if stats.correction is not None:
+                m = {**m, **corrected.metrics}
             if mb.ref_log_prob is not None:  # kl_coef > 0 (a reference copy, or LoRA adapters off)
                 kl_mat = kl_penalty(log_prob, mb.ref_log_prob.to(log_prob.device), cfg.kl_penalty)
                 # aggregated exactly like the policy loss, with the step's normalisers
@@ -216,7 +229,7 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
             total += loss.detach().float().cpu()
             n_tok = float(mask.sum())
             for k, v in m.items():
-                if k.startswith("echo/"):
+                if k.startswith(("echo/", "rollout_corr/")):  # the step's values, not per micro-batch
                     batch_metrics[k] = float(v)
                 else:
                     sums[k] = sums.get(k, 0.0) + float(v) * n_tok

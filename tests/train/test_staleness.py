@@ -87,7 +87,6 @@ def test_queue_generates_ahead_with_the_versions_of_then():
     assert [g[2] for g in got] == pytest.approx([3.0, 1.0, 1.0, 0.0, 0.0], abs=0.05)
     assert [g[3]["staleness/max"] for g in got] == [0, 1, 2, 2, 2]  # min(k, t - 1)
     assert [g[3]["staleness/queue_depth"] for g in got] == [2, 2, 2, 1, 0]
-    assert got[0][3]["staleness/kl_rollout_old"] == pytest.approx(0.5)  # mean(-1 - (-1.5))
     # one queued batch: prompt/response ids and masks, rollout_log_prob (2 x 3 each), 6 per-row tensors
     one = 2 * 3 * (8 + 8 + 8 + 4 + 4) + 2 * (8 + 1 + 4 + 4 + 1 + 8)
     assert got[3][3]["staleness/queue_mb"] == pytest.approx(one / 2**20)
@@ -161,10 +160,11 @@ def test_rollouts_of_step_t_come_from_the_weights_of_step_t_minus_2(build_traine
         assert (learner - sampler)[mask].abs().max() > 1e-3  # lr 1e-2 moved the weights: the check can fail
         r = records[t - 1]
         assert r["staleness/min"] == r["staleness/max"] == 2
-        expected_kl = float((data.rollout_log_prob - data.old_log_prob)[mask].mean())
-        assert r["staleness/kl_rollout_old"] == pytest.approx(expected_kl, rel=1e-6)
+        expected_kl = float((data.rollout_log_prob.double() - data.old_log_prob.double())[mask].mean())
+        assert r["rollout_corr/kl"] == pytest.approx(expected_kl, rel=1e-6)
     assert [r["staleness/mean"] for r in records] == [0, 1, 2, 2]
-    assert records[0]["staleness/kl_rollout_old"] == 0.0  # step 1: sampler = learner, the same forward
+    # step 1: sampler = learner (generation's incremental forward vs the full one: rounding only)
+    assert abs(records[0]["rollout_corr/kl"]) < 1e-6
 
 
 @pytest.mark.parametrize("loss_mode", sorted(__import__("echotrain.rl", fromlist=["POLICY_LOSSES"]).POLICY_LOSSES))
@@ -172,7 +172,7 @@ def test_every_loss_trains_with_a_lag(run_trainer, loss_mode):
     _, records = run_trainer(BASE, loss_mode=loss_mode, staleness=1, steps=2)
     assert [r["staleness/max"] for r in records] == [0, 1]
     assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["ppo_kl"]) for r in records)
-    assert records[1]["staleness/kl_rollout_old"] != 0  # step 2 trained on step 1's weights' rollouts
+    assert records[1]["rollout_corr/kl"] != 0  # step 2 trained on step 1's weights' rollouts
 
 
 def test_lora_with_a_lag_resumes_exactly(run_trainer, tmp_path):
@@ -221,7 +221,8 @@ def test_cli_testbed_lag_2_versions_and_log_probs_match_saved_snapshots(monkeypa
             assert data.rollout_version.tolist() == [version] * len(data)
             mask = data.batch.response_mask.bool()
             behaviour = _log_probs(model, snapshots[version], data.batch)
-            torch.testing.assert_close(data.rollout_log_prob[mask], behaviour[mask], rtol=0, atol=1e-5)
+            # recorded inside generation (KV-cache steps) vs one full forward: float32 rounding only
+            torch.testing.assert_close(data.rollout_log_prob[mask], behaviour[mask], rtol=0, atol=5e-5)
             if version < s:  # the learner at the checkpoint is another policy: the comparison can fail
                 other = _log_probs(model, snapshots[s], data.batch)
                 assert (other - data.rollout_log_prob)[mask].abs().max() > 1e-4

@@ -63,7 +63,7 @@ def _eps(upper: str | None = None) -> Check:
     return check
 
 
-def _positive(optional: bool = False) -> Check:
+def _positive_threshold(optional: bool = False) -> Check:
     """Check of a threshold: a finite float > 0 (or None if ``optional``)."""
 
     def check(v: Any) -> str | None:
@@ -229,12 +229,12 @@ class PolicyLossConfig:
     rollout_is_threshold: float = _setting(
         2.0, "Upper threshold C on the importance weight pi_old/pi_rollout for token_is / seq_is (truncation, "
         "min(w, C); TIS, Yao et al. 2025) and token_mask / seq_mask (weights above C are masked; IcePop, MIS). verl "
-        "rollout_is_threshold (default 2.0; typical 1.5-5 token, 2-10 sequence).", _positive())
+        "rollout_is_threshold (default 2.0; typical 1.5-5 token, 2-10 sequence).", _positive_threshold())
     rollout_is_threshold_lower: float | None = _setting(
         None, "Lower threshold on the importance weight: token_is / seq_is raise weights below it to it, token_mask "
         "/ seq_mask mask them (IcePop band [0.5, 5], arXiv 2510.18855). Empty/none: no lower threshold. Must be <= "
         "rollout_is_threshold. verl: the lower half of rollout_is_threshold=\"lower_upper\" (IcePop only).",
-        _positive(optional=True))
+        _positive_threshold(optional=True))
     rollout_is_batch_normalize: bool = _setting(
         False, "Divide the correction weights by their mean over the optimizer step's kept tokens (token-level "
         "weights) or sequences (sequence-level) so they average 1 (self-normalised IS); step-global, exact under "
@@ -247,11 +247,11 @@ class PolicyLossConfig:
     rollout_rs_threshold: float = _setting(
         2.0, "Rejection upper threshold (verl rollout_rs_threshold): for k2/k3 statistics an upper bound on the "
         "divergence; for k1 statistics an upper bound on the ratio exp(k1) = pi_rollout/pi_old (of the sequence "
-        "product for seq_sum, the geometric mean for seq_mean).", _positive())
+        "product for seq_sum, the geometric mean for seq_mean).", _positive_threshold())
     rollout_rs_threshold_lower: float | None = _setting(
         None, "Rejection lower ratio bound for k1 statistics (verl: the lower half of rollout_rs_threshold="
         "\"lower_upper\"); empty/none: 1 / rollout_rs_threshold as in verl. Unused by k2/k3. Must be <= "
-        "rollout_rs_threshold.", _positive(optional=True))
+        "rollout_rs_threshold.", _positive_threshold(optional=True))
     behav_imp_weight_cap: float | None = _setting(
         None, "decoupled PPO: tokens whose behaviour weight pi_prox/pi_behav (= exp(old_log_prob - "
         "rollout_log_prob)) exceeds this cap get weight 0 (AReaL behav_imp_weight_cap, arXiv 2505.24298). "

@@ -52,9 +52,6 @@ STALENESS_METRICS: dict[str, tuple[str, str, str]] = {
                       "learner version minus rollout_version (the weights that sampled the rollout)"),
     "staleness/mean": ("mean over the step's rollouts", "training steps", "as staleness/min, averaged"),
     "staleness/max": ("max over the step's rollouts", "training steps", "as staleness/min, the largest"),
-    "staleness/kl_rollout_old": ("token-weighted mean over the step's valid response tokens", "nats",
-                                 "k1 estimate of KL(behaviour || old): mean rollout_log_prob - old_log_prob "
-                                 "(sampler vs learner at the step's start; 0 up to rounding when on-policy)"),
     "staleness/queue_depth": ("value after the step", "rollout batches",
                               "batches generated ahead for later steps, held in the queue"),
     "staleness/queue_mb": ("value after the step", "MiB", "memory of the queued batches' tensors"),
@@ -137,8 +134,9 @@ class LaggedRollouts:
         while self.next_target <= max(step, min(step + self.staleness, self.steps)):
             data = self._generate(version)
             t_gen, t_score = t_gen + data.time_generation, t_score + data.time_scoring
-            if (data.rollout_log_prob is None and data.batch.rollout_log_prob is None
-                    and self.behaviour_log_prob is not None):
+            if data.rollout_log_prob is None and data.batch.rollout_log_prob is not None:
+                data.rollout_log_prob = data.batch.rollout_log_prob  # recorded inside generation
+            if data.rollout_log_prob is None and self.behaviour_log_prob is not None:
                 t0 = time.perf_counter()
                 data.rollout_log_prob = self.behaviour_log_prob(data.batch)
                 t_gen += time.perf_counter() - t0
@@ -152,16 +150,13 @@ class LaggedRollouts:
 
     def step_metrics(self, step: int, data: StepData) -> dict[str, float]:
         """The :data:`STALENESS_METRICS` of step ``step`` trained on ``data`` (after its update, so
-        ``old_log_prob`` is complete); ``{}`` when ``staleness == 0``."""
+        ``old_log_prob`` is complete); ``{}`` when ``staleness == 0``. KL(behaviour || old) is
+        ``rollout_corr/kl``, logged every step (:func:`echotrain.rl.correction.rollout_mismatch_metrics`)."""
         if self.staleness == 0:
             return {}
         lag = ((step - 1) - data.rollout_version).float()
         out = {"staleness/min": float(lag.min()), "staleness/mean": float(lag.mean()),
                "staleness/max": float(lag.max())}
-        if data.rollout_log_prob is not None and data.old_log_prob is not None:
-            mask = data.batch.response_mask
-            diff = torch.where(mask.bool(), data.rollout_log_prob - data.old_log_prob, 0.0)
-            out["staleness/kl_rollout_old"] = float(diff.sum() / mask.sum().clamp(min=1))
         out["staleness/queue_depth"] = float(len(self.queue))
         out["staleness/queue_mb"] = sum(_tensor_bytes(d) for _, d in self.queue) / 2**20
         return out

@@ -19,7 +19,7 @@ groups (``group``: the prompt's index in the step), each with ``question``, ``an
   is 0 (:mod:`echotrain.train.no_signal`; added by the trainer)
 - ``reward/timeouts``, ``reward/exceptions`` (int): completions whose reward call timed out or
   raised this step (scored 0; see ``echotrain.rewards.RewardFunction``)
-- ``staleness/min``, ``/mean``, ``/max``, ``/kl_rollout_old``, ``/queue_depth``, ``/queue_mb`` only with
+- ``staleness/min``, ``/mean``, ``/max``, ``/queue_depth``, ``/queue_mb`` only with
   ``staleness > 0`` (declared in :data:`echotrain.train.lag.STALENESS_METRICS`; there ``entropy`` and
   ``ppo_kl`` are the learner's, on rollouts of older weights)
 - ``eval/accuracy``, ``eval/format_rate`` on the steps that ran the greedy evaluation (also in

@@ -56,7 +56,7 @@ def test_missing_library_names_the_extra(monkeypatch):
         with pytest.raises(ImportError, match=r"echotrain\[fakeextra\]"):
             MetricsLogger("/nonexistent", report_to="fake_missing")
     finally:
-        SINKS.pop("fake_missing")
+        SINKS.unregister("fake_missing")
     if not installed("trackio"):
         with pytest.raises(ConfigError, match=r"pip install 'echotrain\[trackio\]'"):
             resolve_config(overrides={"report_to": "trackio"})
@@ -79,7 +79,7 @@ def test_a_new_backend_is_one_class(tmp_path):
         logger.log({"step": 2, "reward/mean": 0.5})
         logger.close()
     finally:
-        SINKS.pop("memory")
+        SINKS.unregister("memory")
     assert seen == [(1, 0.25), (2, 0.5), "closed"]
     assert [r["reward/mean"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0.25, 0.5]
 

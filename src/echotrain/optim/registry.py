@@ -20,6 +20,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from echotrain.registry import Registry
+
 
 @dataclass(frozen=True)
 class OptimizerSpec:
@@ -45,8 +47,8 @@ class OptimizerSpec:
         return getattr(importlib.import_module(module), cls)
 
 
-OPTIMIZERS: dict[str, OptimizerSpec] = {}
-"""Registry name -> :class:`OptimizerSpec`; fill it with :func:`register_optimizer`."""
+#: registry name -> :class:`OptimizerSpec`; fill it with :func:`register_optimizer`.
+OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer", "optimizer")
 
 
 def register_optimizer(name: str, target: str, *, takes: Iterable[str] = (), wraps_base: bool = False) -> OptimizerSpec:
@@ -69,9 +71,7 @@ def register_optimizer(name: str, target: str, *, takes: Iterable[str] = (), wra
     module, sep, cls = target.partition(":")
     if not (module and sep and cls):
         raise ValueError(f"target={target!r} must be 'module:ClassName'")
-    spec = OptimizerSpec(name, target, tuple(takes), wraps_base)
-    OPTIMIZERS[name] = spec
-    return spec
+    return OPTIMIZERS.register(name)(OptimizerSpec(name, target, tuple(takes), wraps_base))
 
 
 _ADAM = ("betas", "eps")
@@ -90,10 +90,7 @@ def optimizer_spec(name: str) -> OptimizerSpec:
     Raises:
         ValueError: ``name`` is not registered (the message lists the valid names).
     """
-    try:
-        return OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(f"optimizer={name!r} is unknown; valid: {sorted(OPTIMIZERS)}") from None
+    return OPTIMIZERS.lookup(name)
 
 
 def base_optimizer_names() -> list[str]:

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from echotrain.optim import registry
 from echotrain.optim.late_sam import LateSAM
 from echotrain.optim.registry import (
     OPTIMIZERS,

@@ -52,6 +52,7 @@ from echotrain.tasks.base import (
     get_task,
     register_task,
     register_task_family,
+    task_for_testbed,
     task_hub_dataset,
     task_names,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "TASKS",
     "TASK_FAMILIES",
     "register_task_family",
+    "task_for_testbed",
     "task_hub_dataset",
     "DEFAULT_TASK",
     "Example",

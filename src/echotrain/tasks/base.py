@@ -125,8 +125,12 @@ TASKS: Registry[Callable[..., Task]] = Registry("task", "task")
 TASK_FAMILIES: Registry[Callable[..., Task]] = Registry("task family", "task")
 
 
-def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
+def register_task(name: str, *, for_testbed: bool = False) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
     """Decorator registering a task factory ``factory(**options) -> Task`` under ``name``.
+
+    ``for_testbed``: its prompts are the bare byte-level text the CPU testbed policy
+    (``model=testbed``) speaks (no chat template); ``model=testbed`` accepts only such tasks
+    (:func:`task_for_testbed`).
 
     A factory may carry ``hub_dataset`` (a Hugging Face data set id it downloads without
     ``task_options.path``), which the preflight checks (:func:`task_hub_dataset`).
@@ -134,7 +138,12 @@ def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Ta
     Raises:
         ValueError: ``name`` is already registered.
     """
-    return TASKS.register(name)
+    return TASKS.register(name, for_testbed=for_testbed)
+
+
+def task_for_testbed(name: str) -> bool:
+    """Whether task ``name`` was registered ``for_testbed`` (False for unknown names and families)."""
+    return name in TASKS and bool(TASKS.info(name).get("for_testbed"))
 
 
 def register_task_family(prefix: str, placeholder: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:

@@ -130,7 +130,7 @@ class TestbedTask(IndexedTask):
         return f"TestbedTask(split={self.split!r}, size={self.size}, seed={self.seed})"
 
 
-@register_task("testbed")
+@register_task("testbed", for_testbed=True)
 def _testbed(**options: Any) -> TestbedTask:
     """The testbed task (``split``, ``size``, ``seed`` options)."""
     return TestbedTask(**options)

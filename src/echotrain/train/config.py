@@ -61,6 +61,10 @@ class TrainConfig:
                      "for Balanced Aggregation (2605.04077). Sets the objective fields below; explicit keys override it.")
     output_dir: str | None = _f(None, "Run directory (config.yaml, metrics.jsonl, samples.jsonl, plots/, checkpoints/). "
                                 "Default: runs/<preset>-<UTC timestamp>.")
+    plugins: list = _f([], "Modules to import before the config is validated, so the losses, tasks, metrics and "
+                       "optimizers they register are valid values here: importable module names (the current "
+                       "directory first) or .py file paths, e.g. plugins=[my_losses,./my_task.py]. Installed "
+                       "packages' 'echotrain.plugins' entry points are always imported (echotrain.plugins).")
     seed: int = _f(0, "Seed for torch, numpy and python RNGs and the prompt order. Same seed, device, num_threads, CPU "
                    "model and library versions give a bit-identical run (README, Reproducibility); other thread counts "
                    "or machines do not.")
@@ -319,6 +323,16 @@ def _coerce(key: str, value: Any) -> Any:
             if isinstance(value, bool):
                 raise ValueError
             return float(value)
+        if typ.startswith("list"):
+            if isinstance(value, str):
+                value = yaml.safe_load(value) if value.strip() else []
+            if value is None:
+                return []
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, (list, tuple)):
+                raise ValueError
+            return list(value)
         if typ.startswith("dict"):
             if isinstance(value, str):
                 value = yaml.safe_load(value) or {}
@@ -331,7 +345,7 @@ def _coerce(key: str, value: Any) -> Any:
                     return None
                 raise ValueError
             return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, yaml.YAMLError):
         raise ConfigError(f"{key}={value!r} is not a valid {typ.split('|')[0]}") from None
     return value
 
@@ -362,9 +376,10 @@ def _suggest(key: str) -> str:
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, Any]:
-    """Parse ``key=value`` tokens (``task_options.KEY=VALUE`` nests into ``task_options``).
+    """Parse ``key=value`` tokens (``task_options.KEY=VALUE`` nests into ``task_options``, and
+    ``loss_options.KEY=VALUE`` into ``loss_options``).
 
-    Values are parsed as YAML scalars later, against the field's type; ``task_options`` values as YAML.
+    Values are parsed as YAML scalars later, against the field's type; ``*_options`` values as YAML.
 
     Raises:
         ConfigError: a token without '=' or an unknown key (naming close matches).
@@ -375,9 +390,9 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
             raise ConfigError(f"expected key=value, got {tok!r}" + ("" if tok.startswith("-") else _suggest(tok)))
         key, _, value = tok.partition("=")
         key = key.strip().replace("-", "_")
-        if key.startswith("task_options."):
+        if key.startswith(("task_options.", "loss_options.")):
             try:
-                out.setdefault("task_options", {})[key.split(".", 1)[1]] = yaml.safe_load(value)
+                out.setdefault(key.split(".", 1)[0], {})[key.split(".", 1)[1]] = yaml.safe_load(value)
             except yaml.YAMLError:
                 raise ConfigError(f"{key}={value!r}: not a valid YAML value (quote strings with ':' or '#')") from None
             continue
@@ -478,12 +493,18 @@ def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[st
     values["preset"] = preset
     for layer in (yaml_values, overrides):
         for key, value in layer.items():
-            if key == "task_options" and isinstance(value, dict):
-                merged = dict(values.get("task_options") or {})
+            if key in ("task_options", "loss_options") and isinstance(value, dict):
+                merged = dict(values.get(key) or {})
                 merged.update(value)
                 values[key] = merged
             else:
                 values[key] = value
+    from echotrain.plugins import PluginError, load_plugins
+
+    try:  # before the values are checked: a plugin's loss, task or optimizer name is valid then
+        load_plugins(_coerce("plugins", values.get("plugins", [])))
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
     cfg = TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})
     validate(cfg)
     return cfg
@@ -525,6 +546,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(_unknown_msg("loss_mode", cfg.loss_mode, sorted(POLICY_LOSSES)))
     if cfg.loss_agg_mode not in AGG_MODES:
         raise ConfigError(_unknown_msg("loss_agg_mode", cfg.loss_agg_mode, list(AGG_MODES)))
+    from echotrain.rl.config import LOSS_SETTINGS
+
+    for key in cfg.loss_options:  # declared (checked above); by the loss in use?
+        owner = LOSS_SETTINGS.info(key)["loss_mode"]
+        if owner != cfg.loss_mode:
+            raise ConfigError(f"loss_options.{key} is a setting of loss_mode={owner!r}, not of "
+                              f"loss_mode={cfg.loss_mode!r}")
     if cfg.optimizer not in OPTIMIZERS:
         raise ConfigError(_unknown_msg("optimizer", cfg.optimizer, sorted(OPTIMIZERS)))
     sam_bases = base_optimizer_names()
@@ -546,8 +574,11 @@ def validate(cfg: TrainConfig) -> None:
          f"must be <= prompts_per_step={cfg.prompts_per_step} (mini-batches hold whole groups)")
     need(cfg.temperature > 0, "temperature", "must be > 0 (RL needs sampling)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
-    need(cfg.model != "testbed" or cfg.task == "testbed", "task",
-         "model=testbed speaks bare arithmetic with a byte tokenizer (no chat template): use task=testbed")
+    from echotrain.tasks import task_for_testbed
+
+    need(cfg.model != "testbed" or task_for_testbed(cfg.task), "task",
+         "model=testbed speaks bare arithmetic with a byte tokenizer (no chat template): use task=testbed (or a "
+         "task registered with register_task(name, for_testbed=True))")
     need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
     need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",
          f"must be -1 (auto), 0 (off) or in [1, max_new_tokens={cfg.max_new_tokens})")

@@ -148,6 +148,8 @@ def check_model(name: str | None, key: str = "model") -> None:
     """
     from echotrain.models.gguf import EMBEDDED_MODELS, locate_gguf
 
+    if name == "testbed":  # our CPU testbed policy: built locally and cached, never from the hub
+        return
     if name is None or name in EMBEDDED_MODELS:
         try:
             locate_gguf(name or "smollm2-135m-instruct")

@@ -28,3 +28,11 @@ def shared_data() -> Path:
     if not path.is_dir():
         pytest.skip(f"shared data folder not found at {path}")
     return path
+
+# ECHOTRAIN_TEST_PLUGINS=<module or .py path>[,...] imports plugins before collection, so the tests
+# that enumerate the registries (exactness, properties, low precision, CLI smoke) cover their losses,
+# aggregations ... too: a plugin author runs this suite against their own registrations.
+if os.environ.get("ECHOTRAIN_TEST_PLUGINS"):
+    from echotrain.plugins import load_plugins
+
+    load_plugins(os.environ["ECHOTRAIN_TEST_PLUGINS"])

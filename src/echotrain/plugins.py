@@ -80,6 +80,10 @@ def load_plugin(spec: str) -> ModuleType:
         path = Path(spec).expanduser().resolve()
         if path in _FILES:
             return _FILES[path]
+        for module in list(sys.modules.values()):  # imported by its module name already
+            if _origin(module) == path:
+                _FILES[path] = module
+                return module
         if not path.is_file():
             raise PluginError(f"plugins: {spec!r}: no such file")
         name = f"echotrain_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
@@ -99,6 +103,11 @@ def load_plugin(spec: str) -> ModuleType:
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
     try:
+        found = spec in sys.modules or importlib.util.find_spec(spec)
+        origin = Path(found.origin).resolve() if getattr(found, "origin", None) else None
+        if origin is not None and origin in _FILES:  # loaded from its path already
+            sys.modules[spec] = _FILES[origin]
+            return _FILES[origin]
         return importlib.import_module(spec)
     except ModuleNotFoundError as exc:
         if exc.name == spec or spec.startswith(f"{exc.name}."):
@@ -107,6 +116,14 @@ def load_plugin(spec: str) -> ModuleType:
         raise PluginError(f"plugins: importing {spec!r} failed: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:
         raise PluginError(f"plugins: importing {spec!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _origin(module: ModuleType) -> Path | None:
+    f = getattr(module, "__file__", None)
+    try:
+        return Path(f).resolve() if f else None
+    except (OSError, ValueError):
+        return None
 
 
 def load_entry_points() -> list[str]:

@@ -134,21 +134,6 @@ def echo_token_loss(
     return loss, {**flags, "unscaled": unscaled}
 
 
-def echo_token_ratios(
-    log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor, config: PolicyLossConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """ECHO's rescaled token ratios rho~ = kappa rho over one whole step (the loss's own path).
-
-    Returns:
-        ``(rho_tilde (B, T), R 0-d, kappa 0-d, clipped)``; R and kappa are float64, rho~ has
-        the inputs' dtype and holds kappa at padding (rho := 1 there); kappa carries gradient
-        through R unless ``config.detach_kappa``.
-    """
-    mask = response_mask.bool()
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, config.log_ratio_clamp, mask)
-    return _rescale(log_ratio, mask, config, log_ratio.sum(dtype=torch.float64))
-
-
 def _rescale(
     log_ratio: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig, log_ratio_sum: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:

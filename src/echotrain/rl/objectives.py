@@ -45,7 +45,6 @@ from echotrain.rl.echo import (  # noqa: F401  re-exported: ECHO's math lives in
     batch_ratio,
     echo_loss,
     echo_token_loss,
-    echo_token_ratios,
     kappa_gradient_share,
 )
 from echotrain.rl.registry import Registry

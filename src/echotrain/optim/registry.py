@@ -74,14 +74,12 @@ def register_optimizer(name: str, target: str, *, takes: Iterable[str] = (), wra
     return OPTIMIZERS.register(name)(OptimizerSpec(name, target, tuple(takes), wraps_base))
 
 
-_ADAM = ("betas", "eps")
-_SAM = ("rho", "model")
-register_optimizer("adamw", "torch.optim:AdamW", takes=_ADAM)
+#: the settings of the Adam family and of SAM, for registrations
+ADAM_SETTINGS = ("betas", "eps")
+SAM_SETTINGS = ("rho", "model")
+register_optimizer("adamw", "torch.optim:AdamW", takes=ADAM_SETTINGS)
 register_optimizer("sgd", "torch.optim:SGD")
-register_optimizer("adamw4bit", "echotrain.optim.adamw4bit:AdamW4bit", takes=_ADAM)
-register_optimizer("sam", "echotrain.optim.sam:SAM", takes=_SAM, wraps_base=True)
-register_optimizer("late_sam", "echotrain.optim.late_sam:LateSAM", wraps_base=True,
-                   takes=_SAM + ("sam_start", "sam_start_unit", "total_steps", "restart_momentum"))
+# adamw4bit, sam and late_sam register in their own modules (imported by echotrain.optim)
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:

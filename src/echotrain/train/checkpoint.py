@@ -51,18 +51,10 @@ def seed_everything(seed: int) -> None:
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to a temp file in the same folder, fsync, then ``os.replace`` onto ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    from echotrain.atomic import atomic_path
+
+    with atomic_path(path, fsync=True) as tmp:
+        torch.save(obj, tmp)
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:

@@ -117,7 +117,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from echotrain.cli import omp_wait_in_force
+    from echotrain.omp import omp_wait_in_force
     from echotrain.train.precision import describe as describe_precision
     from echotrain.train.trainer import Trainer
 

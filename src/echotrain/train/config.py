@@ -669,7 +669,6 @@ def format_help() -> str:
 
 def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (atomically: temp file + rename)."""
-    p = Path(path)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, p)
+    from echotrain.atomic import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from echotrain.atomic import atomic_write_json, atomic_write_text
 from echotrain.metrics import declare_metric, reduce_updates, summary_keys
 
 if TYPE_CHECKING:
@@ -166,11 +167,8 @@ def sample_rows(step: int, data: StepData, log_samples: int) -> list[dict[str, A
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path`` via a temporary file and ``os.replace``."""
-    p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, p)
+    """Write ``obj`` as indented JSON to ``path`` atomically (:func:`echotrain.atomic.atomic_write_json`)."""
+    atomic_write_json(path, obj)
 
 
 def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: str, model: Any, task_name: str,
@@ -180,7 +178,7 @@ def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: st
     for reproducing it."""
     import platform
 
-    from echotrain.cli import omp_wait_in_force
+    from echotrain.omp import omp_wait_in_force
 
     import transformers
 
@@ -218,9 +216,7 @@ def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
     if not p.is_file():
         return
     keep = [r for r in read_jsonl(p) if r.get("step", 0) <= max_step]
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-    os.replace(tmp, p)
+    atomic_write_text(p, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 class MetricsLogger:

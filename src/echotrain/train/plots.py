@@ -57,11 +57,11 @@ def _draw(ax, xs: list[float], ys: list[float], label: str, color: str) -> None:
 
 
 def _save(fig, out: Path, fname: str) -> Path:
-    path = out / fname
-    tmp = out / f".{fname}.tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
-    return path
+    from echotrain.atomic import atomic_path
+
+    with atomic_path(out / fname) as tmp:
+        fig.savefig(tmp, dpi=110)
+    return out / fname
 
 
 def _present(records: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]] | None) -> list[tuple[str, list[Metric]]]:

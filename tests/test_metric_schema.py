@@ -13,6 +13,9 @@ import pytest
 from echotrain.cli import main
 from echotrain.metrics import METRICS, REDUCTIONS, StepMetrics, declare_metric, reduce_updates
 
+# model=testbed: the cached testbed policy (slow when it must be built; tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("real_testbed")
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 _BUILTIN = ("import json; from echotrain.train.metrics import builtin_metrics; builtin_metrics(); "
             "from echotrain.metrics import METRICS, markdown_table; "

@@ -14,6 +14,9 @@ import pytest
 from echotrain import plugins
 from echotrain.cli import main
 
+# model=testbed: the cached testbed policy (slow when it must be built; tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("real_testbed")
+
 PKG = Path(__file__).resolve().parent / "fixtures" / "plugin_pkg"
 PLUGIN_FILE = PKG / "echotrain_example_plugin.py"
 _TINY = ["model=testbed", "steps=2", "prompts_per_step=4", "num_generations=4", "max_new_tokens=4",

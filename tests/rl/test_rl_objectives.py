@@ -407,7 +407,7 @@ def test_non_finite_padding_in_micro_batched_echo_step():
              "advantages": torch.where(mask, adv, float("inf")), "response_mask": mask}
     mbs = split_micro_batches(batch, [2, 3])
     step = compute_step_stats(mbs, loss_mode="echo", loss_agg_mode="token-mean", config=cfg)
-    assert step.echo.clipped and math.isfinite(step.echo.grad_sum) and step.echo.grad_sum != 0
+    assert step.loss_stats.clipped and math.isfinite(step.loss_stats.grad_sum) and step.loss_stats.grad_sum != 0
     grads = []
     for mb in mbs:
         y = mb["log_prob"].clone().requires_grad_(True)

@@ -320,12 +320,12 @@ def test_step_rejects_another_config_and_bad_dp_size(batch_factory):
     batch = _drifted_batch(batch_factory, seed=3)
     geo, arith = _cfg({"batch_ratio": "geo"}), _cfg({"batch_ratio": "arith"})
     step = compute_step_stats([batch], loss_mode="echo", loss_agg_mode="token-mean", config=geo)
-    assert step.config.batch_ratio == "geo" and step.echo.clipped
+    assert step.config.batch_ratio == "geo" and step.loss_stats.clipped
     args = (batch["old_log_prob"], batch["log_prob"], batch["advantages"], batch["response_mask"], "token-mean")
     with pytest.raises(ValueError, match="step was computed with config"):
         compute_policy_loss("echo", *args, arith, step=step)
     loss, m = compute_policy_loss("echo", *args, geo, step=step)
-    assert m["echo/R_batch"] == step.echo.R
+    assert m["echo/R_batch"] == step.loss_stats.R
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="dp_size must be an int >= 1"):
             compute_step_stats([batch], loss_mode="vanilla", loss_agg_mode="token-mean", dp_size=bad)

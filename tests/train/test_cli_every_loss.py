@@ -12,6 +12,9 @@ from echotrain.cli import main
 from echotrain.metrics import METRICS
 from echotrain.rl import AGG_MODES, POLICY_LOSSES
 
+# model=testbed: the cached testbed policy (slow when it must be built; tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("real_testbed")
+
 _TINY = ["model=testbed", "task=testbed", "steps=1", "prompts_per_step=2", "num_generations=2", "max_new_tokens=4",
          "num_mini_batches=1", "micro_batch_size=2", "eval_prompts=0", "num_threads=1", "save_every=0",
          "save_final_model=false", "plots=false", "progress=false", "log_samples=0"]

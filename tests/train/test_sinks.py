@@ -1,4 +1,4 @@
-"""report_to= tracker sinks: the registry, the config (legacy keys), missing-library errors, and
+"""report_to= tracker sinks: the registry, the config, missing-library errors, and
 what each installed backend wrote, read back from its files after a tiny training run."""
 
 from __future__ import annotations
@@ -32,16 +32,6 @@ def test_parse_report_to_and_unknown_name():
         parse_report_to("tensorboard,mlflow")
     with pytest.raises(ConfigError, match="unknown backend 'mlflow'"):
         resolve_config(overrides={"report_to": "mlflow"})
-
-
-def test_legacy_boolean_keys_map_to_report_to():
-    if installed("tensorboard"):
-        assert resolve_config(overrides={"tensorboard": "true"}).report_to == "tensorboard"
-    # an old config.yaml (tensorboard: false, wandb: false) still resumes
-    cfg = resolve_config(base={**resolve_config().to_dict(), "tensorboard": False, "wandb": False})
-    assert cfg.report_to == ""
-    with pytest.raises(ConfigError, match="replaced by report_to"):
-        resolve_config(overrides={"wandb": "maybe"})
 
 
 def test_missing_library_names_the_extra(monkeypatch):

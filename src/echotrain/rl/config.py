@@ -161,12 +161,12 @@ class PolicyLossConfig:
         False, "ECHO: apply the batch factor kappa only where it lowers the surrogate, per token J = min(J(rho), "
         "J(kappa*rho)) (PPO's min one level up), so a batch ratio outside the band still pulls back. Default False "
         "(symmetric rescaling: with R outside the band and every token moving the same way the gradient can "
-        "vanish); open choice decided by the issue-12 study (docs/design/objectives.md §4).", _is_bool)
+        "vanish); an open choice, see docs/design/objectives.md §4.", _is_bool)
     echo_token_clip: str = _setting(
         "ppo", "ECHO token-level term on top of the batch clip: ppo (PPO/DAPO token clip with clip_ratio_low/high "
         "and clip_ratio_c; default), none (batch clip only: J = rho~ A), truncate (truncated importance weight "
         "min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). clip_ratio_* apply only to ppo. Open "
-        "choice decided by the issue-12 study (docs/design/objectives.md §4).", choices=ECHO_TOKEN_CLIPS)
+        "choice, see docs/design/objectives.md §4.", choices=ECHO_TOKEN_CLIPS)
     echo_token_cap: float = _setting(
         2.0, "ECHO echo_token_clip=truncate: cap c >= 1 on the rescaled token ratio rho~ (truncated IS; 2.0 as in "
         "Yao et al. 2025, \"Your efficient RL framework secretly brings you off-policy RL training\"). Unused by "

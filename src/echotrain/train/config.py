@@ -211,8 +211,8 @@ class TrainConfig:
     progress: bool = _f(True, "Show a progress bar and the closing summary table in the terminal.", group="outputs")
     report_to: str = _f("", "Experiment trackers besides metrics.jsonl, comma-separated: tensorboard (<output_dir>/"
                         "tensorboard), wandb (offline unless WANDB_MODE is set; <output_dir>/wandb), trackio (local). "
-                        "Each needs its extra: pip install 'echotrain[tensorboard]' etc. Empty/none: none. "
-                        "(Replaces the old tensorboard=true / wandb=true keys, still accepted.)", group="outputs")
+                        "Each needs its extra: pip install 'echotrain[tensorboard]' etc. Empty/none: none.",
+                        group="outputs")
     wandb_project: str = _f("echotrain", "Project name for report_to=wandb and trackio.", group="outputs")
 
     # ---- parallelism and LoRA ---------------------------------------------------------------
@@ -352,7 +352,7 @@ def _coerce(key: str, value: Any) -> Any:
 
 def _check_keys(values: dict[str, Any], where: str) -> None:
     for key in values:
-        if key not in FIELDS and key not in LEGACY_REPORT_KEYS:
+        if key not in FIELDS:
             raise ConfigError(f"unknown key {key!r} in {where}" + _suggest(key))
 
 
@@ -396,7 +396,7 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
             except yaml.YAMLError:
                 raise ConfigError(f"{key}={value!r}: not a valid YAML value (quote strings with ':' or '#')") from None
             continue
-        if key not in FIELDS and key not in LEGACY_REPORT_KEYS:
+        if key not in FIELDS:
             raise ConfigError(f"unknown key {key!r}" + _suggest(key))
         out[key] = value
     return out
@@ -431,43 +431,6 @@ def _safe_load_file(p: Path, what: str) -> Any:
         raise ConfigError(f"{what} {str(p)!r}: cannot read it ({exc})") from None
 
 
-#: boolean keys replaced by ``report_to`` (accepted: true adds the backend, false is dropped)
-LEGACY_REPORT_KEYS = ("tensorboard", "wandb")
-
-
-def _is_zero(value: Any) -> bool:
-    try:
-        return value is not None and not isinstance(value, bool) and float(value) == 0
-    except (TypeError, ValueError):
-        return False
-
-
-def _legacy_keys(values: dict[str, Any] | None) -> dict[str, Any]:
-    """Map the old ``tensorboard=``/``wandb=`` booleans onto ``report_to``, and the old
-    ``norm_constant=0`` (then: use max_new_tokens) onto unset ``None`` (same meaning), so a
-    config.yaml saved before either change still resumes.
-
-    Raises:
-        ConfigError: a value that is not a boolean.
-    """
-    values = dict(values or {})
-    if _is_zero(values.get("norm_constant")):  # before one meaning of unset: 0 = max_new_tokens
-        values["norm_constant"] = None
-    extra = []
-    for key in LEGACY_REPORT_KEYS:
-        if key in values:
-            v = values.pop(key)
-            on = v if isinstance(v, bool) else str(v).strip().lower()
-            if on in (True, "1", "true", "yes", "on"):
-                extra.append(key)
-            elif on not in (False, "0", "false", "no", "off", "", "none"):
-                raise ConfigError(f"{key}={v!r}: this key was replaced by report_to (e.g. report_to={key})")
-    if extra:
-        current = [v.strip() for v in str(values.get("report_to") or "").split(",") if v.strip()]
-        values["report_to"] = ",".join(dict.fromkeys(current + extra))
-    return values
-
-
 def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
                    base: dict[str, Any] | None = None) -> TrainConfig:
     """Build and validate a config: defaults -> ``base`` -> preset -> YAML -> overrides.
@@ -478,8 +441,7 @@ def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[st
     Raises:
         ConfigError: unknown key, value of the wrong type, or invalid value (see :func:`validate`).
     """
-    yaml_values, overrides = _legacy_keys(yaml_values), _legacy_keys(overrides)
-    base = _legacy_keys(base) if base is not None else None
+    yaml_values, overrides = dict(yaml_values or {}), dict(overrides or {})
     _check_keys(yaml_values, "config file")
     _check_keys(overrides, "command line")
     values: dict[str, Any] = {}

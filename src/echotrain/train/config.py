@@ -94,8 +94,9 @@ class TrainConfig:
     task_options: dict = _f({}, "Extra keyword options for get_task (YAML mapping, or task_options.KEY=VALUE).", group="model")
     reward: str | None = _f(None, "Custom reward function by import path 'module:function' (module importable, e.g. a "
                             "my_reward.py in the working directory), called as fn(completions: list[str], examples: "
-                            "list[Example]) -> list[float] (TRL reward_funcs style; a value >= 1 counts as correct) "
-                            "or a single-sample fn(completion, example) -> float when it takes 'example'. Empty: the "
+                            "list[Example]) -> list[float] (TRL reward_funcs style) or a single-sample "
+                            "fn(completion, example) -> float when it takes 'example'; the reward is that value and "
+                            "accuracy in metrics.jsonl is its mean (the fraction correct for 0/1 scores). Empty: the "
                             "task's scorer. Timeouts and exceptions score 0 and are counted in metrics.jsonl.",
                             group="model")
     chat_template: str | None = _f(None, "Chat template override: a Jinja template string or a path to a file holding "

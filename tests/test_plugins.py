@@ -96,3 +96,30 @@ def test_parse_plugins_forms():
     with pytest.raises(plugins.PluginError, match="each entry"):
         plugins.parse_plugins([""])
     assert plugins.load_plugin(str(PLUGIN_FILE)) is plugins.load_plugin(str(PLUGIN_FILE))  # idempotent
+
+
+def test_eval_takes_plugins_before_the_task(capsys):
+    rc = main(["eval", "--plugins", str(PLUGIN_FILE), "--task", "small_sums", "--model", "testbed", "--prompts", "2",
+               "--n", "1", "--max-new-tokens", "4", "--threads", "1", "--json"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and res["task"] == "small_sums" and res["num_prompts"] == 2
+    assert main(["eval", "--plugins", "no_such_plugin_module", "--task", "small_sums"]) == 2
+    assert "plugins: no module named 'no_such_plugin_module'" in capsys.readouterr().err
+
+
+def test_compare_cells_carry_the_plugins(tmp_path):
+    """A comparison's cells are resolved like ``echotrain train`` (plugins first), and each cell's
+    config (what its ``echotrain train`` subprocess reads) keeps them."""
+    from echotrain.compare.config import expand_cells, load_spec
+
+    from echotrain.train.config import ConfigError
+
+    data = {"output_dir": str(tmp_path), "seeds": [0], "baseline": "vanilla",
+            "base": {"model": "testbed", "task": "small_sums", "plugins": [str(PLUGIN_FILE)]},
+            "arms": {"mine": {"loss_mode": "scaled_vanilla", "loss_options": {"my_scale": 0.25}},
+                     "vanilla": {"loss_mode": "vanilla"}}}
+    cells = expand_cells(load_spec(None, [], data=data))
+    mine = [c for c in cells if c.base_arm == "mine"][0].config
+    assert mine.plugins == [str(PLUGIN_FILE)] and mine.policy_loss_config().my_scale == 0.25
+    with pytest.raises(ConfigError, match="arm 'vanilla' .*loss_options.my_scale is a setting of loss_mode='scaled"):
+        expand_cells(load_spec(None, ["loss_options.my_scale=0.5"], data=data))  # given to every arm

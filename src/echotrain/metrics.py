@@ -93,7 +93,7 @@ def declare_panel(title: str) -> str:
 
 
 for _title in ("Accuracy", "Reward", "Entropy", "Response length", "Truncated responses", "Policy drift",
-               "Clip fractions", "ECHO batch ratio", "Gradient norm", "Step time"):
+               "Clip fractions", "ECHO batch ratio", "ECHO batch clip", "Gradient norm", "Step time"):
     declare_panel(_title)
 
 

@@ -235,6 +235,7 @@ ECHO_METRICS = (
                    panel="ECHO batch ratio", label="kappa",
                    help="ECHO rescaling factor kappa = clip(R) / R, mean over optimizer steps"),
     declare_metric("echo/batch_clipped", reduce="mean", unit="fraction of updates", when="loss_mode=echo",
+                   panel="ECHO batch clip", label="batch clip fired",
                    help="share of the step's optimizer updates whose batch ratio R left the band"),
     declare_metric("pg_echo_unscaled_frac", reduce="token_mean", unit="fraction of tokens",
                    when="loss_mode=echo, echo_pessimistic=true",

@@ -47,7 +47,7 @@ from echotrain.rl.echo import (  # noqa: F401  re-exported: ECHO's math lives in
     echo_token_loss,
     kappa_gradient_share,
 )
-from echotrain.rl.registry import Registry
+from echotrain.registry import Registry
 from echotrain.rl.step import LossStepStats, StepStats, seq_weights
 from echotrain.rl.surrogate import clamped_log_ratio, ppo_clip_loss
 from echotrain.rl.validation import check_choice, check_group_index, check_token_inputs

@@ -65,3 +65,36 @@ def testbed_cache(tmp_path_factory) -> Path:
         os.environ.pop("ECHOTRAIN_CACHE", None)
     else:
         os.environ["ECHOTRAIN_CACHE"] = old
+
+
+# ECHOTRAIN_TEST_PLUGINS=<module or .py path>[,...] imports plugins before collection, so the tests
+# that enumerate the registries (exactness, properties, low precision, CLI smoke) cover their losses,
+# aggregations ... too: a plugin author runs this suite against their own registrations.
+if os.environ.get("ECHOTRAIN_TEST_PLUGINS"):
+    from echotrain.plugins import load_plugins
+
+    load_plugins(os.environ["ECHOTRAIN_TEST_PLUGINS"])
+
+
+def _testbed_cached() -> bool:
+    from echotrain.models.testbed import testbed_dir
+
+    return (testbed_dir() / "testbed.json").is_file()
+
+
+@pytest.fixture(scope="session")
+def real_testbed():
+    """The cache folder of the CPU testbed policy (``model=testbed``). Building it takes ~6 min on
+    a busy core, so a test that needs it is marked ``slow`` when the cache is missing (below):
+    ``-m "not slow"`` leaves it out instead of building silently; ``echotrain testbed`` fills it."""
+    from echotrain.models.testbed import testbed_dir
+
+    return testbed_dir()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that use ``real_testbed`` are ``slow`` when its cache is missing (they would build it)."""
+    users = [item for item in items if "real_testbed" in getattr(item, "fixturenames", ())]
+    if users and not _testbed_cached():
+        for item in users:
+            item.add_marker(pytest.mark.slow)

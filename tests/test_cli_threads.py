@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from echotrain import cli
+from echotrain import cli, omp
 from echotrain.cli import set_omp_wait_policy
 
 
@@ -28,7 +28,7 @@ def test_passive_only_when_busy_and_unset():
 
 
 def test_unreadable_load_means_passive(monkeypatch):
-    monkeypatch.setattr(cli, "other_cpu_load", lambda *a, **k: None)
+    monkeypatch.setattr(omp, "other_cpu_load", lambda *a, **k: None)
     env: dict[str, str] = {}
     assert set_omp_wait_policy(env) == "PASSIVE" and env == {"OMP_WAIT_POLICY": "PASSIVE"}
 
@@ -54,9 +54,9 @@ def test_the_cli_sets_it_before_torch_loads():
     # before the subcommand (which imports torch) is loaded
     code = (
         "import os, sys\n"
-        "from echotrain import cli\n"
+        "from echotrain import cli, omp\n"
         "calls = []\n"
-        "cli.other_cpu_load = lambda *a, **k: calls.append('torch' in sys.modules) or 1.5\n"  # as if busy
+        "omp.other_cpu_load = lambda *a, **k: calls.append('torch' in sys.modules) or 1.5\n"  # as if busy
         "assert 'torch' not in sys.modules, 'echotrain.cli imported torch'\n"
         "try:\n    cli.main(['train', '--help'])\nexcept SystemExit:\n    pass\n"
         "assert 'torch' in sys.modules\n"
@@ -95,7 +95,7 @@ def test_cpu_ticks_by_hand():
 @pytest.mark.parametrize("cpus, want", [({0, 1}, 15 / 40 * 2), ({0}, 15 / 20), ({1}, 0.0), (None, 15 / 40 * 2)])
 def test_other_cpu_load_counts_only_this_process_cpus(monkeypatch, cpus, want):
     snapshots = iter([STAT0, STAT1])
-    monkeypatch.setattr(cli, "open", lambda path, *a, **k: io.StringIO(next(snapshots)), raising=False)
+    monkeypatch.setattr(omp, "open", lambda path, *a, **k: io.StringIO(next(snapshots)), raising=False)
     monkeypatch.setattr("time.sleep", lambda s: None)
     if cpus is None:
         monkeypatch.delattr(os, "sched_getaffinity")
@@ -108,8 +108,8 @@ def test_other_cpu_load_none_when_unreadable(monkeypatch):
     def no_proc(path, *a, **k):
         raise FileNotFoundError(path)
 
-    monkeypatch.setattr(cli, "open", no_proc, raising=False)
+    monkeypatch.setattr(omp, "open", no_proc, raising=False)
     assert cli.other_cpu_load(0.0) is None
     snapshots = iter([STAT0, STAT0])  # no time passed: no answer rather than a division by zero
-    monkeypatch.setattr(cli, "open", lambda path, *a, **k: io.StringIO(next(snapshots)), raising=False)
+    monkeypatch.setattr(omp, "open", lambda path, *a, **k: io.StringIO(next(snapshots)), raising=False)
     assert cli.other_cpu_load(0.0) is None

@@ -1,7 +1,9 @@
 """No import cycles in src/echotrain: every ``import`` between its modules, at module level or
 inside a function (a lazy import still ties the two modules together), under ``TYPE_CHECKING``
-or not, must form a graph without cycles (docs/design/architecture.md: one direction of
-dependency)."""
+or not, and every import by string (``"echotrain.train.commands:register_train"`` in cli.py's
+command table, ``importlib.import_module("echotrain.x")``) must form a graph without cycles
+(docs/design/architecture.md: one direction of dependency); and no module below the CLI
+imports it."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ def module_names(root: Path) -> dict[str, Path]:
 
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module -> the modules of the same tree it imports (``from pkg import sub`` names ``pkg.sub``
-    when that is a module, else ``pkg``); relative imports resolved."""
+    when that is a module, else ``pkg``; a string constant ``"pkg.sub:attr"`` or ``import_module("pkg.sub")``
+    naming a module of the tree counts as an import of it); relative imports resolved."""
     mods = module_names(root)
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
@@ -33,6 +36,14 @@ def import_graph(root: Path) -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 edges |= {a.name for a in node.names if a.name in mods}
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and ":" in node.value:
+                # a string import "pkg.mod:attr" (a command table, a registered class) of the tree
+                target = node.value.partition(":")[0]
+                if target in mods:
+                    edges.add(target)
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+                  and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in mods):
+                edges.add(node.args[0].value)  # importlib.import_module("pkg.mod")
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
@@ -93,6 +104,12 @@ def test_no_import_cycles_in_src():
     assert cycles(graph) == []
 
 
+def test_nothing_below_the_cli_imports_it():
+    graph = import_graph(SRC)
+    assert "echotrain.train.commands" in graph["echotrain.cli"]  # its string-loaded commands are edges
+    assert sorted(m for m, deps in graph.items() if "echotrain.cli" in deps) == []
+
+
 def test_the_walk_finds_lazy_and_type_checking_cycles(tmp_path):
     """The detector itself: a lazy (function-level) import and a TYPE_CHECKING import each close a
     cycle; ``from pkg import sub`` and relative imports resolve to the submodule."""
@@ -104,6 +121,8 @@ def test_the_walk_finds_lazy_and_type_checking_cycles(tmp_path):
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.d\n")
     (pkg / "d.py").write_text("from pkg.c import y\n")
     (pkg / "e.py").write_text("from pkg import a\n")  # imports into a cycle, not part of one
+    (pkg / "f.py").write_text('COMMANDS = {"g": "pkg.g:run"}\n')  # loaded by string
+    (pkg / "g.py").write_text("def run():\n    import pkg.f\n")
     graph = import_graph(pkg)
-    assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.a"}
-    assert sorted(cycles(graph)) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+    assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.a"} and graph["pkg.f"] == {"pkg.g"}
+    assert sorted(cycles(graph)) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"], ["pkg.f", "pkg.g"]]

@@ -42,14 +42,14 @@ def test_echo_batch_ratio_is_global_across_processes(two_processes, tmp_path):
     trainer = make_trainer(tmp_path, loss_mode="echo", loss_agg_mode="token-mean")
     windows = global_step_windows(trainer)
     whole = trainer.compute_step_stats_for(trainer.model, windows[0] + windows[1])  # one process, whole step
-    own = [trainer.compute_step_stats_for(trainer.model, w).echo.R for w in windows]  # each half alone
+    own = [trainer.compute_step_stats_for(trainer.model, w).loss_stats.R for w in windows]  # each half alone
     for r, res in enumerate(two_processes):
         assert res["world"] == 2 and res["dp_size"] == 2  # DDP averages: each loss x world size
         assert res["num_tokens"] == whole.num_tokens
-        assert res["R"] == pytest.approx(whole.echo.R, rel=1e-6)
-        assert res["kappa"] == pytest.approx(whole.echo.kappa, rel=1e-6)
-        assert abs(own[r] - whole.echo.R) > 1e-3  # a per-process R would differ
-    assert whole.echo.clipped
+        assert res["R"] == pytest.approx(whole.loss_stats.R, rel=1e-6)
+        assert res["kappa"] == pytest.approx(whole.loss_stats.kappa, rel=1e-6)
+        assert abs(own[r] - whole.loss_stats.R) > 1e-3  # a per-process R would differ
+    assert whole.loss_stats.clipped
 
 
 def test_two_real_grpo_steps_use_one_R_on_both_processes(two_processes):

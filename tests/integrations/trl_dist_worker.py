@@ -38,7 +38,7 @@ def main(out: Path) -> None:
     rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
     mbs = global_step_windows(trainer)[rank]
     stats = trainer.compute_step_stats_for(trainer.model, mbs)
-    result = {"world": world, "R": stats.echo.R, "kappa": stats.echo.kappa, "num_tokens": stats.num_tokens,
+    result = {"world": world, "R": stats.loss_stats.R, "kappa": stats.loss_stats.kappa, "num_tokens": stats.num_tokens,
               "dp_size": stats.dp_size}
 
     trainer = make_trainer(out / "trl", loss_mode="echo", loss_agg_mode="token-mean", max_steps=2, num_iterations=2)
@@ -46,7 +46,7 @@ def main(out: Path) -> None:
 
     def recording(model, inputs):  # the R each micro-batch's loss used, on this process
         loss = compute_loss(model, inputs)
-        seen.append(trainer._step_stats.echo.R)
+        seen.append(trainer._step_stats.loss_stats.R)
         return loss
 
     trainer._compute_loss = recording

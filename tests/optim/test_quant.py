@@ -96,7 +96,7 @@ def test_blockwise_de_normalised_in_range_and_error_bounded(shape, seed, block, 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * 10.0**log_scale
     x.view(-1)[:: max(1, x.numel() // 5)] = 0.0  # exact zeros too
-    scale = quant.blockwise_scale(x, block)
+    scale = quant.to_blocks(x.float(), block).abs().amax(dim=1)  # block-wise absmax (paper eq. 2)
     normalised = quant.to_blocks(x, block) / scale.clamp(min=1e-38)[:, None]
     assert normalised.abs().max() <= 1.0
     packed, s = quant.quantize_blockwise(x, quant.DE_MAP_4BIT, block)
@@ -167,13 +167,16 @@ def test_fast_quantizers_equal_the_general_nearest_rounding():
     x = torch.rand(100_000) * 2 - 1
     assert torch.equal(quant.quantize_de(x), quant.quantize_nearest(x, quant.DE_MAP_4BIT))
     u = torch.rand(100_000)
-    assert torch.equal(quant.quantize_linear_zero_free(u), quant.quantize_nearest(u, quant.LINEAR_MAP_4BIT))
+    # the closed form the optimizer uses for the zero-free linear map
+    assert torch.equal(quant._linear_code_f(u).to(torch.uint8), quant.quantize_nearest(u, quant.LINEAR_MAP_4BIT))
     codes = torch.arange(16, dtype=torch.float32)
     assert quant._de_value(codes).tolist() == [float(torch.tensor(v)) for v in SPEC_DE]
     assert torch.equal(quant._linear_value(codes), quant.map_tensor(quant.LINEAR_MAP_4BIT))
     packed = torch.randint(0, 256, (1000,), dtype=torch.uint8)
-    assert torch.equal(quant._unpack_f(packed), quant.unpack_4bit(packed).float())
-    assert torch.equal(quant._pack_f(quant._unpack_f(packed)), packed)
+    # the optimizer's float nibble path (two halves; packs as 16 * high + low) equals unpack_4bit
+    halves = [quant._nibble_f(packed, 0), quant._nibble_f(packed, 1)]
+    assert torch.equal(torch.cat(halves), quant.unpack_4bit(packed).float())
+    assert torch.equal((halves[0] * 16 + halves[1]).to(torch.uint8), packed)
 
 
 

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from echotrain.optim import registry
 from echotrain.optim.late_sam import LateSAM
 from echotrain.optim.registry import (
     OPTIMIZERS,
@@ -62,7 +61,12 @@ def test_a_registered_optimizer_is_a_valid_trainer_setting(monkeypatch):
     """One register_optimizer call makes a name valid for optimizer= and sam_base= (no other edits)."""
     from echotrain.train.config import ConfigError, resolve_config
 
-    monkeypatch.setattr(registry, "OPTIMIZERS", dict(OPTIMIZERS))
+    with OPTIMIZERS.restoring():
+        _register_rmsprop_and_train_with_it(ConfigError, resolve_config)
+    assert "rmsprop" not in OPTIMIZERS
+
+
+def _register_rmsprop_and_train_with_it(ConfigError, resolve_config):
     with pytest.raises(ConfigError, match="sam_base"):
         resolve_config(overrides={"optimizer": "sam", "sam_base": "rmsprop"})
     register_optimizer("rmsprop", "torch.optim:RMSprop", takes=("momentum",))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echotrain.rl import AGG_MODES, agg_loss, agg_weights, compute_policy_loss
+from echotrain.rl import AGG_MODES, POLICY_LOSSES, agg_loss, agg_weights, compute_policy_loss
 
 # design/objectives.md §5 pinned example: seq1 [2] (length 1), seq2 [1, 1, 1] (length 3).
 PINNED = {"token-mean": 1.25, "seq-mean-token-mean": 1.5, "seq-mean-token-sum": 2.5, "seq-mean-token-sum-norm": 0.625}
@@ -126,7 +126,7 @@ def _on_policy(adv, lengths, T):
     return old, old.clone().requires_grad_(True), torch.tensor(adv, dtype=torch.float64), mask
 
 
-@pytest.mark.parametrize("loss_mode", ["vanilla", "echo", "gspo"])
+@pytest.mark.parametrize("loss_mode", POLICY_LOSSES)
 def test_balanced_equals_token_and_seq_mean_when_lengths_equal(loss_mode):
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(8, 5, generator=g, dtype=torch.float64)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from echotrain.rl import (
     AGG_MODES,
+    POLICY_LOSSES,
     PolicyLossConfig,
     agg_weights,
     compute_advantages,
@@ -17,9 +18,18 @@ from echotrain.rl import (
     split_micro_batches,
     zero_variance_groups,
 )
-from echotrain.rl.objectives import echo_token_ratios
+from echotrain.rl.echo import _rescale
+from echotrain.rl.surrogate import clamped_log_ratio
 
 SETTINGS = settings(max_examples=25, deadline=None)
+
+
+def echo_token_ratios(log_prob, old_log_prob, response_mask, cfg):
+    """ECHO's rho~ = kappa rho over one whole step by the loss's own path (its private
+    ``_rescale``): ``(rho~ (B, T), R, kappa, clipped)``."""
+    mask = response_mask.bool()
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
+    return _rescale(log_ratio, mask, cfg, log_ratio.sum(dtype=torch.float64))
 
 
 @st.composite
@@ -42,7 +52,8 @@ def batches(draw, min_b=1):
 @SETTINGS
 @given(
     batch=batches(),
-    loss_mode=st.sampled_from(["vanilla", "gspo", "gspo_token", "echo"]),
+    # every registered loss that declares itself exact under micro-batch splits
+    loss_mode=st.sampled_from([m for m in POLICY_LOSSES if POLICY_LOSSES.info(m)["exact"] is True]),
     agg=st.sampled_from(AGG_MODES),
     batch_ratio=st.sampled_from(["geo", "arith"]),
     data=st.data(),
@@ -154,7 +165,7 @@ def test_dual_clip_only_caps_negative_advantages(log_ratio, data, c):
 
 
 @SETTINGS
-@given(batch=batches(), loss_mode=st.sampled_from(["vanilla", "gspo", "gspo_token", "echo"]), garbage=st.floats(-30, 30))
+@given(batch=batches(), loss_mode=st.sampled_from(list(POLICY_LOSSES)), garbage=st.floats(-30, 30))
 def test_padding_values_never_matter(batch, loss_mode, garbage):
     mask = batch["response_mask"]
     res = []

@@ -171,11 +171,11 @@ def test_norm_constant_unset_is_the_max_response_length_and_old_zero_still_loads
     assert cfg.norm_constant is None and cfg.policy_loss_config().norm_constant == 24.0
     cfg = resolve_config(overrides=parse_overrides(["max_new_tokens=24", "norm_constant=16"]))
     assert cfg.policy_loss_config().norm_constant == 16.0
-    # a config.yaml saved before: norm_constant 0.0 meant max_new_tokens, and no log_ratio_clamp key
+    # a saved config.yaml without a key added later (log_ratio_clamp) resumes with its default
     old = resolve_config(overrides=parse_overrides(["preset=dr_grpo", "max_new_tokens=24"])).to_dict()
-    old["norm_constant"] = 0.0
     del old["log_ratio_clamp"]
     resumed = resolve_config(base=yaml.safe_load(yaml.safe_dump(old)))
     assert resumed.norm_constant is None and resumed.log_ratio_clamp == 20.0
     assert resumed.policy_loss_config().norm_constant == 24.0
-    assert resolve_config(overrides=parse_overrides(["norm_constant=0"])).norm_constant is None
+    with pytest.raises(ConfigError, match="norm_constant"):  # unset is none (no 0 = max_new_tokens)
+        resolve_config(overrides=parse_overrides(["norm_constant=0"]))

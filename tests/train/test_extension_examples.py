@@ -16,6 +16,9 @@ from echotrain import rl
 from echotrain.train.config import ConfigError, parse_overrides, resolve_config
 from echotrain.train.trainer import Trainer
 
+# model=testbed: the cached testbed policy (slow when it must be built; tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("real_testbed")
+
 _RUN = ["model=testbed", "task=testbed", "steps=1", "prompts_per_step=4", "num_generations=4", "max_new_tokens=8",
         "num_mini_batches=1", "micro_batch_size=8", "eval_prompts=0", "max_grad_norm=0", "seed=3", "num_threads=1",
         "save_every=0", "save_final_model=false", "plots=false", "preset=dapo", "kl_coef=0"]

@@ -1,10 +1,12 @@
-"""The run's plots (issue 10, item 4): one summary figure, labelled axes, eval points, smoothing."""
+"""The run's plots: one summary figure from the declared panels, labelled axes, eval points, smoothing."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from echotrain.train.plots import PANELS, PLOTS, moving_mean, plot_metrics, smoothing_window
+from echotrain.metrics import panels
+from echotrain.train.metrics import builtin_metrics
+from echotrain.train.plots import moving_mean, panel_file, plot_metrics, smoothing_window
 
 
 def test_moving_mean_hand_values():
@@ -13,14 +15,13 @@ def test_moving_mean_hand_values():
     assert smoothing_window(5) == 1 and smoothing_window(16) == 2 and smoothing_window(80) == 10
 
 
-def test_every_plot_has_a_unit_and_ppo_kl_is_not_called_kl():
-    for _, _, series, ylabel in PLOTS:
-        assert ylabel
-    for title, series, ylabel, _ in PANELS:
-        assert ylabel, title
-    labels = {lbl for _, _, series, _ in PLOTS for k, lbl in series if k == "ppo_kl"}
-    labels |= {lbl for _, series, _, _ in PANELS for k, lbl in series if k == "ppo_kl"}
+def test_every_panel_has_a_unit_and_ppo_kl_is_not_called_kl():
+    builtin_metrics()
+    for title, metrics in panels():
+        assert metrics[0].unit, title
+    labels = [m.short for _, ms in panels() for m in ms if m.name == "ppo_kl"]
     assert labels and all("not a KL" in lbl and "log" in lbl for lbl in labels)
+    assert panel_file("ECHO batch ratio") == "echo_batch_ratio.png"
 
 
 def test_summary_figure_written(tmp_path, monkeypatch):
@@ -31,7 +32,7 @@ def test_summary_figure_written(tmp_path, monkeypatch):
 
     records = [{"step": s, "accuracy": 0.1 * s, "reward/mean": 0.1 * s, "format_rate": 0.5, "entropy": 1.0 / s,
                 "ppo_kl": -0.01 * (s % 2), "grad_norm": 1.0, "response_length/mean": 10.0,
-                "response_length/max": 20.0, "time/step": 1.0} for s in range(1, 9)]
+                "response_length/max": 20.0, "truncated_frac": 0.25, "time/step": 1.0} for s in range(1, 9)]
     evals = [{"step": 0, "eval/accuracy": 0.2}, {"step": 8, "eval/accuracy": 0.6}]
     seen = {}
     real_savefig = matplotlib.figure.Figure.savefig
@@ -44,17 +45,17 @@ def test_summary_figure_written(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
     paths = plot_metrics(records, tmp_path, evals=evals, title="run")
     names = {p.name for p in paths}
-    assert "summary.png" in names and "entropy.png" in names and "policy_drift.png" in names
+    assert {"summary.png", "entropy.png", "policy_drift.png", "truncated_responses.png"} <= names
+    assert "echo_batch_ratio.png" not in names  # no ECHO metric in the records
     assert (tmp_path / "summary.png").stat().st_size > 10_000
-    (summary,) = [v for k, v in seen.items() if k.endswith(".summary.png.tmp.png")]
-    titles = {t for t, _, _ in summary}
-    assert {"Accuracy", "Reward", "Entropy", "Policy drift", "Gradient norm"} <= titles
+    (summary,) = [v for k, v in seen.items() if Path(k).name.startswith(".summary.png.tmp")]
+    titles = [t for t, _, _ in summary]
+    assert titles == ["Accuracy", "Reward", "Entropy", "Response length", "Truncated responses", "Policy drift",
+                      "Gradient norm", "Step time"]
+    assert dict((t, y) for t, y, _ in summary)["Truncated responses"] == "fraction of completions"
     assert all(ylabel for _, ylabel, _ in summary)
     acc = [legend for t, _, legend in summary if t == "Accuracy"][0]
     assert "greedy eval (fixed prompts)" in acc
-    # binary reward: reward.png draws one curve and says why
-    (reward,) = [v for k, v in seen.items() if k.endswith(".reward.png.tmp.png")]
-    assert any("accuracy = reward" in lbl for lbl in reward[0][2])
     plt.close("all")
 
 

@@ -1,4 +1,4 @@
-"""report_to= tracker sinks: the registry, the config (legacy keys), missing-library errors, and
+"""report_to= tracker sinks: the registry, the config, missing-library errors, and
 what each installed backend wrote, read back from its files after a tiny training run."""
 
 from __future__ import annotations
@@ -34,16 +34,6 @@ def test_parse_report_to_and_unknown_name():
         resolve_config(overrides={"report_to": "mlflow"})
 
 
-def test_legacy_boolean_keys_map_to_report_to():
-    if installed("tensorboard"):
-        assert resolve_config(overrides={"tensorboard": "true"}).report_to == "tensorboard"
-    # an old config.yaml (tensorboard: false, wandb: false) still resumes
-    cfg = resolve_config(base={**resolve_config().to_dict(), "tensorboard": False, "wandb": False})
-    assert cfg.report_to == ""
-    with pytest.raises(ConfigError, match="replaced by report_to"):
-        resolve_config(overrides={"wandb": "maybe"})
-
-
 def test_missing_library_names_the_extra(monkeypatch):
     @register_sink("fake_missing", extra="fakeextra", module="echotrain_no_such_module")
     class Missing(Sink):
@@ -56,7 +46,7 @@ def test_missing_library_names_the_extra(monkeypatch):
         with pytest.raises(ImportError, match=r"echotrain\[fakeextra\]"):
             MetricsLogger("/nonexistent", report_to="fake_missing")
     finally:
-        SINKS.pop("fake_missing")
+        SINKS.unregister("fake_missing")
     if not installed("trackio"):
         with pytest.raises(ConfigError, match=r"pip install 'echotrain\[trackio\]'"):
             resolve_config(overrides={"report_to": "trackio"})
@@ -79,7 +69,7 @@ def test_a_new_backend_is_one_class(tmp_path):
         logger.log({"step": 2, "reward/mean": 0.5})
         logger.close()
     finally:
-        SINKS.pop("memory")
+        SINKS.unregister("memory")
     assert seen == [(1, 0.25), (2, 0.5), "closed"]
     assert [r["reward/mean"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0.25, 0.5]
 

@@ -57,7 +57,7 @@ def test_train_loop_writes_metrics_and_outputs(run, tmp_path, tiny_tokenizer, ma
     samples = [json.loads(s) for s in (d / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 6 and {"step", "question", "completion", "reward"} <= set(samples[0])
     assert [p.name for p in sorted((d / "checkpoints").iterdir())] == ["step_00000003.pt"]  # keep_last=1
-    assert {p.name for p in (d / "plots").glob("*.png")} >= {"reward.png", "echo_batch_ratio.png", "grad_norm.png"}
+    assert {p.name for p in (d / "plots").glob("*.png")} >= {"reward.png", "echo_batch_ratio.png", "gradient_norm.png", "truncated_responses.png"}
     evals = read_jsonl(d / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 3] and all(0 <= e["eval/accuracy"] <= 1 for e in evals)
     assert lines[-1]["eval/accuracy"] == evals[-1]["eval/accuracy"]

@@ -36,27 +36,20 @@ from echotrain.compare.stats import (
 from echotrain.train.metrics import read_jsonl
 from echotrain.train.stability import FLAG_NAMES, StabilityThresholds, stability_flags
 
-#: (key, title, y label): the curves of the report, in order; missing ones are skipped.
-#: ``eval/accuracy`` comes from eval.jsonl (step 0 included); ``steps_per_s`` is 1 / time/step.
-CURVES: list[tuple[str, str, str]] = [
-    ("eval/accuracy", "Held-out greedy accuracy", "accuracy"),
-    ("reward/mean", "Sampled reward (mean)", "reward"),
-    ("accuracy", "Sampled accuracy (rollouts)", "accuracy"),
-    ("response_length/mean", "Response length (mean)", "tokens"),
-    ("response_length/max", "Response length (max)", "tokens"),
-    ("entropy", "Token entropy of the rollout policy", "nats"),
-    ("pg_clipfrac_high", "Token clip fraction, high", "fraction of tokens"),
-    ("pg_clipfrac_low", "Token clip fraction, low", "fraction of tokens"),
-    ("echo/R_batch", "ECHO batch ratio R_batch", "R"),
-    ("echo/kappa", "ECHO kappa", "kappa"),
-    ("echo/batch_clipped", "Fraction of updates where the ECHO batch clip fired", "fraction"),
-    ("ppo_kl", "KL(old, new) (ppo_kl)", "nats"),
-    ("kl/ref", "KL to reference", "nats"),
-    ("pg_loss", "Policy loss", "loss"),
-    ("grad_norm", "Gradient norm (before clipping)", "norm"),
-    ("steps_per_s", "Training steps per second", "steps/s"),
-    ("memory/peak_mb", "Peak memory", "MiB"),
-]
+#: curves of the report that are not metrics of a run: ``steps_per_s`` is 1 / ``time/step``
+DERIVED_CURVES: list[tuple[str, str, str]] = [("steps_per_s", "Training steps per second", "steps/s")]
+
+
+def curve_specs() -> list[tuple[str, str, str]]:
+    """(key, title, y label) of the report's curves, in order: every declared metric that has a
+    plot panel (:func:`echotrain.metrics.panels`; ``eval/accuracy`` from eval.jsonl, step 0
+    included; title = its one-line meaning, y label = its unit), then :data:`DERIVED_CURVES`.
+    Missing ones are skipped."""
+    from echotrain.metrics import panels
+    from echotrain.train.metrics import builtin_metrics
+
+    builtin_metrics()
+    return [(m.name, m.help[:1].upper() + m.help[1:], m.unit) for _, ms in panels() for m in ms] + DERIVED_CURVES
 
 
 @dataclass
@@ -321,7 +314,7 @@ def build_report(runs: Sequence[Run], baseline: str | None = None, metric: str =
     if runs:
         summary["stability_rules"] = runs[0].stability["rules"]
     curves = {key: {a: agg for a in order if (agg := aggregate_curves(arms[a], key)) is not None}
-              for key, _, _ in CURVES}
+              for key, _, _ in curve_specs()}
     curves = {k: v for k, v in curves.items() if v}
     return summary, curves
 
@@ -352,7 +345,7 @@ def plot_curves(curves: dict[str, Any], out_dir: str | os.PathLike) -> list[Path
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    titles = {k: (t, y) for k, t, y in CURVES}
+    titles = {k: (t, y) for k, t, y in curve_specs()}
     written = []
     for key, per_arm in curves.items():
         fig, ax = plt.subplots(figsize=(9.0, 5.1))

@@ -110,11 +110,9 @@ def _preexec(nice: int):
 
 def suite_available() -> bool:
     """Whether ``echotrain eval`` has a ``--suite`` option (the eval-suite module is installed)."""
-    from echotrain.cli import build_parser
+    import importlib.util
 
-    parser = build_parser(["eval"])
-    sub = next(a for a in parser._actions if a.dest == "command")  # noqa: SLF001 - argparse has no public API
-    return any("--suite" in a.option_strings for a in sub.choices["eval"]._actions)  # noqa: SLF001
+    return importlib.util.find_spec("echotrain.evalsuite.cli") is not None
 
 
 def suite_command(cell: Cell, suite: dict[str, Any], python: str | None = None) -> list[str]:

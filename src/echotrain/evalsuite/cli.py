@@ -102,7 +102,7 @@ def run_suite_command(args: argparse.Namespace) -> int:
     try:
         _check_settings(args.n, ks, args.temperature, args.top_p, max_new, args.batch_size)
         load_suite(args.suite, args.benchmark, data_dir=args.data_dir, limit=args.limit)  # fail before the model
-        # the same checks as ``echotrain eval --task`` (issue 10): threads, device, model path or hub id
+        # the same checks as ``echotrain eval --task``: threads, device, model path or hub id
         preflight.check_threads(args.threads, key="--threads")
         preflight.check_device(args.device, key="--device")
         preflight.check_eval_model(args.model)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from echotrain.registry import Registry
+
 __all__ = [
     "KINDS",
     "SUITES",
@@ -71,7 +73,8 @@ class Kind:
     normalize: Callable[[dict[str, Any]], dict[str, Any]]
 
 
-KINDS: dict[str, Kind] = {}
+#: kind name -> :class:`Kind`; fill it with :func:`register_kind`.
+KINDS: Registry[Kind] = Registry("benchmark kind", "kind")
 
 
 def register_kind(name: str, kind: Kind) -> None:
@@ -80,9 +83,7 @@ def register_kind(name: str, kind: Kind) -> None:
     Raises:
         ValueError: ``name`` already registered.
     """
-    if name in KINDS:
-        raise ValueError(f"benchmark kind {name!r} is already registered")
-    KINDS[name] = kind
+    KINDS.register(name)(kind)
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,9 @@ class Benchmark:
         return [Path(data_dir) / f for f in names]
 
 
-# suite name -> {benchmark name -> Benchmark}
-SUITES: dict[str, dict[str, Benchmark]] = {}
+#: suite name -> its benchmarks (a :class:`~echotrain.registry.Registry`: benchmark name ->
+#: :class:`Benchmark`); fill it with :func:`register_benchmark`.
+SUITES: Registry[Registry[Benchmark]] = Registry("benchmark suite", "suite")
 
 
 def register_benchmark(suite: str, benchmark: Benchmark) -> Benchmark:
@@ -135,7 +137,10 @@ def register_benchmark(suite: str, benchmark: Benchmark) -> Benchmark:
         other = members.get(benchmark.name)
         if other is not None and other is not benchmark:
             raise ValueError(f"a different benchmark named {benchmark.name!r} is already registered")
-    SUITES.setdefault(suite, {})[benchmark.name] = benchmark
+    if suite not in SUITES:
+        SUITES.register(suite)(Registry("benchmark", suite))
+    if benchmark.name not in SUITES[suite]:
+        SUITES[suite].register(benchmark.name)(benchmark)
     return benchmark
 
 

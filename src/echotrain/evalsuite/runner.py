@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from echotrain.atomic import atomic_write_json
 from echotrain.evalsuite.metrics import accuracy_metrics
 from echotrain.evalsuite.registry import (
     KINDS,
@@ -287,10 +287,7 @@ def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
         summary["average"][key] = sum(r[key] for r in per) / len(per)
     summary["seconds"] = time.perf_counter() - t_all
     if out_dir is not None:
-        path = Path(out_dir) / "summary.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, path)
+        atomic_write_json(Path(out_dir) / "summary.json", summary)
     return summary
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -173,10 +172,9 @@ def _run_path(out_dir: Path, n_layers: int, n_loops: int, rule: str, lr: float) 
 
 def _write_json(path: Path, obj) -> None:
     """Write atomically (temp file + rename) so a killed sweep never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    from echotrain.atomic import atomic_write_text
+
+    atomic_write_text(path, json.dumps(obj, indent=1))
 
 
 # -------------------------------------------------------------------------------- the sweep

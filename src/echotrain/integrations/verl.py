@@ -100,7 +100,7 @@ aggregated with ``seq-mean-token-sum``, not BA. ``dro`` (its penalty is not scal
 homogeneous in A, so this route is not BA for them.
 
 Settings of the other losses: each loss declares at registration the
-:class:`echotrain.rl.PolicyLossConfig` fields it reads (``settings``); those verl has are read
+:class:`echotrain.rl.PolicyLossConfig` fields it reads (``reads``); those verl has are read
 from verl's config at call time (``actor.tau_pos`` / ``tau_neg``, ``actor.policy_loss.clip_cov_ratio``
 / ``clip_cov_lb`` / ``clip_cov_ub`` / ``kl_cov_ratio`` / ``ppo_kl_coef`` / ``dro_beta``), the others
 (``cispo_lower_clip``, ``vespo_*``) from the ``config`` given to :func:`register_with_verl`.
@@ -154,10 +154,10 @@ class _VerlLossNames(Mapping[str, str]):
 
 #: verl policy-loss name -> echotrain loss_mode: ``echotrain_<name>`` for every registered loss.
 POLICY_LOSS_NAMES: Mapping[str, str] = _VerlLossNames()
-#: echotrain loss_modes that read ``clip_ratio_c`` (declared in their registration's ``settings``):
+#: echotrain loss_modes that read ``clip_ratio_c`` (declared in their registration's ``reads``):
 #: the dual-clip of ``vanilla`` / ``echo`` and DPPO's IS cap, as verl's own losses read it; verl's
 #: ``gspo`` has none, so the GSPO forms never get it through verl. A live view.
-DUAL_CLIP_LOSSES = POLICY_LOSSES.names(lambda info: "clip_ratio_c" in info.get("settings", ()))
+DUAL_CLIP_LOSSES = POLICY_LOSSES.names(lambda info: "clip_ratio_c" in info.get("reads", ()))
 #: verl advantage-estimator name -> what it computes.
 ADV_ESTIMATORS: dict[str, str] = {
     "echotrain_grpo_balanced": "GRPO advantages (std-normalised unless algorithm.norm_adv_by_std_in_grpo=False) "
@@ -186,13 +186,13 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
 def _loss_config(verl_config: Any, base: PolicyLossConfig, loss_mode: str) -> PolicyLossConfig:
     """echotrain's PolicyLossConfig for one call: token clip (and dual-clip) from verl's actor
     config where it sets them, else from ``base``; dual-clip only for :data:`DUAL_CLIP_LOSSES`,
-    as verl applies it; and every other setting the loss declared at registration (``settings``)
+    as verl applies it; and every other setting the loss declared at registration (``reads``)
     that verl's config has (``actor.tau_pos``, ``actor.policy_loss.clip_cov_ratio``, ...)."""
     clip_c = _get(verl_config, "clip_ratio_c", base.clip_ratio_c)
     low = _get(verl_config, "clip_ratio_low", _get(verl_config, "clip_ratio", base.clip_ratio_low))
     high = _get(verl_config, "clip_ratio_high", _get(verl_config, "clip_ratio", base.clip_ratio_high))
     extra = {}
-    for name in POLICY_LOSSES.info(loss_mode).get("settings", ()):
+    for name in POLICY_LOSSES.info(loss_mode).get("reads", ()):
         if name in _CLIP_KEYS:
             continue
         source = _get(verl_config, "policy_loss") if name in _VERL_POLICY_LOSS_KEYS else verl_config

@@ -20,7 +20,7 @@ answer ``"-7"`` then ``"\\n"`` = EOS). The first use builds it:
    reasoning-gym versions, i.e. everything that changes the weights.
 
 The warm-up is deterministic given the config (its own RNGs, one thread; the global RNG state is
-restored). Measured facts behind the defaults: ../shared/notes/testbed-probe.md.
+restored). Measured facts behind the defaults: docs/testbed.md.
 
 Build it explicitly with ``echotrain testbed`` or ``python -m echotrain.models.testbed``
 (``--force`` rebuilds; ``key=value`` overrides a config field, e.g. ``seed=1``).

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from echotrain.optim import quant
+from echotrain.optim.registry import ADAM_SETTINGS, register_optimizer
 from echotrain.optim.finite import first_nonfinite_grad, nonfinite_grad_message
 
 __all__ = ["AdamW4bit", "adamw4bit_tensor_update_"]
@@ -638,3 +639,6 @@ def _compile_available(device: torch.device) -> bool:
         except ImportError:  # pragma: no cover - depends on the torch build
             return False
     return False
+
+
+register_optimizer("adamw4bit", "echotrain.optim.adamw4bit:AdamW4bit", takes=ADAM_SETTINGS)

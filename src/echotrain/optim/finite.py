@@ -1,6 +1,6 @@
 """The non-finite-gradient rule shared by every optimizer echotrain ships.
 
-Rule (issue 9): before an optimizer writes anything for a step, it checks the gradient of every
+Rule: before an optimizer writes anything for a step, it checks the gradient of every
 parameter of the step; on a bad one it raises :class:`FloatingPointError` naming the parameter
 (param group, index in the group, shape) with every parameter and every state tensor unchanged,
 so the caller can drop the step (``zero_grad``) and go on. A gradient is bad when it holds NaN

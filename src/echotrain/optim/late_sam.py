@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 import torch
 
+from echotrain.optim.registry import SAM_SETTINGS, register_optimizer
 from echotrain.optim.sam import SAM, Closure
 
 SAM_START_UNITS: tuple[str, ...] = ("step", "epoch", "fraction")
@@ -183,3 +184,6 @@ class LateSAM(SAM):
             self.steps_taken = int(late["steps_taken"])
             self.momentum_restarted = bool(late["momentum_restarted"])
 
+
+register_optimizer("late_sam", "echotrain.optim.late_sam:LateSAM", wraps_base=True,
+                   takes=SAM_SETTINGS + ("sam_start", "sam_start_unit", "total_steps", "restart_momentum"))

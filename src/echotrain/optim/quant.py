@@ -92,17 +92,6 @@ def to_blocks(x: Tensor, block_size: int = BLOCK_SIZE) -> Tensor:
     return flat.view(-1, block_size)
 
 
-def blockwise_scale(x: Tensor, block_size: int = BLOCK_SIZE) -> Tensor:
-    """Block-wise absmax scale (paper eq. 2, "B128" for block_size=128).
-
-    Args:
-        x: any shape, floating point. Flattened row-major; the last block is zero-padded.
-    Returns:
-        float32 tensor of shape ``(ceil(x.numel() / block_size),)``: ``max |x|`` per block.
-    """
-    return to_blocks(x.float(), block_size).abs().amax(dim=1)
-
-
 def rank1_factors(x: Tensor) -> list[Tensor]:
     """Per-dimension absmax statistics for rank-1 normalisation (paper section 4.2).
 
@@ -312,11 +301,6 @@ def quantize_de_stochastic(x: Tensor, u: Tensor) -> Tensor:
     return _de_code_sr_f(x.float(), u.float()).to(torch.uint8)
 
 
-def quantize_linear_zero_free(x: Tensor) -> Tensor:
-    """Nearest :data:`LINEAR_MAP_4BIT` code (uint8) in closed form (ties to the lower code)."""
-    return _linear_code_f(x.float()).to(torch.uint8)
-
-
 def dequantize_codes(codes: Tensor, qmap: Sequence[float] | Tensor) -> Tensor:
     """Look up code values: ``qmap[codes]`` as float32, shape of ``codes``."""
     table = map_tensor(qmap, codes.device)
@@ -330,12 +314,6 @@ def dequantize_codes(codes: Tensor, qmap: Sequence[float] | Tensor) -> Tensor:
 # i + n/2 in the low nibble. Both halves are contiguous, so packing and unpacking vectorise
 # (the interleaved layout of lpmm/torchao needs stride-2 access).
 # --------------------------------------------------------------------------------------------
-
-
-def _pack_f(code: Tensor) -> Tensor:
-    """Pack float32 codes (flat, even length) into uint8: ``16 * first half + second half``."""
-    h = code.numel() // 2
-    return (code[:h] * 16 + code[h:]).to(torch.uint8)
 
 
 def _nibble_f(packed: Tensor, half: int) -> Tensor:
@@ -366,11 +344,6 @@ def _nibble_value(packed: Tensor, half: int, qmap: tuple[float, ...]) -> Tensor:
         code = _nibble_f(packed, half)
         return _de_value(code) if qmap == DE_MAP_4BIT else _linear_value(code)
     return _nibble_table(qmap, half, packed.device).index_select(0, packed.int())
-
-
-def _unpack_f(packed: Tensor) -> Tensor:
-    """Unpack to float32 codes of length ``2 * packed.numel()``."""
-    return torch.cat([_nibble_f(packed, 0), _nibble_f(packed, 1)])
 
 
 def pack_4bit(codes: Tensor) -> Tensor:

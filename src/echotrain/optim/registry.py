@@ -20,6 +20,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from echotrain.registry import Registry
+
 
 @dataclass(frozen=True)
 class OptimizerSpec:
@@ -45,8 +47,8 @@ class OptimizerSpec:
         return getattr(importlib.import_module(module), cls)
 
 
-OPTIMIZERS: dict[str, OptimizerSpec] = {}
-"""Registry name -> :class:`OptimizerSpec`; fill it with :func:`register_optimizer`."""
+#: registry name -> :class:`OptimizerSpec`; fill it with :func:`register_optimizer`.
+OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer", "optimizer")
 
 
 def register_optimizer(name: str, target: str, *, takes: Iterable[str] = (), wraps_base: bool = False) -> OptimizerSpec:
@@ -69,19 +71,15 @@ def register_optimizer(name: str, target: str, *, takes: Iterable[str] = (), wra
     module, sep, cls = target.partition(":")
     if not (module and sep and cls):
         raise ValueError(f"target={target!r} must be 'module:ClassName'")
-    spec = OptimizerSpec(name, target, tuple(takes), wraps_base)
-    OPTIMIZERS[name] = spec
-    return spec
+    return OPTIMIZERS.register(name)(OptimizerSpec(name, target, tuple(takes), wraps_base))
 
 
-_ADAM = ("betas", "eps")
-_SAM = ("rho", "model")
-register_optimizer("adamw", "torch.optim:AdamW", takes=_ADAM)
+#: the settings of the Adam family and of SAM, for registrations
+ADAM_SETTINGS = ("betas", "eps")
+SAM_SETTINGS = ("rho", "model")
+register_optimizer("adamw", "torch.optim:AdamW", takes=ADAM_SETTINGS)
 register_optimizer("sgd", "torch.optim:SGD")
-register_optimizer("adamw4bit", "echotrain.optim.adamw4bit:AdamW4bit", takes=_ADAM)
-register_optimizer("sam", "echotrain.optim.sam:SAM", takes=_SAM, wraps_base=True)
-register_optimizer("late_sam", "echotrain.optim.late_sam:LateSAM", wraps_base=True,
-                   takes=_SAM + ("sam_start", "sam_start_unit", "total_steps", "restart_momentum"))
+# adamw4bit, sam and late_sam register in their own modules (imported by echotrain.optim)
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
@@ -90,10 +88,7 @@ def optimizer_spec(name: str) -> OptimizerSpec:
     Raises:
         ValueError: ``name`` is not registered (the message lists the valid names).
     """
-    try:
-        return OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(f"optimizer={name!r} is unknown; valid: {sorted(OPTIMIZERS)}") from None
+    return OPTIMIZERS.lookup(name)
 
 
 def base_optimizer_names() -> list[str]:

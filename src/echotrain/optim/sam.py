@@ -54,6 +54,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from echotrain.optim.registry import SAM_SETTINGS, register_optimizer
 from echotrain.optim.finite import first_nonfinite_grad, nonfinite_grad_message
 
 Closure = Callable[[], torch.Tensor]
@@ -376,3 +377,6 @@ def _flatten_params(params: Iterable[Any]) -> list[torch.Tensor]:
         else:
             out.append(item)
     return out
+
+
+register_optimizer("sam", "echotrain.optim.sam:SAM", takes=SAM_SETTINGS, wraps_base=True)

@@ -4,8 +4,10 @@ Everything here takes tensors and returns tensors (no models, no I/O, no logging
 specification is ``docs/design/objectives.md``; names follow verl's ``core_algos`` so that the
 policy losses drop into its registry unchanged.
 
-Each kind of piece is a registry with one decorator (:mod:`~echotrain.rl.registry`): policy
-losses (``register_policy_loss``), advantage estimators (``register_adv_estimator``),
+Each kind of piece is a registry with one decorator (:mod:`echotrain.registry`): policy
+losses (``register_policy_loss``; a loss built on ``prepared_policy_loss`` gets checked inputs,
+the step's aggregation weights and ``dp_size`` handled; ``loss_setting`` declares its own
+settings), advantage estimators (``register_adv_estimator``),
 aggregation modes (``register_agg_mode``) and KL estimators (``register_kl_estimator``). The
 name tuples ``POLICY_LOSSES``, ``ADV_METHODS``, ``AGG_MODES``, ``KL_ESTIMATORS`` and
 ``PREPASS_LOSS_MODES`` are live views of them.
@@ -31,11 +33,25 @@ from echotrain.rl.aggregation import (
     agg_weights,
     balanced_stats,
     register_agg_mode,
+    weighted_sum,
+)
+from echotrain.rl.config import (
+    ECHO_DEFAULT_BATCH_BAND,
+    LOSS_SETTINGS,
+    LossSetting,
+    PolicyLossConfig,
+    as_policy_loss_config,
+    loss_setting,
 )
 from echotrain.rl.config import ECHO_DEFAULT_BATCH_BAND, PolicyLossConfig, as_policy_loss_config
 from echotrain.rl.correction import ROLLOUT_CORRECTIONS, apply_rollout_correction, register_rollout_correction
 from echotrain.rl.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from echotrain.rl.objectives import (
+    CLIP_METRICS,
+    PreparedInputs,
+    clip_metrics,
+    prepared_policy_loss,
+    unregister_policy_loss,
     POLICY_LOSSES,
     PREPASS_LOSS_MODES,
     compute_policy_loss,
@@ -44,6 +60,7 @@ from echotrain.rl.objectives import (
 from echotrain.rl import losses as _losses  # noqa: F401,E402  (registers the losses of echotrain.rl.losses)
 from echotrain.rl.step import LossStepStats
 from echotrain.rl.presets import PRESETS, Preset, get_preset
+from echotrain.rl.surrogate import ppo_clip_loss
 from echotrain.rl.shaping import overlong_reward_penalty, truncated_response_mask
 from echotrain.rl.stepwise import (
     StepStats,
@@ -55,6 +72,16 @@ from echotrain.rl.stepwise import (
 )
 
 __all__ = [
+    "CLIP_METRICS",
+    "LOSS_SETTINGS",
+    "LossSetting",
+    "PreparedInputs",
+    "clip_metrics",
+    "loss_setting",
+    "ppo_clip_loss",
+    "prepared_policy_loss",
+    "unregister_policy_loss",
+    "weighted_sum",
     "ADV_METHODS",
     "AGG_MODES",
     "BalancedStats",

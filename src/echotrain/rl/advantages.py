@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from echotrain.rl.registry import Registry
+from echotrain.registry import Registry
 from echotrain.rl.validation import check_choice, check_finite, check_group_index, check_tensor
 
 

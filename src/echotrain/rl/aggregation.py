@@ -28,7 +28,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from echotrain.rl.registry import Registry
+from echotrain.registry import Registry
 from echotrain.rl.validation import (
     as_bool_mask,
     check_choice,

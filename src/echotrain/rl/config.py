@@ -6,8 +6,16 @@ One dataclass for all loss modes. Each field carries its default, its help text
 :class:`echotrain.integrations.trl.EchoGRPOConfig` add these fields to themselves with
 :func:`with_policy_loss_fields` and validate them with :func:`check_setting`, and the verl adapter
 takes its fallbacks from a :class:`PolicyLossConfig`, so none of them restates a default or a
-check. A new setting is one field here. A plain ``dict`` with the same keys is accepted wherever a
-config is (see :func:`as_policy_loss_config`).
+check. A new setting of a built-in loss is one field here. A plain ``dict`` with the same keys is
+accepted wherever a config is (see :func:`as_policy_loss_config`).
+
+A loss defined outside echotrain (a plugin, :mod:`echotrain.plugins`) declares its own settings in
+its registration instead, without editing this file: ``register_policy_loss("mine",
+settings={"my_scale": loss_setting(1.0, "help", check=...)})`` adds ``my_scale`` to
+:data:`LOSS_SETTINGS`. Its value lives in the config's ``loss_options`` mapping (trainer key
+``loss_options.my_scale=0.5``, YAML ``loss_options: {my_scale: 0.5}``, a dict config
+``{"my_scale": 0.5}``), and the loss reads it as ``config.my_scale`` like any field (the declared
+default when unset). Checked like the fields: unknown names and failing values raise.
 
 "Unset" has one meaning: ``norm_constant=None`` is the maximum response length of the run
 (the trainer's ``max_new_tokens``, TRL's ``max_completion_length``, verl's ``loss_scale_factor``);
@@ -22,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from echotrain.rl.correction_names import ROLLOUT_CORRECTIONS, parse_rollout_correction
+from echotrain.registry import Registry
 from echotrain.rl.validation import check_choice
 
 #: Provisional ECHO batch band (eps_b_low, eps_b_high) on R. Ours: no published value exists.
@@ -113,6 +122,50 @@ def _setting(default: Any, help: str, check: Check | None = None, choices: tuple
 
 
 @dataclass(frozen=True)
+class LossSetting:
+    """A setting declared by a policy-loss registration (not a :class:`PolicyLossConfig` field).
+
+    Attributes:
+        default: the value when ``loss_options`` does not set it.
+        help: one line for ``echotrain train --help``.
+        check: value -> None if valid, else what is wrong ("must be ...").
+        choices: the valid values, or None.
+    """
+
+    default: Any
+    help: str
+    check: Check | None = None
+    choices: tuple | None = None
+
+
+def loss_setting(default: Any, help: str, check: Check | None = None, choices: tuple | None = None) -> LossSetting:
+    """A :class:`LossSetting` for ``register_policy_loss(name, settings={...})``."""
+    return LossSetting(default, help, check, tuple(choices) if choices is not None else None)
+
+
+#: setting name -> :class:`LossSetting`, filled by policy-loss registrations that declare
+#: ``settings=``; the loss that declared each is its registration info ``loss_mode``.
+LOSS_SETTINGS: Registry[LossSetting] = Registry("policy-loss setting", "loss_options")
+
+
+def _check_loss_options(v: Any) -> str | None:
+    """Check of ``loss_options``: a mapping of declared :data:`LOSS_SETTINGS` to valid values."""
+    if not isinstance(v, Mapping):
+        return "must be a mapping of declared loss settings to values"
+    for name, value in v.items():
+        if name not in LOSS_SETTINGS:
+            return (f"has {name!r}, which no registered policy loss declares; declared: "
+                    f"{sorted(LOSS_SETTINGS) or 'none'}")
+        s = LOSS_SETTINGS[name]
+        if s.choices and value not in s.choices:
+            return f"{name}={value!r} is unknown; valid: {sorted(s.choices)}"
+        problem = s.check(value) if s.check else None
+        if problem:
+            return f"{name} {problem}"
+    return None
+
+
+@dataclass(frozen=True)
 class PolicyLossConfig:
     """Configuration of the policy losses in :data:`echotrain.rl.POLICY_LOSSES`.
 
@@ -156,12 +209,12 @@ class PolicyLossConfig:
         False, "ECHO: apply the batch factor kappa only where it lowers the surrogate, per token J = min(J(rho), "
         "J(kappa*rho)) (PPO's min one level up), so a batch ratio outside the band still pulls back. Default False "
         "(symmetric rescaling: with R outside the band and every token moving the same way the gradient can "
-        "vanish); open choice decided by the issue-12 study (docs/design/objectives.md §4).", _is_bool)
+        "vanish); an open choice, see docs/design/objectives.md §4.", _is_bool)
     echo_token_clip: str = _setting(
         "ppo", "ECHO token-level term on top of the batch clip: ppo (PPO/DAPO token clip with clip_ratio_low/high "
         "and clip_ratio_c; default), none (batch clip only: J = rho~ A), truncate (truncated importance weight "
         "min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). clip_ratio_* apply only to ppo. Open "
-        "choice decided by the issue-12 study (docs/design/objectives.md §4).", choices=ECHO_TOKEN_CLIPS)
+        "choice, see docs/design/objectives.md §4.", choices=ECHO_TOKEN_CLIPS)
     echo_token_cap: float = _setting(
         2.0, "ECHO echo_token_clip=truncate: cap c >= 1 on the rescaled token ratio rho~ (truncated IS; 2.0 as in "
         "Yao et al. 2025, \"Your efficient RL framework secretly brings you off-policy RL training\"). Unused by "
@@ -181,6 +234,10 @@ class PolicyLossConfig:
     log_ratio_clamp: float = _setting(
         20.0, "log rho is clamped to +-this before exp, with zero gradient beyond (verl uses 20).",
         lambda v: None if _is_real(v) and v > 0 else "must be finite and > 0")  # inf: exp overflows
+    loss_options: dict = field(default_factory=dict, metadata={
+        "help": "Settings a policy loss declares in its registration (register_policy_loss(name, settings=...)), "
+        "e.g. a plugin's loss: loss_options.KEY=VALUE on the command line, a mapping in YAML; read by the loss as "
+        "config.KEY (unset: the declared default).", "choices": None, "check": _check_loss_options})
 
     # ---- the losses of echotrain.rl.losses (verl's names where verl has the setting, TRL's otherwise)
     cispo_lower_clip: bool = _setting(
@@ -265,9 +322,23 @@ class PolicyLossConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check_setting(f, getattr(self, f.name))
+        object.__setattr__(self, "loss_options", dict(self.loss_options))
         problem = cross_field_problem(self)
         if problem:
             raise ValueError(problem)
+
+    def __getattr__(self, name: str) -> Any:
+        """A declared loss setting (:data:`LOSS_SETTINGS`): its ``loss_options`` value, else its default.
+
+        Raises:
+            AttributeError: ``name`` is neither a field nor a declared loss setting.
+        """
+        if name.startswith("__") or name == "loss_options":
+            raise AttributeError(name)
+        if name in LOSS_SETTINGS:
+            return self.loss_options.get(name, LOSS_SETTINGS[name].default)
+        raise AttributeError(f"PolicyLossConfig has no setting {name!r} (fields and declared loss settings: "
+                             f"{sorted(POLICY_LOSS_FIELDS) + sorted(LOSS_SETTINGS)})")
 
 
 def cross_field_problem(values: Any) -> str | None:
@@ -307,7 +378,11 @@ def policy_loss_fields(exclude: tuple[str, ...] = (), keep: tuple[str, ...] | No
     for f in dataclasses.fields(PolicyLossConfig):
         if f.name not in exclude:
             meta = {k: v for k, v in f.metadata.items() if keep is None or k in keep}
-            out.append((f.name, f.type, field(default=f.default, metadata={**meta, **metadata})))
+            if f.default_factory is not dataclasses.MISSING:  # loss_options: a fresh dict per instance
+                fld = field(default_factory=f.default_factory, metadata={**meta, **metadata})
+            else:
+                fld = field(default=f.default, metadata={**meta, **metadata})
+            out.append((f.name, f.type, fld))
     return out
 
 
@@ -360,8 +435,12 @@ def as_policy_loss_config(config: PolicyLossConfig | Mapping[str, Any] | None) -
     if isinstance(config, PolicyLossConfig):
         return config
     if isinstance(config, Mapping):
-        unknown = sorted(set(config) - set(_FIELDS))
+        values = dict(config)
+        options = dict(values.pop("loss_options", None) or {})
+        options.update({k: values.pop(k) for k in list(values) if k not in _FIELDS and k in LOSS_SETTINGS})
+        unknown = sorted(set(values) - set(_FIELDS))
         if unknown:
-            raise ValueError(f"unknown PolicyLossConfig key(s) {unknown}; valid: {sorted(_FIELDS)}")
-        return PolicyLossConfig(**config)
+            raise ValueError(f"unknown PolicyLossConfig key(s) {unknown}; valid: {sorted(_FIELDS)} and the declared "
+                             f"loss settings {sorted(LOSS_SETTINGS)}")
+        return PolicyLossConfig(**values, loss_options=options)
     raise TypeError(f"config must be a PolicyLossConfig, a dict or None, got {type(config).__name__}")

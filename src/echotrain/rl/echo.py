@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from echotrain.metrics import declare_metric
 from echotrain.rl.aggregation import weighted_sum
 from echotrain.rl.config import PolicyLossConfig
 from echotrain.rl.step import LossStepStats, ReduceFn, StepBatch, StepStats, seq_weights
@@ -133,21 +134,6 @@ def echo_token_loss(
     return loss, {**flags, "unscaled": unscaled}
 
 
-def echo_token_ratios(
-    log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor, config: PolicyLossConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """ECHO's rescaled token ratios rho~ = kappa rho over one whole step (the loss's own path).
-
-    Returns:
-        ``(rho_tilde (B, T), R 0-d, kappa 0-d, clipped)``; R and kappa are float64, rho~ has
-        the inputs' dtype and holds kappa at padding (rho := 1 there); kappa carries gradient
-        through R unless ``config.detach_kappa``.
-    """
-    mask = response_mask.bool()
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, config.log_ratio_clamp, mask)
-    return _rescale(log_ratio, mask, config, log_ratio.sum(dtype=torch.float64))
-
-
 def _rescale(
     log_ratio: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig, log_ratio_sum: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
@@ -238,6 +224,34 @@ def echo_loss(
     metrics = {"echo/R_batch": r_val, "echo/kappa": k_val, "echo/batch_clipped": float(clipped)}
     metrics.update(echo_token_metrics(flags, mask, cfg))
     return loss, flags, metrics
+
+
+#: ECHO's metrics: the step's values (one per optimizer step) and the token shares of its flags
+ECHO_METRICS = (
+    declare_metric("echo/R_batch", reduce="mean", unit="ratio (1 = on-policy)", when="loss_mode=echo",
+                   summary=True, panel="ECHO batch ratio", label="R_batch",
+                   help="ECHO batch ratio R of the optimizer step (before its clip), mean over optimizer steps"),
+    declare_metric("echo/kappa", reduce="mean", unit="ratio (1 = on-policy)", when="loss_mode=echo", summary=True,
+                   panel="ECHO batch ratio", label="kappa",
+                   help="ECHO rescaling factor kappa = clip(R) / R, mean over optimizer steps"),
+    declare_metric("echo/batch_clipped", reduce="mean", unit="fraction of updates", when="loss_mode=echo",
+                   panel="ECHO batch clip", label="batch clip fired",
+                   help="share of the step's optimizer updates whose batch ratio R left the band"),
+    declare_metric("pg_echo_unscaled_frac", reduce="token_mean", unit="fraction of tokens",
+                   when="loss_mode=echo, echo_pessimistic=true",
+                   help="share of valid tokens where the pessimistic min chose the unscaled loss l(rho)"),
+    declare_metric("pg_echo_truncfrac", reduce="token_mean", unit="fraction of tokens",
+                   when="loss_mode=echo, echo_token_clip=truncate",
+                   help="share of valid tokens whose rescaled ratio exceeded echo_token_cap"),
+)
+ECHO_METRICS += (
+    declare_metric("echo/R_batch_min", reduce="min", of="echo/R_batch", unit="ratio (1 = on-policy)",
+                   when="loss_mode=echo", panel="ECHO batch ratio", label="R_batch min",
+                   help="smallest batch ratio R over the step's optimizer steps"),
+    declare_metric("echo/R_batch_max", reduce="max", of="echo/R_batch", unit="ratio (1 = on-policy)",
+                   when="loss_mode=echo", panel="ECHO batch ratio", label="R_batch max",
+                   help="largest batch ratio R over the step's optimizer steps"),
+)
 
 
 def echo_token_metrics(flags: dict[str, torch.Tensor], mask: torch.Tensor, cfg: PolicyLossConfig) -> dict[str, float]:

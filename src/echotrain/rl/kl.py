@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from echotrain.rl.registry import Registry
+from echotrain.registry import Registry
 from echotrain.rl.validation import check_choice, check_same_shape, check_tensor
 
 KlEstimatorFn = Callable[[torch.Tensor, float], torch.Tensor]

@@ -27,23 +27,30 @@ branch is active: rho > 1 + eps_high with A > 0, or rho < 1 - eps_low with A < 0
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from echotrain.rl.aggregation import weighted_sum
-from echotrain.rl.config import PolicyLossConfig, as_policy_loss_config
+from echotrain.metrics import METRICS, Metric, declare_metric
+from echotrain.rl.config import (
+    LOSS_SETTINGS,
+    POLICY_LOSS_FIELDS,
+    LossSetting,
+    PolicyLossConfig,
+    as_policy_loss_config,
+)
 from echotrain.rl.echo import (  # noqa: F401  re-exported: ECHO's math lives in echotrain.rl.echo
+    ECHO_METRICS,
     ECHO_STEP_STATS,
     EchoStats,
     batch_kappa,
     batch_ratio,
     echo_loss,
     echo_token_loss,
-    echo_token_ratios,
     kappa_gradient_share,
 )
-from echotrain.rl.registry import Registry
+from echotrain.registry import Registry
 from echotrain.rl.step import LossStepStats, StepStats, seq_weights
 from echotrain.rl.surrogate import clamped_log_ratio, ppo_clip_loss
 from echotrain.rl.correction import apply_rollout_correction, parse_rollout_correction
@@ -54,8 +61,15 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "loss_mode")
 
 
-def register_policy_loss(name: str, *, step_stats: LossStepStats | None = None,
-                         **info: Any) -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(
+    name: str,
+    *,
+    step_stats: LossStepStats | None = None,
+    settings: Mapping[str, LossSetting] | None = None,
+    metrics: Sequence[Metric | str] = (),
+    exact: bool | str = True,
+    reads: Sequence[str] = (),
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a policy loss under ``name`` in :data:`POLICY_LOSSES`.
 
     Args:
@@ -65,17 +79,62 @@ def register_policy_loss(name: str, *, step_stats: LossStepStats | None = None,
             ECHO declares its no-grad pre-pass and the sums giving R); None for none.
             :func:`~echotrain.rl.compute_step_stats` runs it and passes the result as
             ``step.loss_stats``.
-        **info: further declarations, kept in ``POLICY_LOSSES.info(name)``. Read elsewhere:
-            ``settings`` (tuple of the :class:`PolicyLossConfig` fields the loss reads beyond
-            the aggregation's; the verl adapter takes exactly these from verl's config) and
-            ``exact`` (False, with ``exact_reason``, for a loss that is not exact under
-            micro-batches; absent means exact).
+        settings: the loss's own settings beyond :class:`PolicyLossConfig`'s fields, name ->
+            :func:`~echotrain.rl.config.loss_setting` (default, help, check); set with
+            ``loss_options.NAME=VALUE``, read as ``config.NAME`` (see :mod:`echotrain.rl.config`).
+        metrics: the metrics the loss returns (declared with :func:`echotrain.metrics.declare_metric`,
+            or their names when declared elsewhere), so the trainer reduces each as declared.
+            Every loss also returns the clip metrics of :data:`CLIP_METRICS` when it uses
+            :func:`clip_metrics`; list them too.
+        exact: True when micro-batching the step (with ``step=`` from
+            :func:`~echotrain.rl.compute_step_stats`) gives the single-batch loss and gradient,
+            as every built-in loss does; else a string saying why not (e.g. a loss whose math
+            needs a global selection over the step's tokens). The exactness tests enumerate
+            :data:`POLICY_LOSSES` and assert equality for exact losses, the declared
+            difference otherwise.
+        reads: the :class:`PolicyLossConfig` fields the loss reads beyond the aggregation's (the
+            verl adapter takes exactly these from verl's config).
 
     Raises:
-        ValueError: ``name`` is already registered.
+        ValueError: ``name`` is already registered, a setting clashes with a
+            :class:`PolicyLossConfig` field or another loss's setting, an undeclared metric name.
+        TypeError: ``exact`` is neither True nor a non-empty reason string.
     """
-    return POLICY_LOSSES.register(name, step_stats=step_stats, **info)
+    if not (exact is True or (isinstance(exact, str) and exact)):
+        raise TypeError(f"exact must be True or a non-empty str saying why the loss is not exact, got {exact!r}")
+    names = tuple(m if isinstance(m, str) else m.name for m in metrics)
+    for m in names:
+        METRICS.check(m)
+    settings = dict(settings or {})
+    for key, s in settings.items():
+        if key in LOSS_SETTINGS:
+            raise ValueError(f"policy loss {name!r}: setting {key!r} is already declared by loss_mode="
+                             f"{LOSS_SETTINGS.info(key)['loss_mode']!r}")
+        if key in POLICY_LOSS_FIELDS:
+            raise ValueError(f"policy loss {name!r}: setting {key!r} is already a PolicyLossConfig field")
+        if not isinstance(s, LossSetting):
+            raise TypeError(f"policy loss {name!r}: setting {key!r} must be a loss_setting(...), got {type(s).__name__}")
+    register = POLICY_LOSSES.register(name, step_stats=step_stats, settings=tuple(settings), metrics=names,
+                                      reads=tuple(reads),
+                                      exact=exact)
 
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        for key, s in settings.items():
+            LOSS_SETTINGS.register(key, loss_mode=name)(s)
+        return register(fn)
+
+    return deco
+
+
+def unregister_policy_loss(name: str) -> PolicyLossFn:
+    """Remove the loss ``name`` and the settings it declared (tests, temporary plugins).
+
+    Raises:
+        KeyError: ``name`` is not registered.
+    """
+    for key in POLICY_LOSSES.info(name)["settings"]:
+        LOSS_SETTINGS.unregister(key)
+    return POLICY_LOSSES.unregister(name)
 
 
 def loss_step_stats(loss_mode: str) -> LossStepStats | None:
@@ -93,6 +152,23 @@ PREPASS_LOSS_MODES = POLICY_LOSSES.names(lambda info: info["step_stats"] is not 
 
 
 # --------------------------------------------------------------------------- pure pieces
+
+#: the metrics of :func:`clip_metrics` (every built-in loss returns them), token-weighted
+CLIP_METRICS = (
+    declare_metric("pg_clipfrac", reduce="token_mean", unit="fraction of tokens", label="total",
+                   help="share of valid tokens whose clipped branch is active (high + low)"),
+    declare_metric("pg_clipfrac_high", reduce="token_mean", unit="fraction of tokens", summary=True,
+                   panel="Clip fractions", label="high (rho > 1+eps_high, A>0)",
+                   help="share of valid tokens clipped at the ratio ceiling with A > 0"),
+    declare_metric("pg_clipfrac_low", reduce="token_mean", unit="fraction of tokens", summary=True,
+                   panel="Clip fractions", label="low (rho < 1-eps_low, A<0)",
+                   help="share of valid tokens clipped at the ratio floor with A < 0"),
+    declare_metric("pg_clipfrac_lower", reduce="token_mean", unit="fraction of tokens",
+                   help="share of valid tokens where the dual-clip cap is active (A < 0, clip_ratio_c set)"),
+    declare_metric("ppo_kl", reduce="token_mean", unit="nats per token", summary=True, panel="Policy drift",
+                   label="ppo_kl = mean log-ratio old/new (not a KL)",
+                   help="mean of old_log_prob - log_prob over valid tokens (policy drift; not a KL, can be < 0)"),
+)
 
 
 def clip_metrics(
@@ -219,7 +295,7 @@ def ppo_clipped_loss(x: PreparedInputs, ratio: torch.Tensor) -> tuple[torch.Tens
 _CLIP = ("clip_ratio_low", "clip_ratio_high")
 
 
-@register_policy_loss("vanilla", settings=_CLIP + ("clip_ratio_c",))
+@register_policy_loss("vanilla", reads=_CLIP + ("clip_ratio_c",), metrics=CLIP_METRICS)
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_vanilla(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO clip with an asymmetric band: GRPO, DAPO clip-higher, optional dual-clip.
@@ -233,7 +309,7 @@ def compute_policy_loss_vanilla(x: PreparedInputs) -> tuple[torch.Tensor, dict[s
     return ppo_clipped_loss(x, torch.exp(x.log_ratio))
 
 
-@register_policy_loss("gspo", settings=_CLIP)
+@register_policy_loss("gspo", reads=_CLIP, metrics=CLIP_METRICS)
 @prepared_policy_loss("seq-mean-token-mean")
 def compute_policy_loss_gspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: one clipped sequence ratio per response (arXiv 2507.18071, Eq. 5-7).
@@ -249,7 +325,7 @@ def compute_policy_loss_gspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str,
     return ppo_clipped_loss(x, torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(x.log_ratio))
 
 
-@register_policy_loss("gspo_token", settings=_CLIP)
+@register_policy_loss("gspo_token", reads=_CLIP, metrics=CLIP_METRICS)
 @prepared_policy_loss("seq-mean-token-mean")
 def compute_policy_loss_gspo_token(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO-token: s_{i,t} = sg[s_i] * pi(o_{i,t}) / sg[pi(o_{i,t})] (arXiv 2507.18071, Eq. 13-14).
@@ -265,7 +341,7 @@ def compute_policy_loss_gspo_token(x: PreparedInputs) -> tuple[torch.Tensor, dic
     return ppo_clipped_loss(x, torch.exp(torch.clamp(seq_log_ratio + torch.where(x.mask, lp - lp.detach(), 0), -c, c)))
 
 
-@register_policy_loss("echo", step_stats=ECHO_STEP_STATS, settings=_CLIP + (
+@register_policy_loss("echo", step_stats=ECHO_STEP_STATS, metrics=CLIP_METRICS + ECHO_METRICS, reads=_CLIP + (
     "clip_ratio_c", "batch_clip_low", "batch_clip_high", "batch_ratio", "detach_kappa", "echo_pessimistic",
     "echo_token_clip", "echo_token_cap"))
 @prepared_policy_loss("token-mean")

@@ -52,11 +52,6 @@ class StepStats:
     config: PolicyLossConfig | None = None  # the config the stats were computed with (checked by the losses)
     correction: Any = None  # the step's rollout-correction statistics (echotrain.rl.correction.CorrectionStats), else None
 
-    @property
-    def echo(self) -> Any:
-        """``loss_stats`` under its earlier name (ECHO's :class:`~echotrain.rl.echo.EchoStats`)."""
-        return self.loss_stats
-
     def agg_kwargs(self, cfg: PolicyLossConfig) -> dict[str, Any]:
         """Keyword arguments of :func:`~echotrain.rl.agg_weights` / :func:`~echotrain.rl.agg_loss`
         that are global to the step (token / sequence counts, BA group statistics) or come from

@@ -44,13 +44,29 @@ Public API
 
 from __future__ import annotations
 
-from echotrain.tasks.base import Example, Task, get_task, register_task, task_names
+from echotrain.tasks.base import (
+    TASK_FAMILIES,
+    TASKS,
+    Example,
+    Task,
+    get_task,
+    register_task,
+    register_task_family,
+    task_for_testbed,
+    task_hub_dataset,
+    task_names,
+)
 from echotrain.tasks.gym import DEFAULT_TASK, ReasoningGymTask
 from echotrain.tasks.math_sets import JsonlMathTask, load_gsm8k, load_math500
 from echotrain.tasks import jsonl as _jsonl  # noqa: F401  registers task=jsonl
 from echotrain.tasks.testbed import TestbedTask
 
 __all__ = [
+    "TASKS",
+    "TASK_FAMILIES",
+    "register_task_family",
+    "task_for_testbed",
+    "task_hub_dataset",
     "DEFAULT_TASK",
     "Example",
     "JsonlMathTask",

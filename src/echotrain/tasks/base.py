@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
+from echotrain.registry import Registry
 from echotrain.rewards.extract import extract_answer_tag, extract_boxed
 
 __all__ = [
@@ -117,27 +118,32 @@ def sample_indices(size: int, n: int, seed: int) -> list[int]:
     return out
 
 
-_REGISTRY: dict[str, Callable[..., Task]] = {}
+#: task name -> factory ``factory(**options) -> Task``; fill it with :func:`register_task`.
+TASKS: Registry[Callable[..., Task]] = Registry("task", "task")
+#: name prefix -> factory ``factory(member, **options) -> Task``; its registration declares
+#: ``placeholder`` (naming the member in :func:`task_names`). Fill it with :func:`register_task_family`.
+TASK_FAMILIES: Registry[Callable[..., Task]] = Registry("task family", "task")
 
 
-def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
+def register_task(name: str, *, for_testbed: bool = False) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
     """Decorator registering a task factory ``factory(**options) -> Task`` under ``name``.
+
+    ``for_testbed``: its prompts are the bare byte-level text the CPU testbed policy
+    (``model=testbed``) speaks (no chat template); ``model=testbed`` accepts only such tasks
+    (:func:`task_for_testbed`).
+
+    A factory may carry ``hub_dataset`` (a Hugging Face data set id it downloads without
+    ``task_options.path``), which the preflight checks (:func:`task_hub_dataset`).
 
     Raises:
         ValueError: ``name`` is already registered.
     """
-
-    def decorator(factory: Callable[..., Task]) -> Callable[..., Task]:
-        if name in _REGISTRY:
-            raise ValueError(f"task {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
-
-    return decorator
+    return TASKS.register(name, for_testbed=for_testbed)
 
 
-# prefix -> (factory(member, **options) -> Task, placeholder naming the member in task_names())
-_FAMILIES: dict[str, tuple[Callable[..., Task], str]] = {}
+def task_for_testbed(name: str) -> bool:
+    """Whether task ``name`` was registered ``for_testbed`` (False for unknown names and families)."""
+    return name in TASKS and bool(TASKS.info(name).get("for_testbed"))
 
 
 def register_task_family(prefix: str, placeholder: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
@@ -148,19 +154,18 @@ def register_task_family(prefix: str, placeholder: str) -> Callable[[Callable[..
     Raises:
         ValueError: ``prefix`` is already registered.
     """
-
-    def decorator(factory: Callable[..., Task]) -> Callable[..., Task]:
-        if prefix in _FAMILIES:
-            raise ValueError(f"task family {prefix!r} is already registered")
-        _FAMILIES[prefix] = (factory, placeholder)
-        return factory
-
-    return decorator
+    return TASK_FAMILIES.register(prefix, placeholder=placeholder)
 
 
 def task_names() -> list[str]:
     """Registered task names, plus each family's pattern (``"rg:<dataset>"``: any reasoning-gym dataset)."""
-    return sorted(_REGISTRY) + [prefix + placeholder for prefix, (_, placeholder) in _FAMILIES.items()]
+    return sorted(TASKS) + [prefix + TASK_FAMILIES.info(prefix)["placeholder"] for prefix in TASK_FAMILIES]
+
+
+def task_hub_dataset(name: str) -> str | None:
+    """The Hugging Face data set id task ``name``'s factory downloads (its ``hub_dataset``), or
+    None (unknown name, a family member, or a task that needs no download)."""
+    return getattr(TASKS.get(name), "hub_dataset", None)
 
 
 def get_task(name: str, **options: Any) -> Task:
@@ -172,9 +177,9 @@ def get_task(name: str, **options: Any) -> Task:
     """
     if not isinstance(name, str):
         raise TypeError(f"task name must be a str, got {type(name).__name__}")
-    for prefix, (factory, _) in _FAMILIES.items():
+    for prefix, factory in TASK_FAMILIES.items():
         if name.startswith(prefix):
             return factory(name[len(prefix):], **options)
-    if name not in _REGISTRY:
+    if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; valid names: {', '.join(task_names())}")
-    return _REGISTRY[name](**options)
+    return TASKS[name](**options)

@@ -28,7 +28,8 @@ from echotrain.tasks.indexed import IndexedTask
 
 __all__ = ["TESTBED_GYM_CONFIG", "TestbedTask", "is_heldout", "prompt_of"]
 
-#: reasoning-gym ``basic_arithmetic`` settings of the testbed (../shared/notes/testbed-probe.md).
+#: reasoning-gym ``basic_arithmetic`` settings of the testbed (chosen from a probe of the policy's accuracy;
+#: docs/testbed.md).
 TESTBED_GYM_CONFIG: dict[str, Any] = {
     "min_terms": 2,
     "max_terms": 2,
@@ -130,7 +131,7 @@ class TestbedTask(IndexedTask):
         return f"TestbedTask(split={self.split!r}, size={self.size}, seed={self.seed})"
 
 
-@register_task("testbed")
+@register_task("testbed", for_testbed=True)
 def _testbed(**options: Any) -> TestbedTask:
     """The testbed task (``split``, ``size``, ``seed`` options)."""
     return TestbedTask(**options)

@@ -18,6 +18,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from echotrain.atomic import fsync_dir
+
 class CheckpointError(RuntimeError):
     """A checkpoint file cannot be read (truncated, corrupted); the message names the file."""
 
@@ -49,37 +51,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def fsync_dir(folder: str | os.PathLike) -> None:
-    """``fsync`` a directory, so the entries renamed or removed in it survive a power loss (POSIX:
-    a rename is durable only once its directory is synced). A no-op where directories cannot be
-    opened (Windows)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # pragma: no cover - Windows
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to a temp file in the same folder, fsync it, ``os.replace`` it onto
-    ``path``, then fsync the folder (:func:`fsync_dir`): after a crash at any moment ``path`` is
-    the old file or the complete new one, and once this returns the new one is on disk."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    ``path``, then fsync the folder (:func:`echotrain.atomic.fsync_dir`): after a crash at any
+    moment ``path`` is the old file or the complete new one, and once this returns the new one is
+    on disk."""
+    from echotrain.atomic import atomic_path
+
+    with atomic_path(path, fsync=True) as tmp:
+        torch.save(obj, tmp)
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:

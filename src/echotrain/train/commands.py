@@ -31,7 +31,8 @@ TRAIN_EPILOG = """\
 Configuration keys (key=value on the command line, or a flat YAML mapping in --config).
 Precedence: defaults < preset < --config file < key=value. Presets: grpo, dapo, dr_grpo, gspo,
 echo, each also as <name>+balanced (Balanced Aggregation), e.g. preset=gspo+balanced.
-Booleans: true/false; none/null clears an optional value; task_options.KEY=VALUE nests.
+Booleans: true/false; none/null clears an optional value; task_options.KEY=VALUE and
+loss_options.KEY=VALUE nest; plugins=[module,file.py] imports user modules first.
 """
 
 
@@ -122,7 +123,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from echotrain.cli import omp_wait_in_force
+    from echotrain.omp import omp_wait_in_force
     from echotrain.train.precision import describe as describe_precision
     from echotrain.train.trainer import Trainer
 
@@ -163,6 +164,9 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
                         help="option for get_task, repeatable (e.g. --task-option seed=1 for questions other than "
                              "the training ones, which use seed 0)")
+    parser.add_argument("--plugins", action="append", default=[], metavar="MODULE|FILE.py",
+                        help="import this module or .py file first (repeatable, or comma-separated), so the tasks "
+                             "it registers are valid --task values (as train's plugins key)")
     parser.add_argument("--prompts", type=int, default=64, help="number of task prompts (default 64)")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
     parser.add_argument("--k", default="1", help="comma-separated k values for unbiased pass@k, each <= n (default 1)")
@@ -191,7 +195,15 @@ def run_eval(args: argparse.Namespace) -> int:
     import yaml
 
     from echotrain.evalsuite.cli import run_suite_command, wants_suite
+    from echotrain.plugins import PluginError, load_plugins
 
+    try:  # before any name is looked up: a plugin's task or benchmark is valid then
+        load_plugins([p for item in getattr(args, "plugins", []) for p in item.split(",") if p.strip()])
+    except PluginError as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"echotrain eval: error: {exc}", file=sys.stderr)
+        return 2
     if wants_suite(args):
         return run_suite_command(args)
     if args.max_new_tokens is None:

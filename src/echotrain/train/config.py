@@ -62,6 +62,10 @@ class TrainConfig:
                      "for Balanced Aggregation (2605.04077). Sets the objective fields below; explicit keys override it.")
     output_dir: str | None = _f(None, "Run directory (config.yaml, metrics.jsonl, samples.jsonl, plots/, checkpoints/). "
                                 "Default: runs/<preset>-<UTC timestamp>.")
+    plugins: list = _f([], "Modules to import before the config is validated, so the losses, tasks, metrics and "
+                       "optimizers they register are valid values here: importable module names (the current "
+                       "directory first) or .py file paths, e.g. plugins=[my_losses,./my_task.py]. Installed "
+                       "packages' 'echotrain.plugins' entry points are always imported (echotrain.plugins).")
     seed: int = _f(0, "Seed for torch, numpy and python RNGs and the prompt order. Same seed, device, num_threads, CPU "
                    "model and library versions give a bit-identical run (README, Reproducibility); other thread counts "
                    "or machines do not.")
@@ -92,8 +96,9 @@ class TrainConfig:
     task_options: dict = _f({}, "Extra keyword options for get_task (YAML mapping, or task_options.KEY=VALUE).", group="model")
     reward: str | None = _f(None, "Custom reward function by import path 'module:function' (module importable, e.g. a "
                             "my_reward.py in the working directory), called as fn(completions: list[str], examples: "
-                            "list[Example]) -> list[float] (TRL reward_funcs style; a value >= 1 counts as correct) "
-                            "or a single-sample fn(completion, example) -> float when it takes 'example'. Empty: the "
+                            "list[Example]) -> list[float] (TRL reward_funcs style) or a single-sample "
+                            "fn(completion, example) -> float when it takes 'example'; the reward is that value and "
+                            "accuracy in metrics.jsonl is its mean (the fraction correct for 0/1 scores). Empty: the "
                             "task's scorer. Timeouts and exceptions score 0 and are counted in metrics.jsonl.",
                             group="model")
     chat_template: str | None = _f(None, "Chat template override: a Jinja template string or a path to a file holding "
@@ -227,8 +232,8 @@ class TrainConfig:
                               "counts them. 0 = never warn.", group="outputs")
     report_to: str = _f("", "Experiment trackers besides metrics.jsonl, comma-separated: tensorboard (<output_dir>/"
                         "tensorboard), wandb (offline unless WANDB_MODE is set; <output_dir>/wandb), trackio (local). "
-                        "Each needs its extra: pip install 'echotrain[tensorboard]' etc. Empty/none: none. "
-                        "(Replaces the old tensorboard=true / wandb=true keys, still accepted.)", group="outputs")
+                        "Each needs its extra: pip install 'echotrain[tensorboard]' etc. Empty/none: none.",
+                        group="outputs")
     wandb_project: str = _f("echotrain", "Project name for report_to=wandb and trackio.", group="outputs")
 
     # ---- parallelism and LoRA ---------------------------------------------------------------
@@ -339,6 +344,16 @@ def _coerce(key: str, value: Any) -> Any:
             if isinstance(value, bool):
                 raise ValueError
             return float(value)
+        if typ.startswith("list"):
+            if isinstance(value, str):
+                value = yaml.safe_load(value) if value.strip() else []
+            if value is None:
+                return []
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, (list, tuple)):
+                raise ValueError
+            return list(value)
         if typ.startswith("dict"):
             if isinstance(value, str):
                 value = yaml.safe_load(value) or {}
@@ -351,14 +366,14 @@ def _coerce(key: str, value: Any) -> Any:
                     return None
                 raise ValueError
             return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, yaml.YAMLError):
         raise ConfigError(f"{key}={value!r} is not a valid {typ.split('|')[0]}") from None
     return value
 
 
 def _check_keys(values: dict[str, Any], where: str) -> None:
     for key in values:
-        if key not in FIELDS and key not in LEGACY_REPORT_KEYS:
+        if key not in FIELDS:
             raise ConfigError(f"unknown key {key!r} in {where}" + _suggest(key))
 
 
@@ -382,9 +397,10 @@ def _suggest(key: str) -> str:
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, Any]:
-    """Parse ``key=value`` tokens (``task_options.KEY=VALUE`` nests into ``task_options``).
+    """Parse ``key=value`` tokens (``task_options.KEY=VALUE`` nests into ``task_options``, and
+    ``loss_options.KEY=VALUE`` into ``loss_options``).
 
-    Values are parsed as YAML scalars later, against the field's type; ``task_options`` values as YAML.
+    Values are parsed as YAML scalars later, against the field's type; ``*_options`` values as YAML.
 
     Raises:
         ConfigError: a token without '=' or an unknown key (naming close matches).
@@ -395,13 +411,13 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
             raise ConfigError(f"expected key=value, got {tok!r}" + ("" if tok.startswith("-") else _suggest(tok)))
         key, _, value = tok.partition("=")
         key = key.strip().replace("-", "_")
-        if key.startswith("task_options."):
+        if key.startswith(("task_options.", "loss_options.")):
             try:
-                out.setdefault("task_options", {})[key.split(".", 1)[1]] = yaml.safe_load(value)
+                out.setdefault(key.split(".", 1)[0], {})[key.split(".", 1)[1]] = yaml.safe_load(value)
             except yaml.YAMLError:
                 raise ConfigError(f"{key}={value!r}: not a valid YAML value (quote strings with ':' or '#')") from None
             continue
-        if key not in FIELDS and key not in LEGACY_REPORT_KEYS:
+        if key not in FIELDS:
             raise ConfigError(f"unknown key {key!r}" + _suggest(key))
         out[key] = value
     return out
@@ -436,43 +452,6 @@ def _safe_load_file(p: Path, what: str) -> Any:
         raise ConfigError(f"{what} {str(p)!r}: cannot read it ({exc})") from None
 
 
-#: boolean keys replaced by ``report_to`` (accepted: true adds the backend, false is dropped)
-LEGACY_REPORT_KEYS = ("tensorboard", "wandb")
-
-
-def _is_zero(value: Any) -> bool:
-    try:
-        return value is not None and not isinstance(value, bool) and float(value) == 0
-    except (TypeError, ValueError):
-        return False
-
-
-def _legacy_keys(values: dict[str, Any] | None) -> dict[str, Any]:
-    """Map the old ``tensorboard=``/``wandb=`` booleans onto ``report_to``, and the old
-    ``norm_constant=0`` (then: use max_new_tokens) onto unset ``None`` (same meaning), so a
-    config.yaml saved before either change still resumes.
-
-    Raises:
-        ConfigError: a value that is not a boolean.
-    """
-    values = dict(values or {})
-    if _is_zero(values.get("norm_constant")):  # before one meaning of unset: 0 = max_new_tokens
-        values["norm_constant"] = None
-    extra = []
-    for key in LEGACY_REPORT_KEYS:
-        if key in values:
-            v = values.pop(key)
-            on = v if isinstance(v, bool) else str(v).strip().lower()
-            if on in (True, "1", "true", "yes", "on"):
-                extra.append(key)
-            elif on not in (False, "0", "false", "no", "off", "", "none"):
-                raise ConfigError(f"{key}={v!r}: this key was replaced by report_to (e.g. report_to={key})")
-    if extra:
-        current = [v.strip() for v in str(values.get("report_to") or "").split(",") if v.strip()]
-        values["report_to"] = ",".join(dict.fromkeys(current + extra))
-    return values
-
-
 def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
                    base: dict[str, Any] | None = None) -> TrainConfig:
     """Build and validate a config: defaults -> ``base`` -> preset -> YAML -> overrides.
@@ -483,8 +462,7 @@ def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[st
     Raises:
         ConfigError: unknown key, value of the wrong type, or invalid value (see :func:`validate`).
     """
-    yaml_values, overrides = _legacy_keys(yaml_values), _legacy_keys(overrides)
-    base = _legacy_keys(base) if base is not None else None
+    yaml_values, overrides = dict(yaml_values or {}), dict(overrides or {})
     _check_keys(yaml_values, "config file")
     _check_keys(overrides, "command line")
     values: dict[str, Any] = {}
@@ -498,12 +476,18 @@ def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[st
     values["preset"] = preset
     for layer in (yaml_values, overrides):
         for key, value in layer.items():
-            if key == "task_options" and isinstance(value, dict):
-                merged = dict(values.get("task_options") or {})
+            if key in ("task_options", "loss_options") and isinstance(value, dict):
+                merged = dict(values.get(key) or {})
                 merged.update(value)
                 values[key] = merged
             else:
                 values[key] = value
+    from echotrain.plugins import PluginError, load_plugins
+
+    try:  # before the values are checked: a plugin's loss, task or optimizer name is valid then
+        load_plugins(_coerce("plugins", values.get("plugins", [])))
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
     cfg = TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})
     validate(cfg)
     return cfg
@@ -550,6 +534,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(_unknown_msg("loss_mode", cfg.loss_mode, sorted(POLICY_LOSSES)))
     if cfg.loss_agg_mode not in AGG_MODES:
         raise ConfigError(_unknown_msg("loss_agg_mode", cfg.loss_agg_mode, list(AGG_MODES)))
+    from echotrain.rl.config import LOSS_SETTINGS
+
+    for key in cfg.loss_options:  # declared (checked above); by the loss in use?
+        owner = LOSS_SETTINGS.info(key)["loss_mode"]
+        if owner != cfg.loss_mode:
+            raise ConfigError(f"loss_options.{key} is a setting of loss_mode={owner!r}, not of "
+                              f"loss_mode={cfg.loss_mode!r}")
     if cfg.optimizer not in OPTIMIZERS:
         raise ConfigError(_unknown_msg("optimizer", cfg.optimizer, sorted(OPTIMIZERS)))
     sam_bases = base_optimizer_names()
@@ -571,8 +562,11 @@ def validate(cfg: TrainConfig) -> None:
          f"must be <= prompts_per_step={cfg.prompts_per_step} (mini-batches hold whole groups)")
     need(cfg.temperature > 0, "temperature", "must be > 0 (RL needs sampling)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
-    need(cfg.model != "testbed" or cfg.task == "testbed", "task",
-         "model=testbed speaks bare arithmetic with a byte tokenizer (no chat template): use task=testbed")
+    from echotrain.tasks import task_for_testbed
+
+    need(cfg.model != "testbed" or task_for_testbed(cfg.task), "task",
+         "model=testbed speaks bare arithmetic with a byte tokenizer (no chat template): use task=testbed (or a "
+         "task registered with register_task(name, for_testbed=True))")
     need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
     need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",
          f"must be -1 (auto), 0 (off) or in [1, max_new_tokens={cfg.max_new_tokens})")
@@ -663,7 +657,6 @@ def format_help() -> str:
 
 def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (atomically: temp file + rename)."""
-    p = Path(path)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, p)
+    from echotrain.atomic import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,56 +1,30 @@
 """PNG plots of a run from its metrics records (matplotlib, Agg backend).
 
-- ``plots/summary.png``: one multi-panel figure to read a run at a glance (:data:`PANELS`):
-  sampled accuracy with the greedy-eval points, reward, entropy, response length, policy drift
-  (``ppo_kl``, a mean log-ratio, and the KL to the reference when used), clip fractions, ECHO's
-  batch ratio, gradient norm and step time. Every series is drawn as its raw per-step points plus
-  a trailing moving mean (window :func:`smoothing_window` of the run's step count, one window per
-  figure, stated once under it by :func:`smoothing_note`); every y axis names its unit. The
-  greedy evaluations are separate measurements: markers, never joined by a line.
-- one PNG per entry of :data:`PLOTS` (the same curves, one figure each).
+- ``plots/summary.png``: one multi-panel figure to read a run at a glance: the panels of
+  :func:`echotrain.metrics.panels`, each drawing the metrics declared on it (sampled accuracy
+  with the greedy-eval points, reward, entropy, response length, truncated responses, policy
+  drift, clip fractions, ECHO's batch ratio, gradient norm, step time, and any panel a plugin's
+  metric names). Every series is drawn as its raw per-step points plus a trailing moving mean
+  (window :func:`smoothing_window`); every y axis names its unit (the panel's first metric's).
+- ``plots/<panel>.png``: one figure per panel (file name :func:`panel_file`), the same curves.
+
+Metrics declared ``file="eval"`` are read from ``eval.jsonl`` (step 0 included) and drawn as
+dashed black markers.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
-# (file name, title, [(metric key, label)], y label)
-PLOTS: list[tuple[str, str, list[tuple[str, str]], str]] = [
-    ("reward.png", "Reward and sampled accuracy",
-     [("reward/mean", "reward mean"), ("accuracy", "accuracy (fraction correct)"), ("format_rate", "format rate")],
-     "reward per completion / fraction"),
-    ("response_length.png", "Response length", [("response_length/mean", "mean"), ("response_length/max", "max")],
-     "tokens"),
-    ("clip_fraction.png", "Clip fractions", [("pg_clipfrac_high", "high (rho > 1+eps_high, A>0)"),
-                                             ("pg_clipfrac_low", "low (rho < 1-eps_low, A<0)"),
-                                             ("pg_clipfrac", "total")], "fraction of tokens"),
-    ("echo_batch_ratio.png", "ECHO batch ratio", [("echo/R_batch", "R_batch"), ("echo/R_batch_min", "R_batch min"),
-                                                  ("echo/R_batch_max", "R_batch max"), ("echo/kappa", "kappa")],
-     "ratio (1 = on-policy)"),
-    ("policy_drift.png", "Policy drift",
-     [("ppo_kl", "ppo_kl: mean(old_log_prob - log_prob), not a KL (can be < 0)"),
-      ("kl/ref", "KL to reference (kl_penalty estimator)")], "nats per token"),
-    ("entropy.png", "Token entropy of the rollout policy", [("entropy", "entropy")], "nats per token"),
-    ("grad_norm.png", "Gradient norm (before clipping)", [("grad_norm", "grad norm")], "global L2 norm"),
-]
+from echotrain.metrics import Metric, panels
 
-# summary panels: (title, [(key, label)], y label, draw eval.jsonl's greedy accuracy on it)
-PANELS: list[tuple[str, list[tuple[str, str]], str, bool]] = [
-    ("Accuracy", [("accuracy", "sampled (training batch)"), ("format_rate", "answer format rate")],
-     "fraction of completions", True),
-    ("Reward", [("reward/mean", "reward mean")], "reward per completion", False),
-    ("Entropy", [("entropy", "token entropy")], "nats per token", False),
-    ("Response length", [("response_length/mean", "mean"), ("response_length/max", "max")], "tokens", False),
-    ("Policy drift", [("ppo_kl", "ppo_kl = mean log-ratio old/new (not a KL)"), ("kl/ref", "KL to reference")],
-     "nats per token", False),
-    ("Clip fractions", [("pg_clipfrac_high", "high (A>0)"), ("pg_clipfrac_low", "low (A<0)")],
-     "fraction of tokens", False),
-    ("ECHO batch ratio", [("echo/R_batch", "R_batch"), ("echo/kappa", "kappa")], "ratio (1 = on-policy)", False),
-    ("Gradient norm", [("grad_norm", "before clipping")], "global L2 norm", False),
-    ("Step time", [("time/step", "wall"), ("time/generation", "generation")], "seconds", False),
-]
+
+def panel_file(title: str) -> str:
+    """The PNG file name of a panel: ``"ECHO batch ratio"`` -> ``"echo_batch_ratio.png"``."""
+    return re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_") + ".png"
 
 
 def smoothing_window(n: int) -> int:
@@ -96,16 +70,51 @@ def _draw_evals(ax, evals: Sequence[dict[str, Any]], label: str) -> None:
 
 
 def _save(fig, out: Path, fname: str) -> Path:
-    path = out / fname
-    tmp = out / f".{fname}.tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
-    return path
+    from echotrain.atomic import atomic_path
+
+    with atomic_path(out / fname) as tmp:
+        fig.savefig(tmp, dpi=110)
+    return out / fname
+
+
+def _present(records: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]] | None) -> list[tuple[str, list[Metric]]]:
+    """The declared panels with at least one metric in ``records`` (or, for eval metrics, ``evals``)."""
+    from echotrain.train.metrics import builtin_metrics
+
+    builtin_metrics()
+
+    def has(m: Metric) -> bool:
+        src = (evals or []) if m.file == "eval" else records
+        return bool(_series(src, m.name)[0])
+
+    return [(title, ms) for title, ms in panels() if any(has(m) for m in ms if m.file == "metrics")]
+
+
+def _draw_panel(ax, title: str, metrics: list[Metric], records, evals, colors, legend_size: int) -> None:
+    i = 0
+    for m in metrics:
+        if m.file == "eval":
+            xs, ys = _series(evals or [], m.name)
+            if xs:
+                ax.plot(xs, ys, linestyle="--", marker="D", markersize=6, color="black",
+                        label=f"{m.short} (fixed prompts)")
+            continue
+        xs, ys = _series(records, m.name)
+        if xs:
+            _draw(ax, xs, ys, m.short, colors[i % len(colors)])
+            i += 1
+    if title == "Policy drift":
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(metrics[0].unit)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
 
 
 def plot_summary(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
                  evals: Sequence[dict[str, Any]] | None = None, title: str | None = None) -> Path | None:
-    """Write ``summary.png``: the panels of :data:`PANELS` whose metrics appear in ``records``.
+    """Write ``summary.png``: the declared panels whose metrics appear in ``records``.
 
     Args:
         records: metrics.jsonl lines. evals: eval.jsonl lines (greedy accuracy points, step 0 included).
@@ -121,27 +130,14 @@ def plot_summary(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
 
     if not records:
         return None
-    panels = [p for p in PANELS if any(_series(records, k)[0] for k, _ in p[1])]
+    shown = _present(records, evals)
     cols = 3
-    rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.3 * rows + 0.3), squeeze=False)
+    rows = max(1, (len(shown) + cols - 1) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.3 * rows), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    window = smoothing_window(len(records))
-    for ax, (ptitle, series, ylabel, with_eval) in zip(axes.flat, panels):
-        for i, (key, label) in enumerate(series):
-            xs, ys = _series(records, key)
-            if xs:
-                _draw(ax, xs, ys, label, colors[i % len(colors)], window)
-        if with_eval and evals:
-            _draw_evals(ax, evals, "greedy eval (fixed prompts)")
-        if ptitle == "Policy drift":
-            ax.axhline(0.0, color="grey", linewidth=0.8)
-        ax.set_title(ptitle)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax, (ptitle, metrics) in zip(axes.flat, shown):
+        _draw_panel(ax, ptitle, metrics, records, evals, colors, 7)
+    for ax in list(axes.flat)[len(shown):]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title, fontsize=10)
@@ -157,7 +153,8 @@ def plot_summary(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
 
 def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
                  evals: Sequence[dict[str, Any]] | None = None, title: str | None = None) -> list[Path]:
-    """Write ``summary.png`` and one PNG per entry of :data:`PLOTS` whose metrics appear in ``records``.
+    """Write ``summary.png`` and one PNG per declared panel (:func:`panel_file`) whose metrics
+    appear in ``records``.
 
     Args:
         records: metrics.jsonl lines (dicts with ``step`` and metric keys).
@@ -180,33 +177,10 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     if summary is not None:
         written.append(summary)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    window = smoothing_window(len(records))
-    for fname, title_, series, ylabel in PLOTS:
-        present = [(k, lbl) for k, lbl in series if any(r.get(k) is not None for r in records)]
-        if fname == "reward.png" and _series(records, "reward/mean") == _series(records, "accuracy"):
-            # binary correctness reward: the two curves coincide; draw one, say so
-            present = [(k, "accuracy = reward (binary correctness)" if k == "accuracy" else lbl)
-                       for k, lbl in present if k != "reward/mean"]
-        if not present:
-            continue
-        fig, ax = plt.subplots(figsize=(7, 4.3))
-        for i, (key, label) in enumerate(present):
-            xs, ys = _series(records, key)
-            _draw(ax, xs, ys, label, colors[i % len(colors)], window)
-        if fname == "reward.png" and evals:
-            _draw_evals(ax, evals, "greedy eval accuracy")
-        ax.set_title(title_)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        with_evals = fname == "reward.png" and bool(evals and _series(evals, "eval/accuracy")[0])
-        fig.text(0.5, 0.01, smoothing_note(window, with_evals), ha="center", va="bottom", fontsize=7.5, color="dimgray")
-        fig.tight_layout(rect=(0, 0.04, 1, 1))
-        written.append(_save(fig, out, fname))
+    for ptitle, metrics in _present(records, evals):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        _draw_panel(ax, ptitle, metrics, records, evals, colors, 8)
+        fig.tight_layout()
+        written.append(_save(fig, out, panel_file(ptitle)))
         plt.close(fig)
-    # kl.png was renamed policy_drift.png (it shows ppo_kl, a mean log-ratio): drop a stale one
-    stale = out / "kl.png"
-    if stale.exists():
-        stale.unlink()
     return written

@@ -189,11 +189,10 @@ def check_task(name: str, options: dict[str, Any], key: str = "task") -> Any:
     Raises:
         ConfigError: unknown task, bad option, missing file, malformed data, or no network.
     """
-    from echotrain.tasks import get_task
-    from echotrain.tasks.base import _REGISTRY
+    from echotrain.tasks import get_task, task_hub_dataset
 
     opts = dict(options or {})
-    repo = getattr(_REGISTRY.get(name), "hub_dataset", None)
+    repo = task_hub_dataset(name)
     if repo and not opts.get("path"):
         require_hub(repo, "dataset", f"{key}={name!r} without task_options.path",
                     "give a local JSONL file with task_options.path=FILE.jsonl")

@@ -35,8 +35,10 @@ import secrets
 from pathlib import Path
 from typing import Any, Callable
 
-#: name -> sink class
-SINKS: dict[str, type["Sink"]] = {}
+from echotrain.registry import Registry
+
+#: name -> sink class; fill it with :func:`register_sink`
+SINKS: Registry[type["Sink"]] = Registry("tracker sink", "report_to")
 
 
 class Sink(abc.ABC):
@@ -62,12 +64,16 @@ class Sink(abc.ABC):
 
 
 def register_sink(name: str, *, extra: str, module: str) -> Callable[[type[Sink]], type[Sink]]:
-    """Class decorator adding a :class:`Sink` under ``name``."""
+    """Class decorator adding a :class:`Sink` under ``name``.
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+    register = SINKS.register(name, extra=extra, module=module)
 
     def deco(cls: type[Sink]) -> type[Sink]:
         cls.name, cls.extra, cls.module = name, extra, module
-        SINKS[name] = cls
-        return cls
+        return register(cls)
 
     return deco
 

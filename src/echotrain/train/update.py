@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from echotrain.metrics import StepMetrics, declare_metric
 from echotrain.optim.sam import SAM
 from echotrain.rl import compute_policy_loss, compute_step_stats, kl_penalty, needs_log_prob_prepass, step_agg_loss
 from echotrain.rl.config import PolicyLossConfig
@@ -28,6 +29,16 @@ from echotrain.train.config import TrainConfig
 from echotrain.train.dist import DistContext
 from echotrain.train.rollout import RolloutBatch, forward_log_probs
 from echotrain.train.step import StepData
+
+KL_REF = declare_metric("kl/ref", reduce="token_mean", unit="nats per token", when="kl_coef > 0",
+                        help="mean KL estimate (kl_penalty) of the policy to the reference over valid tokens",
+                        label="KL to reference", panel="Policy drift")
+GRAD_NORM = declare_metric("grad_norm", reduce="mean", unit="global L2 norm", summary=True,
+                           help="global gradient norm before clipping", label="before clipping",
+                           panel="Gradient norm")
+LR = declare_metric("lr", reduce="last", unit="learning rate", help="learning rate of the last optimizer step")
+SAM_ACTIVE = declare_metric("sam/active", reduce="mean", unit="fraction of updates", when="optimizer=sam/late_sam",
+                            help="share of the step's optimizer updates that were SAM steps")
 
 #: ``forward(model, batch, with_entropy=False, grad=False) -> (log_prob (b, T), entropy (b, T) | None)``
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -167,7 +178,8 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
     (detached, written into ``data``), and the step statistics use ratio 1 (old = current = 0
     placeholders). ``forward`` is :func:`policy_log_probs` (or a wrapper of it).
 
-    Returns this optimizer step's metrics (token-weighted over micro-batches), ``lr`` and, with
+    Returns this optimizer step's metrics (each reduced over the micro-batches as declared in
+    :mod:`echotrain.metrics`), ``grad_norm``, ``lr`` and, with
     SAM, ``sam/active``. With SAM the forward/backward passes run twice (closure at w and at
     w + e) and the metrics are those of the first pass; the step statistics (ECHO's R, BA's
     group counts) stay those at w.
@@ -193,9 +205,7 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
 
     def closure() -> torch.Tensor:
         """Forward + backward over all micro-batches, then clip; metrics of the first call."""
-        sums: dict[str, float] = {}
-        weight = 0.0
-        batch_metrics: dict[str, float] = {}
+        acc = StepMetrics()  # each key reduced over the micro-batches as its declaration says
         total = torch.zeros(())
         for mb in mbs:
             log_prob, ent = forward(model, mb.batch, grad=True, with_entropy=fill_old)
@@ -227,25 +237,16 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
                 m = dict(m, **{"kl/ref": float(kl_mean)})
             loss.backward()
             total += loss.detach().float().cpu()
-            n_tok = float(mask.sum())
-            for k, v in m.items():
-                if k.startswith(("echo/", "rollout_corr/")):  # the step's values, not per micro-batch
-                    batch_metrics[k] = float(v)
-                else:
-                    sums[k] = sums.get(k, 0.0) + float(v) * n_tok
-            weight += n_tok
+            acc.add(m, float(mask.sum()))
         dist.all_reduce_grads(params)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if not first:  # SAM calls this twice; the metrics are those at w, not at w + e
-            if dist.enabled:  # token-weighted over the whole step, as in one process
-                parts = dist.gather((sums, weight, batch_metrics))
-                sums, weight = {}, sum(p[1] for p in parts)
-                for p in parts:
-                    for k, v in p[0].items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    batch_metrics = batch_metrics or p[2]
-            first.update({k: v / weight for k, v in sums.items()} if weight > 0 else {k: 0.0 for k in sums})
-            first.update(batch_metrics)
+            step_acc = acc
+            if dist.enabled:  # over the whole step, as in one process
+                step_acc = StepMetrics()
+                for part in dist.gather(acc):
+                    step_acc.merge(part)
+            first.update(step_acc.result())
             first["grad_norm"] = float(grad_norm)
         return total
 

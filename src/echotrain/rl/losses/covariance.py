@@ -209,7 +209,7 @@ KL_COV_STEP_STATS = LossStepStats(needs_log_prob=True, num_sums=2, local_sums=_l
 
 
 @register_policy_loss("clip_cov", step_stats=CLIP_COV_STEP_STATS,
-                      settings=("clip_ratio_low", "clip_ratio_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
+                      reads=("clip_ratio_low", "clip_ratio_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_clip_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """Clip-Cov (arXiv 2505.22617, Eq. 11; verl ``clip_cov``): PPO clip, plus the gradient of a few
@@ -240,7 +240,7 @@ def compute_policy_loss_clip_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[
     return weighted_sum(loss_mat, keep, x.seq_weights), metrics
 
 
-@register_policy_loss("kl_cov", step_stats=KL_COV_STEP_STATS, settings=("kl_cov_ratio", "ppo_kl_coef"))
+@register_policy_loss("kl_cov", step_stats=KL_COV_STEP_STATS, reads=("kl_cov_ratio", "ppo_kl_coef"))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_kl_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov (arXiv 2505.22617, Eq. 12; verl ``kl_cov``): unclipped -rho A, plus ``ppo_kl_coef`` |log rho|

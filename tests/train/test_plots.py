@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 from echotrain.metrics import panels
@@ -81,17 +83,17 @@ def test_greedy_evals_are_markers_not_a_trend_line_and_smoothing_is_said_once(tm
                 "response_length/max": 20.0 + s} for s in range(1, 17)]
     evals = [{"step": 0, "eval/accuracy": 0.2}, {"step": 8, "eval/accuracy": 0.6}, {"step": 16, "eval/accuracy": 0.4}]
     plot_metrics(records, tmp_path, evals=evals, title="run")
-    for name, panel in (("summary.png", "Accuracy"), ("reward.png", "Reward and sampled accuracy")):
-        (fig,) = [f for k, f in seen.items() if k.endswith(f".{name}.tmp.png")]
+    for name, panel in (("summary.png", "Accuracy"), ("accuracy.png", "Accuracy")):
+        (fig,) = [f for k, f in seen.items() if os.path.basename(k).startswith(f".{name}.tmp")]
         (ax,) = [a for a in fig.axes if a.get_title() == panel]
         (ev,) = [ln for ln in ax.get_lines() if "greedy eval" in ln.get_label()]
         assert ev.get_linestyle() == "None" and ev.get_marker() == "D", name  # markers only
         assert list(ev.get_xdata()) == [0, 8, 16]
         notes = [t.get_text() for t in fig.texts]
         assert any("trailing mean of the last 2 steps" in t and "not joined" in t for t in notes), notes
-    (fig,) = [f for k, f in seen.items() if k.endswith(".summary.png.tmp.png")]
+    (fig,) = [f for k, f in seen.items() if os.path.basename(k).startswith(".summary.png.tmp")]
     (length,) = [a for a in fig.axes if a.get_title() == "Response length"]
     labels = [t.get_text() for t in length.get_legend().get_texts()]
     assert labels == ["mean", "max"]  # not "max (mean of 2)": the smoothing is the figure's note
-    (fig,) = [f for k, f in seen.items() if k.endswith(".response_length.png.tmp.png")]
+    (fig,) = [f for k, f in seen.items() if os.path.basename(k).startswith(".response_length.png.tmp")]
     assert not any("diamonds" in t.get_text() for t in fig.texts)  # no evals drawn there

@@ -47,6 +47,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
+from echotrain.metrics import Metric, declare_metric
 from echotrain.rl.config import PolicyLossConfig, as_policy_loss_config
 from echotrain.rl.correction_names import (  # noqa: F401  re-exported
     LEVELS,
@@ -56,26 +57,39 @@ from echotrain.rl.correction_names import (  # noqa: F401  re-exported
 )
 from echotrain.rl.validation import as_bool_mask, check_finite, check_same_shape, check_tensor
 
-#: Every metric this module produces: name -> (reduction over micro-batches, unit, meaning).
-#: All are step values (computed from the step's all-reduced sums), so the reduction is
-#: "step value" (take it as is). The mismatch metrics are logged every step by the trainer;
-#: the others only with a ``rollout_correction``.
-CORRECTION_METRICS: dict[str, tuple[str, str, str]] = {
-    "rollout_corr/log_prob_abs_diff": ("step value (token mean)", "nats",
-                                       "mean |rollout_log_prob - old_log_prob| over valid tokens (train/inference mismatch)"),
-    "rollout_corr/kl": ("step value (token mean)", "nats", "k1 KL(mu || pi_old): mean (rollout_log_prob - old_log_prob); verl rollout_corr/kl"),
-    "rollout_corr/k3_kl": ("step value (token mean)", "nats", "k3 KL(mu || pi_old): mean (w - 1 - log w), w = pi_old/mu; verl rollout_corr/k3_kl"),
-    "rollout_corr/is_mean": ("step value (token mean)", "1", "mean correction weight over kept tokens, before batch normalisation"),
-    "rollout_corr/is_min": ("step value (min)", "1", "smallest correction weight on a kept token, before batch normalisation"),
-    "rollout_corr/is_max": ("step value (max)", "1", "largest correction weight on a kept token, before batch normalisation"),
-    "rollout_corr/ess": ("step value", "fraction", "effective sample size (sum w)^2 / (n sum w^2) over kept tokens, in (0, 1]"),
-    "rollout_corr/frac_high": ("step value (token mean)", "fraction", "valid tokens truncated, masked or rejected above the upper threshold"),
-    "rollout_corr/frac_low": ("step value (token mean)", "fraction", "valid tokens truncated, masked or rejected below the lower threshold"),
-    "rollout_corr/zero_weight_frac": ("step value (token mean)", "fraction", "kept tokens whose correction weight is 0 (masked)"),
-    "rollout_corr/rejected_frac": ("step value (token mean)", "fraction", "valid tokens removed from the loss by rejection"),
-    "rollout_corr/seq_rejected_frac": ("step value (sequence mean)", "fraction", "non-empty sequences with a rejected token"),
-    "rollout_corr/batch_norm_factor": ("step value", "1", "the step's mean weight the weights were divided by (1 without batch normalisation)"),
-}
+#: Every metric this module produces, declared in the metric schema (:mod:`echotrain.metrics`).
+#: All are step values computed from the optimizer step's all-reduced sums. The three mismatch
+#: metrics are logged by the trainer for every training step (``reduce="step"``, from the whole
+#: batch); the others come with each optimizer step's loss when a ``rollout_correction`` is set
+#: (``reduce="mean"``: one value per optimizer step, averaged over the step's optimizer steps).
+CORRECTION_METRICS: dict[str, Metric] = {m.name: m for m in (
+    declare_metric("rollout_corr/log_prob_abs_diff", reduce="step", unit="nats", when="every step (rollout_log_prob recorded)",
+                   help="mean |rollout_log_prob - old_log_prob| over valid tokens (train/inference mismatch)"),
+    declare_metric("rollout_corr/kl", reduce="step", unit="nats", when="every step (rollout_log_prob recorded)", panel="Policy drift", label="rollout_corr/kl = KL(rollout || old), k1",
+                   help="k1 KL(mu || pi_old): mean (rollout_log_prob - old_log_prob); verl rollout_corr/kl"),
+    declare_metric("rollout_corr/k3_kl", reduce="step", unit="nats", when="every step (rollout_log_prob recorded)",
+                   help="k3 KL(mu || pi_old): mean (w - 1 - log w), w = pi_old/mu; verl rollout_corr/k3_kl"),
+    declare_metric("rollout_corr/is_mean", reduce="mean", unit="1", when="rollout_correction set",
+                   help="mean correction weight over kept tokens, before batch normalisation"),
+    declare_metric("rollout_corr/is_min", reduce="mean", unit="1", when="rollout_correction set",
+                   help="smallest correction weight on a kept token, before batch normalisation"),
+    declare_metric("rollout_corr/is_max", reduce="mean", unit="1", when="rollout_correction set",
+                   help="largest correction weight on a kept token, before batch normalisation"),
+    declare_metric("rollout_corr/ess", reduce="mean", unit="fraction", when="rollout_correction set", panel="Rollout correction", label="effective sample size",
+                   help="effective sample size (sum w)^2 / (n sum w^2) over kept tokens, in (0, 1]"),
+    declare_metric("rollout_corr/frac_high", reduce="mean", unit="fraction", when="rollout_correction set", panel="Rollout correction", label="frac_high",
+                   help="valid tokens truncated, masked or rejected above the upper threshold"),
+    declare_metric("rollout_corr/frac_low", reduce="mean", unit="fraction", when="rollout_correction set", panel="Rollout correction", label="frac_low",
+                   help="valid tokens truncated, masked or rejected below the lower threshold"),
+    declare_metric("rollout_corr/zero_weight_frac", reduce="mean", unit="fraction", when="rollout_correction set",
+                   help="kept tokens whose correction weight is 0 (masked)"),
+    declare_metric("rollout_corr/rejected_frac", reduce="mean", unit="fraction", when="rollout_correction set",
+                   help="valid tokens removed from the loss by rejection"),
+    declare_metric("rollout_corr/seq_rejected_frac", reduce="mean", unit="fraction", when="rollout_correction set",
+                   help="non-empty sequences with a rejected token"),
+    declare_metric("rollout_corr/batch_norm_factor", reduce="mean", unit="1", when="rollout_correction set",
+                   help="the step's mean weight the weights were divided by (1 without batch normalisation)"),
+)}
 
 
 # --------------------------------------------------------------------------- the registry

@@ -43,19 +43,23 @@ from typing import Any, Callable
 
 import torch
 
+from echotrain.metrics import Metric, declare_metric
 from echotrain.train.rollout import RolloutBatch
 from echotrain.train.step import StepData
 
-#: name -> (reduction over the step, unit, meaning) of every metric this module adds
-STALENESS_METRICS: dict[str, tuple[str, str, str]] = {
-    "staleness/min": ("min over the step's rollouts", "training steps",
-                      "learner version minus rollout_version (the weights that sampled the rollout)"),
-    "staleness/mean": ("mean over the step's rollouts", "training steps", "as staleness/min, averaged"),
-    "staleness/max": ("max over the step's rollouts", "training steps", "as staleness/min, the largest"),
-    "staleness/queue_depth": ("value after the step", "rollout batches",
-                              "batches generated ahead for later steps, held in the queue"),
-    "staleness/queue_mb": ("value after the step", "MiB", "memory of the queued batches' tensors"),
-}
+#: The metrics this module adds (only with ``staleness > 0``), declared in the metric schema.
+STALENESS_METRICS: dict[str, Metric] = {m.name: m for m in (
+    declare_metric("staleness/min", reduce="step", unit="training steps", when="staleness > 0",
+                   help="learner version minus rollout_version (the weights that sampled the rollout) (min over the step's rollouts)"),
+    declare_metric("staleness/mean", reduce="step", unit="training steps", when="staleness > 0", panel="Staleness", label="mean staleness (steps)",
+                   help="as staleness/min, averaged (mean over the step's rollouts)"),
+    declare_metric("staleness/max", reduce="step", unit="training steps", when="staleness > 0", panel="Staleness", label="max staleness (steps)",
+                   help="as staleness/min, the largest (max over the step's rollouts)"),
+    declare_metric("staleness/queue_depth", reduce="step", unit="rollout batches", when="staleness > 0",
+                   help="batches generated ahead for later steps, held in the queue (value after the step)"),
+    declare_metric("staleness/queue_mb", reduce="step", unit="MiB", when="staleness > 0",
+                   help="memory of the queued batches' tensors (value after the step)"),
+)}
 
 
 class StalenessMismatch(RuntimeError):

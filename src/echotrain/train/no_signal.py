@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
+from echotrain.metrics import Metric, declare_metric
 from echotrain.rl import zero_variance_groups
 
 #: the metric key: 1 when every prompt group of the step had zero reward variance, else 0
 ALL_ZERO_VARIANCE = "groups/all_zero_variance"
 
-#: the metrics this module adds to each step record: name -> (reduction over micro-batches /
-#: updates, unit, meaning)
-METRICS: dict[str, tuple[str, str, str]] = {
-    ALL_ZERO_VARIANCE: ("per step (one value, from the step's rewards; not reduced over micro-batches)", "0/1 (int)",
-                        "every prompt group of the step scored alike (zero reward variance), so every advantage is 0: "
-                        "no learning signal"),
-}
+#: the metric this module adds to each step record, declared in the metric schema
+METRICS: dict[str, Metric] = {m.name: m for m in (
+    declare_metric(ALL_ZERO_VARIANCE, reduce="step", unit="0/1 (int)",
+                   help="every prompt group of the step scored alike (zero reward variance), so every advantage "
+                        "is 0: no learning signal"),
+)}
 
 
 def all_zero_variance(rewards: torch.Tensor, group_index: torch.Tensor) -> bool:

@@ -9,7 +9,8 @@
 - ``plots/<panel>.png``: one figure per panel (file name :func:`panel_file`), the same curves.
 
 Metrics declared ``file="eval"`` are read from ``eval.jsonl`` (step 0 included) and drawn as
-dashed black markers.
+black diamonds, never joined by a line (separate measurements, not a trend). Each figure says
+once, under it, how its curves are drawn (:func:`smoothing_note`).
 """
 
 from __future__ import annotations
@@ -90,18 +91,22 @@ def _present(records: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]] 
     return [(title, ms) for title, ms in panels() if any(has(m) for m in ms if m.file == "metrics")]
 
 
-def _draw_panel(ax, title: str, metrics: list[Metric], records, evals, colors, legend_size: int) -> None:
-    i = 0
+def _draw_panel(ax, title: str, metrics: list[Metric], records, evals, colors, legend_size: int,
+                window: int) -> bool:
+    """Draw one panel; True when it drew greedy-evaluation markers."""
+    i, drew_evals = 0, False
     for m in metrics:
         if m.file == "eval":
             xs, ys = _series(evals or [], m.name)
             if xs:
-                ax.plot(xs, ys, linestyle="--", marker="D", markersize=6, color="black",
+                # separate evaluations: markers only, never joined into a trend line
+                ax.plot(xs, ys, linestyle="none", marker="D", markersize=6, color="black",
                         label=f"{m.short} (fixed prompts)")
+                drew_evals = True
             continue
         xs, ys = _series(records, m.name)
         if xs:
-            _draw(ax, xs, ys, m.short, colors[i % len(colors)])
+            _draw(ax, xs, ys, m.short, colors[i % len(colors)], window)
             i += 1
     if title == "Policy drift":
         ax.axhline(0.0, color="grey", linewidth=0.8)
@@ -110,6 +115,7 @@ def _draw_panel(ax, title: str, metrics: list[Metric], records, evals, colors, l
     ax.set_ylabel(metrics[0].unit)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=legend_size)
+    return drew_evals
 
 
 def plot_summary(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
@@ -135,8 +141,9 @@ def plot_summary(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     rows = max(1, (len(shown) + cols - 1) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.3 * rows), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    window = smoothing_window(len(records))
     for ax, (ptitle, metrics) in zip(axes.flat, shown):
-        _draw_panel(ax, ptitle, metrics, records, evals, colors, 7)
+        _draw_panel(ax, ptitle, metrics, records, evals, colors, 7, window)
     for ax in list(axes.flat)[len(shown):]:
         ax.set_visible(False)
     if title:
@@ -177,10 +184,12 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     if summary is not None:
         written.append(summary)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    window = smoothing_window(len(records))
     for ptitle, metrics in _present(records, evals):
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        _draw_panel(ax, ptitle, metrics, records, evals, colors, 8)
-        fig.tight_layout()
+        fig, ax = plt.subplots(figsize=(7, 4.3))
+        with_evals = _draw_panel(ax, ptitle, metrics, records, evals, colors, 8, window)
+        fig.text(0.5, 0.01, smoothing_note(window, with_evals), ha="center", va="bottom", fontsize=7.5, color="dimgray")
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
         written.append(_save(fig, out, panel_file(ptitle)))
         plt.close(fig)
     return written

@@ -15,11 +15,5 @@ verl and TRL.
 
 from echotrain.rl.losses import covariance, dppo, sequence, soft_gate, weighted  # noqa: F401  (registers)
 
-#: The metric keys these losses add to the existing ones (``pg_clipfrac``, ``pg_clipfrac_high``,
-#: ``pg_clipfrac_low``, ``pg_clipfrac_lower``, ``ppo_kl``): name -> (reduction over micro-batches,
-#: unit, meaning). All are local to the call, so the trainer's token-weighted mean applies.
-LOSS_METRICS: dict[str, tuple[str, str, str]] = {
-    "pg_covfrac": ("token-weighted mean", "fraction of tokens",
-                   "clip_cov: tokens whose gradient is detached; kl_cov: tokens given the |log rho| penalty"),
-    "pg_vespo_phi": ("token-weighted mean", "weight (1 = on-policy)", "vespo: mean gamma weight phi(w) over tokens"),
-}
+#: The metric keys these losses add to the clip metrics (declared where they are produced).
+LOSS_METRICS = {m.name: m for m in covariance.COV_METRICS + weighted.VESPO_METRICS}

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from echotrain.metrics import declare_metric
 from echotrain.rl.aggregation import weighted_sum
 from echotrain.rl.config import PolicyLossConfig
 from echotrain.rl.losses.common import ppo_kl, token_share
@@ -202,6 +203,13 @@ def _own_means(x: PreparedInputs) -> tuple[float, float]:
 def _share_count(x: PreparedInputs, share: float) -> int:
     return max(1, int(float(x.mask.sum()) * share))
 
+
+#: the metric Clip-Cov and KL-Cov add to the clip metrics
+COV_METRICS = (
+    declare_metric("pg_covfrac", reduce="token_mean", unit="fraction of tokens", when="loss_mode=clip_cov or kl_cov",
+                   help="clip_cov: share of valid tokens whose gradient is detached; kl_cov: share given the "
+                        "|log rho| penalty"),
+)
 
 #: Clip-Cov's and KL-Cov's declaration of their step statistics: the pre-pass, two sums, the threshold.
 CLIP_COV_STEP_STATS = LossStepStats(needs_log_prob=True, num_sums=2, local_sums=_local_sums, finish=_finish("clip_cov"))

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from echotrain.metrics import declare_metric
 from echotrain.rl.aggregation import weighted_sum
 from echotrain.rl.losses.common import masked_log_prob, ppo_kl, score_function_loss, token_share
 from echotrain.rl.objectives import PreparedInputs, prepared_policy_loss, register_policy_loss
@@ -98,6 +99,13 @@ def vespo_weights(x: PreparedInputs) -> torch.Tensor:
     lam = torch.where(nonneg, log_w.new_tensor(cfg.vespo_lambda_pos), log_w.new_tensor(cfg.vespo_lambda_neg)).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+#: the metric VESPO adds
+VESPO_METRICS = (
+    declare_metric("pg_vespo_phi", reduce="token_mean", unit="weight (1 = on-policy)", when="loss_mode=vespo",
+                   help="vespo: mean gamma weight phi(w) over valid tokens"),
+)
 
 
 @register_policy_loss("vespo", reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))

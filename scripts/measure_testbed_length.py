@@ -9,12 +9,15 @@ share, and the response-length facts of :func:`echotrain.train.length_stats.leng
 Usage::
 
     OMP_NUM_THREADS=1 nice -n 10 python scripts/measure_testbed_length.py --max-new-tokens 72 --json out.json
+    # on a loaded machine, in two parts of under 3 minutes each:
+    ... --greedy-budgets 72,128 --samples 0;   ... --greedy-budgets "" --problems 256
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 
@@ -28,6 +31,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=72)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--greedy-budgets", default="72,128", help="comma-separated greedy budgets ('' = none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -58,11 +62,15 @@ def main() -> None:
                              bool(b.truncated[i]), ex.metadata["n_terms"]))
         return rows, time.perf_counter() - t0
 
-    for budget in (args.max_new_tokens, 128):
+    for budget in [int(b) for b in args.greedy_budgets.split(",") if b]:
         rows, sec = run(1, budget, False)
+        print(f"greedy@{budget}: {sec:.0f} s", file=sys.stderr, flush=True)
         out[f"greedy_accuracy@{budget}"] = sum(r[2] for r in rows) / len(rows)
         out[f"greedy_truncated@{budget}"] = sum(r[3] for r in rows) / len(rows)
         out[f"greedy_seconds@{budget}"] = round(sec, 1)
+    if args.samples < 1:
+        print(json.dumps(out, indent=1))
+        return
     rows, sec = run(args.samples, args.max_new_tokens, True)
     g = torch.tensor([r[0] for r in rows])
     L = torch.tensor([r[1] for r in rows])

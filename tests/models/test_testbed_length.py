@@ -29,7 +29,7 @@ from echotrain.tasks.testbed_length import (
     parse_answer,
 )
 
-TINY_LENGTH = dataclasses.replace(tb.TESTBED_LENGTH_CONFIG, train_examples=256, d_model=32, n_heads=2, n_layers=1,
+TINY_LENGTH = dataclasses.replace(tb.TESTBED_LENGTH_CONFIG, init_from=None, train_examples=256, d_model=32, n_heads=2, n_layers=1,
                                   max_steps=4, eval_every=2, eval_problems=8, batch_size=16, warmup_steps=1,
                                   eval_max_new_tokens=12)
 
@@ -102,6 +102,7 @@ def test_length_facts_on_a_small_sample():
 def test_the_length_testbed_config_and_cache_key():
     cfg = tb.TESTBED_CONFIGS["testbed-length"]
     assert cfg.task == "testbed-length" and cfg.bucket_by_length and cfg.eval_max_new_tokens >= 81
+    assert cfg.init_from is not None and cfg.init_from.init_from is None  # two warm-up stages
     assert cfg.looped_config().n_layers == 2 and tb.TESTBED_CONFIGS["testbed"] == tb.TestbedConfig()
     # fields added later enter the key only off their default: the testbed's cache key is unchanged
     blob = {**dataclasses.asdict(tb.TestbedConfig())}
@@ -201,3 +202,34 @@ def test_length_facts_by_hand():
         length_facts(lengths, correct[:3], groups)
     with pytest.raises(ValueError, match="NaN or Inf"):
         length_facts(torch.tensor([1.0, float("nan")]), torch.tensor([1, 0]), torch.tensor([0, 0]))
+
+
+def test_configs_resolve_and_the_compare_plan_lists_its_arms(tmp_path, capsys):
+    from pathlib import Path
+
+    from echotrain.cli import main
+    from echotrain.train.config import load_yaml, resolve_config
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = resolve_config(load_yaml(root / "configs" / "testbed_length.yaml"))
+    assert cfg.model == cfg.task == "testbed-length" and cfg.max_new_tokens < 81  # the longest chains truncate
+    assert main(["compare", str(root / "configs" / "compare" / "testbed_length.yaml"), "--dry-run",
+                 f"output_dir={tmp_path / 'cmp'}"]) == 0
+    plan = capsys.readouterr().out
+    assert "20 cells" in plan and all(arm in plan for arm in ("grpo", "echo", "dapo_nods", "gspo"))
+
+
+def test_a_warm_up_in_stages_continues_from_the_cached_parent(tmp_path):
+    child = dataclasses.replace(TINY_LENGTH, init_from=TINY_LENGTH, seed=1, max_steps=2)
+    folder = tb.ensure_testbed(child, cache_dir=tmp_path, log=lambda s: None)
+    assert tb.testbed_dir(TINY_LENGTH, tmp_path).is_dir()  # the parent was built (and cached) first
+    report = json.loads((folder / "testbed.json").read_text())
+    assert report["stage_steps"] == [4, 2] and report["steps"] == 2
+    assert tb.testbed_key(child) != tb.testbed_key(dataclasses.replace(child, init_from=None))
+    # the child starts from the parent's weights: with lr -> 0 it stays there
+    frozen = dataclasses.replace(child, lr=1e-12)
+    parent, _ = tb.load_testbed(TINY_LENGTH, cache_dir=tmp_path)
+    model, _ = tb.build_testbed(frozen, cache_dir=tmp_path)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.state_dict().values(), parent.state_dict().values()))
+    with pytest.raises(ValueError, match="init_from must be a TestbedConfig of the same network"):
+        dataclasses.replace(TINY_LENGTH, init_from=dataclasses.replace(TINY_LENGTH, d_model=64))

@@ -1,29 +1,42 @@
-"""The CPU testbed policy: a 427k-parameter byte-level transformer that does two-digit arithmetic
-at ~30% greedy accuracy, for many-seed RL studies at well under a second a step (docs/testbed.md).
+"""The CPU testbed policies: small byte-level transformers warm-started on arithmetic, for
+many-seed RL studies at about a second a step or less (docs/testbed.md).
+
+Two named configs (:data:`TESTBED_CONFIGS`, the one list of testbed ``model=`` names):
+``testbed`` (427k parameters, bare two-digit arithmetic at ~30% greedy accuracy, task ``testbed``)
+and ``testbed-length`` (:data:`TESTBED_LENGTH_CONFIG`: the same network warm-started on sums of
+2-8 terms worked step by step, with imperfect traces, task ``testbed-length``). Their weights
+ship with the package (:mod:`echotrain.models.testbed_weights`, SHA-256 checked) and are loaded
+in preference to a build, so every machine starts from the same policy; the build below makes
+them again (``echotrain testbed --model NAME --force``) and any other config.
 
 ``model=testbed`` in ``echotrain train`` (through :func:`echotrain.models.load_policy`) loads it;
 the matching task is ``task=testbed`` (:mod:`echotrain.tasks.testbed`, prompt ``"81-88="``,
 answer ``"-7"`` then ``"\\n"`` = EOS). The first use builds it:
 
-1. data: reasoning-gym ``basic_arithmetic`` problems of the testbed task's train split (never a
-   held-out problem), as ``prompt + answer + "\\n"`` bytes;
+1. data: problems of the config's task's train split (never a held-out problem), as
+   ``prompt + target + "\\n"`` bytes; the target is the gold answer, or the task's
+   ``warmup_target`` (a worked trace for ``testbed-length``);
 2. model: :class:`~echotrain.models.LoopedTransformer` as a plain GPT (``n_loops=1``,
    ``residual_scaling="none"``), byte vocabulary, d_model 128, 4 heads, 2 layers;
-3. supervised next-token training on the answer tokens only (AdamW, lr 2e-3, betas (0.9, 0.95),
-   100 linear warm-up steps, gradient clip 1.0, batch 128), one thread, until the greedy accuracy
-   on 256 held-out problems reaches ``target_accuracy`` (checked every ``eval_every`` steps), or
-   ``max_steps``;
+3. supervised next-token training on the target tokens only (AdamW, lr 2e-3, betas (0.9, 0.95),
+   100 linear warm-up steps, gradient clip 1.0, batch 128; batches of similar length with
+   ``bucket_by_length``), one thread, until the greedy accuracy on ``eval_problems`` held-out
+   problems reaches ``target_accuracy`` (checked every ``eval_every`` steps), or ``max_steps``;
 4. cache: ``$ECHOTRAIN_CACHE/testbed/<key>/`` (default ``~/.cache/echotrain/testbed/<key>``)
    holding ``model.pt`` (state dict) and ``testbed.json`` (config, warm-up report), written to a
    temporary folder and renamed into place (atomic), under a file lock so parallel jobs build it
-   once. ``<key>`` hashes every :class:`TestbedConfig` field, the cache format and the torch and
-   reasoning-gym versions, i.e. everything that changes the weights.
+   once. ``<key>`` hashes every :class:`TestbedConfig` field (fields added after the first
+   format only when off their default, so older keys stay valid), the cache format and the
+   torch and reasoning-gym versions, i.e. everything that changes the weights.
 
 The warm-up is deterministic given the config (its own RNGs, one thread; the global RNG state is
 restored). Measured facts behind the defaults: ../shared/notes/testbed-probe.md.
 
-Build it explicitly with ``echotrain testbed`` or ``python -m echotrain.models.testbed``
-(``--force`` rebuilds; ``key=value`` overrides a config field, e.g. ``seed=1``).
+``echotrain testbed [--model testbed-length]`` shows the shipped policy (or builds a config
+that is not shipped; ``python -m echotrain.models.testbed`` is the same command); ``--force``
+rebuilds into the cache and prints the rebuilt weights' SHA-256 beside the shipped one;
+``key=value`` overrides a config field, e.g. ``seed=1``; ``--export DIR`` writes the weights as
+package data (``--export src/echotrain/models/weights`` made the shipped files).
 """
 
 from __future__ import annotations
@@ -104,6 +117,10 @@ class TestbedConfig:
     bucket_by_length: bool = False
     """Draw each batch from examples of similar length (shuffled pools of 16 batches sorted by
     length), so variable-length data wastes little compute on padding."""
+    init_from: "TestbedConfig | None" = None
+    """Continue from the warmed-up weights of this config (same network; loaded shipped / cached,
+    built first if absent) with a fresh optimizer, instead of a random initialisation: a warm-up
+    in stages, each stage a cacheable config."""
 
     def __post_init__(self) -> None:
         for name in ("train_examples", "d_model", "n_heads", "n_layers", "mlp_ratio", "batch_size", "eval_every",
@@ -125,6 +142,10 @@ class TestbedConfig:
                 isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in self.task_options):
             raise ValueError(f"task_options must be a tuple of (name, value) pairs, got {self.task_options!r}")
         LoopedConfig(**self._looped_kwargs())  # checks d_model / n_heads
+        if self.init_from is not None and (not isinstance(self.init_from, TestbedConfig)
+                                           or self.init_from.looped_config() != self.looped_config()):
+            raise ValueError("init_from must be a TestbedConfig of the same network (d_model, n_heads, n_layers, "
+                             "mlp_ratio)")
 
     def _looped_kwargs(self) -> dict[str, Any]:
         tok = ByteTokenizer()
@@ -138,7 +159,7 @@ class TestbedConfig:
 
 
 #: Config fields added after cache format 1: in the key only when not at their default.
-_ADDED_FIELDS = ("task", "task_options", "eval_max_new_tokens", "bucket_by_length")
+_ADDED_FIELDS = ("task", "task_options", "eval_max_new_tokens", "bucket_by_length", "init_from")
 #: The tasks a testbed can be warm-started on.
 _TASKS = ("testbed", "testbed-length")
 
@@ -147,9 +168,10 @@ _TASKS = ("testbed", "testbed-length")
 #: warm-started on worked sums of 2-8 terms with imperfect traces (:mod:`echotrain.tasks.testbed_length`).
 #: Sized for a ~20-minute one-thread warm-up on a loaded 2-core machine and an RL step of about a
 #: second (docs/testbed.md).
-TESTBED_LENGTH_CONFIG = TestbedConfig(
+_LENGTH_STAGE_1 = TestbedConfig(
     task="testbed-length", train_examples=60_000, batch_size=32, target_accuracy=0.35, eval_every=250,
     eval_problems=128, max_steps=2500, eval_max_new_tokens=96, bucket_by_length=True)
+TESTBED_LENGTH_CONFIG = dataclasses.replace(_LENGTH_STAGE_1, init_from=_LENGTH_STAGE_1, seed=1, max_steps=1500)
 #: ``model=`` name -> the config of that testbed: the one list of testbed policies.
 TESTBED_CONFIGS: dict[str, TestbedConfig] = {TESTBED_MODEL: TestbedConfig(), "testbed-length": TESTBED_LENGTH_CONFIG}
 
@@ -245,7 +267,8 @@ def _one_thread_and_own_rng(seed: int) -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
-def build_testbed(config: TestbedConfig | None = None, *, log: Any = None) -> tuple[LoopedTransformer, dict[str, Any]]:
+def build_testbed(config: TestbedConfig | None = None, *, log: Any = None,
+                  cache_dir: str | os.PathLike | None = None) -> tuple[LoopedTransformer, dict[str, Any]]:
     """Warm-start a testbed policy (no cache involved): the model and its warm-up report.
 
     Deterministic given ``config``: one thread, its own RNGs (the caller's RNG state and thread
@@ -254,6 +277,7 @@ def build_testbed(config: TestbedConfig | None = None, *, log: Any = None) -> tu
     Args:
         config: the :class:`TestbedConfig` (default: the documented testbed).
         log: ``log(str)`` called with progress lines (None: silent).
+        cache_dir: cache root of ``config.init_from``'s weights (default ``$ECHOTRAIN_CACHE``).
 
     Returns:
         ``(model in eval mode, report)``; report keys: ``steps``, ``accuracy`` (held-out greedy,
@@ -276,6 +300,10 @@ def build_testbed(config: TestbedConfig | None = None, *, log: Any = None) -> tu
     history: list[list[float]] = []
     with _one_thread_and_own_rng(cfg.seed):
         model = LoopedTransformer(cfg.looped_config())
+        if cfg.init_from is not None:
+            parent, _ = load_testbed(cfg.init_from, cache_dir=cache_dir, log=log)
+            model.load_state_dict(parent.state_dict())
+            torch.set_num_threads(1)  # a nested build restores the caller's count
         model.train()
         opt = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
         sched = torch.optim.lr_scheduler.LambdaLR(
@@ -310,7 +338,15 @@ def build_testbed(config: TestbedConfig | None = None, *, log: Any = None) -> tu
     report = {"steps": step, "accuracy": acc, "reached_target": acc >= cfg.target_accuracy, "history": history,
               "seconds": round(time.perf_counter() - t0, 2), "num_params": model.num_params(),
               "config": dataclasses.asdict(cfg), "format": CACHE_FORMAT, "torch": torch.__version__}
+    if cfg.init_from is not None:  # steps of all stages, first to last
+        report["stage_steps"] = [*_stage_steps(cfg.init_from, cache_dir), step]
     return model, report
+
+
+def _stage_steps(config: TestbedConfig, cache_dir: str | os.PathLike | None) -> list[int]:
+    """Optimizer steps of each warm-up stage of ``config`` (from its shipped / cached report)."""
+    report = load_testbed(config, cache_dir=cache_dir)[0].testbed_report
+    return list(report.get("stage_steps", [report["steps"]]))
 
 
 # ------------------------------------------------------------------------------- cache
@@ -350,7 +386,7 @@ def ensure_testbed(config: TestbedConfig | None = None, *, cache_dir: str | os.P
         if log is not None:
             log(f"building the testbed policy into {final} (one thread; {cfg.max_steps} steps at most, "
                 "3-25 minutes, docs/testbed.md)")
-        model, report = build_testbed(cfg, log=log)
+        model, report = build_testbed(cfg, log=log, cache_dir=cache_dir)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable like the models cache
         try:

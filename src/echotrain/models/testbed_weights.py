@@ -127,7 +127,7 @@ def export(name: str, model: torch.nn.Module, config: Any, report: dict[str, Any
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.safetensors"
     sha = save(model, path)
-    keep = ("steps", "accuracy", "reached_target", "history", "seconds", "num_params", "key")
+    keep = ("steps", "stage_steps", "accuracy", "reached_target", "history", "seconds", "num_params", "key")
     entry = {"file": path.name, "sha256": sha, "bytes": path.stat().st_size,
              "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "config": _plain(config),
              "report": {k: report[k] for k in keep if k in report}, "torch": torch.__version__,

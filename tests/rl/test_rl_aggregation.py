@@ -131,7 +131,9 @@ def test_balanced_equals_token_and_seq_mean_when_lengths_equal(loss_mode):
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(8, 5, generator=g, dtype=torch.float64)
     lp = old + 0.1 * torch.randn(8, 5, generator=g, dtype=torch.float64)
-    adv = torch.tensor([1.0, -1, 0.5, 0, -0.5, 1, -2, 2], dtype=torch.float64)
+    # no A = 0 response: Balanced Aggregation gives those no weight, which matters for the losses with
+    # a term free of A (dro's log-ratio penalty), not for the PPO-style ones
+    adv = torch.tensor([1.0, -1, 0.5, 0.25, -0.5, 1, -2, 2], dtype=torch.float64)
     mask = torch.ones(8, 5, dtype=torch.bool)
     gid = torch.arange(8) // 4
     out = {}

@@ -15,7 +15,7 @@ NEW_LOSSES = ["cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "gpg", "clip_co
 
 @pytest.fixture
 def dummy_loss():
-    @rl.register_policy_loss("dummy_for_listing", settings=("clip_ratio_c",))
+    @rl.register_policy_loss("dummy_for_listing", reads=("clip_ratio_c",))
     def _dummy(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, *,
                group_index=None, step=None):
         return -(log_prob * response_mask).sum(), {}

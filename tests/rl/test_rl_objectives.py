@@ -83,7 +83,8 @@ def test_metrics_never_change_the_loss(loss_mode, monkeypatch):
         return loss.detach(), x.grad, metrics
 
     loss_a, grad_a, metrics = run()
-    assert metrics["pg_clipfrac"] > 0  # the clip flags the metrics read are in use
+    if "pg_clipfrac" in metrics:  # a loss with the clip metrics: the clip flags they read are in use
+        assert metrics["pg_clipfrac"] > 0
     monkeypatch.setattr(objectives, "clip_metrics", lambda *a, **k: {})
     loss_b, grad_b, _ = run()
     assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b)
@@ -356,8 +357,11 @@ def test_low_precision_inputs_work_and_keep_their_dtype(loss_mode, agg, dtype):
     ref, _ = compute_policy_loss(loss_mode, old.double(), lp.detach().double(), adv.double(), mask, agg, cfg,
                                  group_index=torch.tensor([0, 0, 1, 1, 1]))
     # bfloat16 carries 8 significant bits (unit roundoff 2^-8): the value must be within 2^-7 of
-    # the float64 value of the same (rounded) inputs, relative to max(1, |loss|); float32 to 1e-6.
-    tol = (2**-7 if dtype == torch.bfloat16 else 1e-6) * max(1.0, abs(ref.item()))
+    # the float64 value of the same (rounded) inputs, relative to the size of the summed terms
+    # (max(1, |loss|, |loss with |A||): the sum modes add terms that cancel); float32 to 1e-6.
+    size, _ = compute_policy_loss(loss_mode, old.double(), lp.detach().double(), adv.double().abs(), mask, agg, cfg,
+                                  group_index=torch.tensor([0, 0, 1, 1, 1]))
+    tol = (2**-7 if dtype == torch.bfloat16 else 1e-6) * max(1.0, abs(ref.item()), abs(size.item()))
     assert abs(loss.item() - ref.item()) <= tol
 
 
@@ -390,7 +394,7 @@ def test_non_finite_padding_reaches_neither_loss_nor_any_gradient(loss_mode, ext
     torch.testing.assert_close(out[1][0], out[0][0], rtol=0, atol=0)
     torch.testing.assert_close(out[1][1], out[0][1], rtol=0, atol=0)
     assert torch.all(out[1][1][~mask] == 0)
-    assert out[1][2]["ppo_kl"] == out[0][2]["ppo_kl"] and out[1][2]["pg_clipfrac"] == out[0][2]["pg_clipfrac"]
+    assert out[1][2] == out[0][2]  # every metric the loss returns (ppo_kl, clip fractions, ...) unchanged
 
 
 def test_non_finite_padding_in_micro_batched_echo_step():

@@ -166,7 +166,7 @@ def _evaluate_task(model: Any, tokenizer: Any, bench: Benchmark, task: Any, *, n
         exs = examples[start:start + batch_size]
         batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, max_new_tokens=max_new_tokens,
                                   temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
-                                  do_sample=temperature > 0)
+                                  do_sample=temperature > 0, record_log_prob=False)
         texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
                  for ids, m in zip(batch.response_ids, batch.response_mask)]
         flat = [e for e in exs for _ in range(n)]

@@ -88,7 +88,8 @@ def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n:
     for start in range(0, len(examples), batch_prompts):
         exs = examples[start:start + batch_prompts]
         batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, max_new_tokens=max_new_tokens,
-                                  temperature=temperature if temperature > 0 else 1.0, do_sample=temperature > 0)
+                                  temperature=temperature if temperature > 0 else 1.0, do_sample=temperature > 0,
+                                  record_log_prob=False)
         texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
                  for ids, m in zip(batch.response_ids, batch.response_mask)]
         rows = [e for e in exs for _ in range(n)]

@@ -240,7 +240,7 @@ def encode_prompts(tokenizer: Any, texts: Sequence[str], pad_token_id: int | Non
 def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_generations: int, *,
                       max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       batch_size: int = 0, group_offset: int = 0, share_prefix: bool = True,
-                      do_sample: bool = True) -> RolloutBatch:
+                      do_sample: bool = True, record_log_prob: bool = True) -> RolloutBatch:
     """Sample ``num_generations`` completions of each prompt.
 
     Each prompt is repeated G times (rows ``g*G .. g*G+G-1`` belong to group ``group_offset + g``),
@@ -258,6 +258,9 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
             prefill each distinct prompt once and hand ``generate`` its KV cache repeated G
             times (the prompt prefill is most of the cost for short answers), instead of
             prefilling B*G copies. Same distribution; tokens equal up to float rounding.
+        record_log_prob: when sampling, record the sampler's per-token log-probs
+            (``rollout_log_prob``, :class:`RolloutLogProbRecorder`); False for evaluation, which
+            needs none (and for a ``generate`` that does not run one forward per new token).
 
     Returns:
         A :class:`RolloutBatch` with N = B * G rows.
@@ -293,7 +296,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                     kwargs["past_key_values"] = _prefill(model, ids[::num_generations].to(device),
                                                          attn[::num_generations].to(device), num_generations)
                 # the sampler's own log-probs, recorded inside generate (whatever model generates)
-                recorder = RolloutLogProbRecorder(model, temperature) if do_sample else None
+                recorder = RolloutLogProbRecorder(model, temperature) if do_sample and record_log_prob else None
                 with recorder or contextlib.nullcontext():
                     out = model.generate(ids[sl].to(device), **kwargs)
                 new_ids = out[:, ids.shape[1]:]

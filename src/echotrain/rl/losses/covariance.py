@@ -216,7 +216,7 @@ CLIP_COV_STEP_STATS = LossStepStats(needs_log_prob=True, num_sums=2, local_sums=
 KL_COV_STEP_STATS = LossStepStats(needs_log_prob=True, num_sums=2, local_sums=_local_sums, finish=_finish("kl_cov"))
 
 
-@register_policy_loss("clip_cov", step_stats=CLIP_COV_STEP_STATS,
+@register_policy_loss("clip_cov", metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "pg_clipfrac_lower", "pg_covfrac", "ppo_kl"), step_stats=CLIP_COV_STEP_STATS,
                       reads=("clip_ratio_low", "clip_ratio_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_clip_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
@@ -248,7 +248,7 @@ def compute_policy_loss_clip_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[
     return weighted_sum(loss_mat, keep, x.seq_weights), metrics
 
 
-@register_policy_loss("kl_cov", step_stats=KL_COV_STEP_STATS, reads=("kl_cov_ratio", "ppo_kl_coef"))
+@register_policy_loss("kl_cov", metrics=("pg_covfrac", "ppo_kl"), step_stats=KL_COV_STEP_STATS, reads=("kl_cov_ratio", "ppo_kl_coef"))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_kl_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov (arXiv 2505.22617, Eq. 12; verl ``kl_cov``): unclipped -rho A, plus ``ppo_kl_coef`` |log rho|
@@ -275,7 +275,9 @@ def compute_policy_loss_kl_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[st
     if threshold is not None:  # the threshold is one of the inputs' Cov values, exact in their dtype
         rows, cols = torch.nonzero(x.mask & (cov >= threshold), as_tuple=True)
         penalty = x.cfg.ppo_kl_coef * lr[rows, cols].abs()  # only the k chosen tokens: a sparse term
-        loss = loss + (x.seq_weights[rows].to(lr.dtype) * penalty).sum()
+        w = x.seq_weights  # (B,) per sequence, or (B, T) per token with a rollout correction
+        w = w[rows, cols] if w.dim() == 2 else w[rows]
+        loss = loss + (w.to(lr.dtype) * penalty).sum()
         num_chosen = int(rows.numel())
     metrics = {"pg_covfrac": num_chosen / max(int(x.mask.sum()), 1), "ppo_kl": ppo_kl(lr, x.mask)}
     return loss, metrics

@@ -49,7 +49,7 @@ def _probs(x: PreparedInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.exp(lp), torch.exp(old)
 
 
-@register_policy_loss("dppo_tv", reads=_SETTINGS)
+@register_policy_loss("dppo_tv", metrics=("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"), reads=_SETTINGS)
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_dppo_tv(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """DPPO with the binary total-variation trust region (arXiv 2602.04879; verl ``dppo_tv``).
@@ -65,7 +65,7 @@ def compute_policy_loss_dppo_tv(x: PreparedInputs) -> tuple[torch.Tensor, dict[s
     return _dppo(x, keep)
 
 
-@register_policy_loss("dppo_kl", reads=_SETTINGS)
+@register_policy_loss("dppo_kl", metrics=("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"), reads=_SETTINGS)
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_dppo_kl(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """DPPO with the binary KL trust region (arXiv 2602.04879; verl ``dppo_kl``).

@@ -21,7 +21,7 @@ from echotrain.rl.objectives import (
 )
 
 
-@register_policy_loss("geo_mean", reads=("clip_ratio_low", "clip_ratio_high"))
+@register_policy_loss("geo_mean", metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "ppo_kl"), reads=("clip_ratio_low", "clip_ratio_high"))
 @prepared_policy_loss("seq-mean-token-mean")
 def compute_policy_loss_geo_mean(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """GMPO: maximise the geometric mean of the token ratios (arXiv 2507.20673, Eq. 4; verl ``geo_mean``).
@@ -53,7 +53,7 @@ def compute_policy_loss_geo_mean(x: PreparedInputs) -> tuple[torch.Tensor, dict[
     return weighted_sum(loss_mat, mask, x.seq_weights), metrics
 
 
-@register_policy_loss("luspo", reads=("clip_ratio_low", "clip_ratio_high"))
+@register_policy_loss("luspo", metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "pg_clipfrac_lower", "ppo_kl"), reads=("clip_ratio_low", "clip_ratio_high"))
 @prepared_policy_loss("seq-mean-token-sum")
 def compute_policy_loss_luspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """LUSPO: GSPO's clipped sequence ratio, each response's loss scaled by its length (arXiv 2602.05261; TRL 1.16).

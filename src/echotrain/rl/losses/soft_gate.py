@@ -18,7 +18,7 @@ def sapo_gate(ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
 
 
-@register_policy_loss("sapo", reads=("tau_pos", "tau_neg"))
+@register_policy_loss("sapo", metrics=("ppo_kl",), reads=("tau_pos", "tau_neg"))
 @prepared_policy_loss("seq-mean-token-mean")
 def compute_policy_loss_sapo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """SAPO: l_{i,t} = -f_{i,t}(rho_{i,t}) A_{i,t} (Soft Adaptive Policy Optimization, arXiv 2511.20347, Eq. 5-6).

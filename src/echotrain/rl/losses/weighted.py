@@ -18,7 +18,7 @@ from echotrain.rl.losses.common import masked_log_prob, ppo_kl, score_function_l
 from echotrain.rl.objectives import PreparedInputs, prepared_policy_loss, register_policy_loss
 
 
-@register_policy_loss("gpg", reads=())
+@register_policy_loss("gpg", metrics=("ppo_kl",), reads=())
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_gpg(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """GPG: plain policy gradient, l_{i,t} = -A_{i,t} log pi(o_{i,t}) (Chu et al., arXiv 2504.02546, Eq. 6).
@@ -34,7 +34,7 @@ def compute_policy_loss_gpg(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, 
     return weighted_sum(loss_mat, x.mask, x.seq_weights), {"ppo_kl": ppo_kl(x.log_ratio, x.mask)}
 
 
-@register_policy_loss("cispo", reads=("clip_ratio_low", "clip_ratio_high", "cispo_lower_clip"))
+@register_policy_loss("cispo", metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "ppo_kl"), reads=("clip_ratio_low", "clip_ratio_high", "cispo_lower_clip"))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_cispo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO: clip the detached IS weight, keep every token's gradient (MiniMax-M1, arXiv 2506.13585, Eq. 4-5).
@@ -61,7 +61,7 @@ def compute_policy_loss_cispo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str
     return weighted_sum(loss_mat, x.mask, x.seq_weights), metrics
 
 
-@register_policy_loss("dro", reads=("dro_beta",))
+@register_policy_loss("dro", metrics=("ppo_kl",), reads=("dro_beta",))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_dro(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """DRO as verl 0.9.1 defines it: l_{i,t} = -(A_{i,t} log pi(o_{i,t}) - (beta / 2) (log rho_{i,t})^2).
@@ -108,7 +108,7 @@ VESPO_METRICS = (
 )
 
 
-@register_policy_loss("vespo", reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
+@register_policy_loss("vespo", metrics=("pg_vespo_phi", "ppo_kl"), reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_vespo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """VESPO: a smooth gamma weight of the sequence IS ratio instead of a clip (arXiv 2602.10693; TRL 1.16).

@@ -22,6 +22,11 @@ groups (``group``: the prompt's index in the step), each with ``question``, ``an
 - ``time/generation``, ``time/scoring``, ``time/update``, ``time/step`` (wall seconds),
   ``time/step_cpu`` (CPU seconds of this process, all threads; tells load from other processes),
   ``throughput/tokens_per_s`` (valid response tokens / step time), ``memory/peak_mb``
+- ``throughput/update_mfu``, ``throughput/decode_bw_util``: achieved / peak (0-1) of the update
+  (model FLOPs over ``time/update`` against the measured GEMM rate) and of generation (its
+  roofline time over ``time/generation``); definitions in
+  :data:`echotrain.train.utilisation.METRICS`; absent when the model's shape is unknown (run_info.json's
+  ``roofline`` says why, or holds the peaks used and where they came from)
 
 At the end of a run ``stability.json`` holds the stability flags
 (:mod:`echotrain.train.stability`: NaN, length collapse, entropy collapse, grad-norm explosion).
@@ -132,10 +137,12 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: str, model: Any, task_name: str,
-             task: Any, world_size: int, dist_backend: str, lora: bool, autocast: str = "off") -> dict[str, Any]:
+             task: Any, world_size: int, dist_backend: str, lora: bool, autocast: str = "off",
+             roofline: dict[str, Any] | None = None) -> dict[str, Any]:
     """``run_info.json``'s content: what ``auto`` / ``0`` / empty config values resolved to in a
     run (device, threads, model, task, autocast: 'bfloat16' or 'off') and the library versions,
-    for reproducing it."""
+    for reproducing it; ``roofline``: the machine peaks the utilisation figures use and where they
+    came from, or why there are none (:func:`echotrain.train.utilisation.build_meter`)."""
     import platform
 
     from echotrain.cli import omp_wait_in_force
@@ -157,6 +164,7 @@ def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: st
         "dist_backend": dist_backend,
         "lora": lora,
         "autocast": autocast,
+        "roofline": roofline if roofline is not None else {"disabled": "not measured"},
         "versions": {"echotrain": echotrain.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
     }
@@ -243,7 +251,7 @@ class NullLogger:
 
 SUMMARY_KEYS = ("reward/mean", "accuracy", "format_rate", "response_length/mean", "entropy", "ppo_kl",
                 "pg_clipfrac_high", "pg_clipfrac_low", "echo/R_batch", "echo/kappa", "grad_norm",
-                "throughput/tokens_per_s", "time/step")
+                "throughput/tokens_per_s", "throughput/update_mfu", "throughput/decode_bw_util", "time/step")
 
 
 def summary_rows(records: list[dict[str, Any]], head: int = 3) -> list[tuple[str, str, str, str, str]]:

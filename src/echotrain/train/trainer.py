@@ -42,6 +42,7 @@ from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, r
 from echotrain.train.rollout import RolloutBatch
 from echotrain.train.stability import stability_flags
 from echotrain.train.step import StepData
+from echotrain.train.utilisation import build_meter
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
                                     update_mini_batch)
 
@@ -112,6 +113,10 @@ class Trainer:
         self.model, self.tokenizer = prepare_policy(model, tokenizer, cfg, self.device, self.dist)
         #: bfloat16 for the model's forward passes under ``autocast`` (train/precision.py), else None
         self.autocast_dtype = resolve_for(self.model, cfg.autocast)
+        #: counts each step's FLOPs / decode bytes against the machine's peaks (train/utilisation.py);
+        #: None when the model's shape is unknown or the peaks are off (run_info.json says why)
+        self.utilisation, roofline_info = build_meter(self.model, self.autocast_dtype, self.device,
+                                                      self.dist.world_size)
         if task is None:
             from echotrain.tasks import get_task
 
@@ -134,7 +139,7 @@ class Trainer:
         self.loss_config = cfg.policy_loss_config()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.collector = Collector(cfg, self.model, tokenizer, reward_fn, self.prompts, self.dist, pad_id,
-                                   autocast_dtype=self.autocast_dtype)
+                                   autocast_dtype=self.autocast_dtype, utilisation=self.utilisation)
         self.start_step = 0
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -153,7 +158,7 @@ class Trainer:
                 run_dir=self.run_dir, device=self.device, model_name=cfg.model, model=self.model, task_name=cfg.task,
                 task=self.task, world_size=self.dist.world_size, dist_backend=self.dist.backend,
                 lora=is_lora(self.model),
-                autocast=setting_name(self.autocast_dtype)))
+                autocast=setting_name(self.autocast_dtype), roofline=roofline_info))
             self.logger = MetricsLogger(self.run_dir, report_to=cfg.report_to, project=cfg.wandb_project,
                                         config=cfg.to_dict())
 
@@ -174,6 +179,8 @@ class Trainer:
     # ------------------------------------------------------------------ 4. log-probs
     def _log_probs(self, model: Any, batch: RolloutBatch, with_entropy: bool = False,
                    grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.utilisation is not None:  # every log-prob pass of the step goes through here
+            self.utilisation.log_prob_pass(batch, grad)
         with autocast(model, self.autocast_dtype):
             return policy_log_probs(model, batch, self.cfg, with_entropy=with_entropy, grad=grad)
 
@@ -241,8 +248,11 @@ class Trainer:
 
         # 6. metrics
         self._samples = sample_rows(step, data, cfg.log_samples)
-        return step_record(step, data, updates, last_lr=self.scheduler.get_last_lr()[0], t_start=t_start,
-                           cpu_start=cpu_start, t_update=t_update, device=self.device)
+        record = step_record(step, data, updates, last_lr=self.scheduler.get_last_lr()[0], t_start=t_start,
+                             cpu_start=cpu_start, t_update=t_update, device=self.device)
+        if self.utilisation is not None:
+            record.update(self.utilisation.step_metrics(data.time_generation, t_update))
+        return record
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict[str, float]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echotrain.roofline import (TransformerShape, batch_forward_flops, causal_pairs, decode_bytes, forward_flops,
+from echotrain.roofline import (TransformerShape, batch_forward_flops, causal_pairs, decode_bytes, decode_flops,
+                                forward_flops,
                                 group_forward_flops, shape_of, train_flops)
 
 # n_layers=2, d=8, H=2, Hkv=1, dh=4, d_ff=16, V=10, gated (3 MLP matrices)
@@ -47,6 +48,8 @@ def test_decode_bytes_by_hand():
     # a bf16 cache halves the KV part only
     assert decode_bytes(TINY, [3, 3], [2, 3], param_bytes=4, kv_bytes=2) == 9856 + 416
     assert decode_bytes(TINY, [], [], param_bytes=4, kv_bytes=4) == 0
+    # decode FLOPs: the responses' part of the group count, 2720 + 5504 (the prompt is the prefill's)
+    assert decode_flops(TINY, [3, 3], [2, 3]) == 2720 + 5504 == group_forward_flops(TINY, 3, [2, 3]) - 7456
 
 
 def test_bad_input_is_named():

@@ -39,7 +39,13 @@ def test_meter_counts_a_step_by_hand():
     assert (meter.prefill_flops, meter.decode_bytes) == (7456, 10688)
     out = meter.step_metrics(time_generation=20.0, time_update=8.0)
     assert out["throughput/update_mfu"] == pytest.approx(4 * 15680 / (8.0 * 1e4))
+    # decode: bytes bound 10688 / 1e3 = 10.7 s > FLOPs bound (2720 + 5504) / 1e4 = 0.82 s
     assert out["throughput/decode_bw_util"] == pytest.approx((7456 / 1e4 + 10688 / 1e3) / 20.0)
+    # the same step on a machine with a 100x slower GEMM: decode is compute-bound
+    slow = UtilisationMeter(TINY, Peaks(1e2, 1e3, "test", "m", "float32", 1), param_bytes=4, kv_bytes=4)
+    slow.generation(batch, [range(0, 2)])
+    assert slow.step_metrics(time_generation=200.0, time_update=0.0) == {
+        "throughput/decode_bw_util": pytest.approx((7456 / 1e2 + (2720 + 5504) / 1e2) / 200.0)}
     assert meter.update_flops == meter.prefill_flops == meter.decode_bytes == 0  # the next step starts at 0
     assert set(out) == set(METRICS) == set(KEYS)
     for spec in METRICS.values():

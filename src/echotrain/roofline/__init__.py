@@ -8,11 +8,12 @@ The trainer's use of them (``throughput/update_mfu``, ``throughput/decode_bw_uti
 :mod:`echotrain.train.utilisation`; ``benchmarks/bench_roofline.py`` prints them per phase.
 """
 
-from echotrain.roofline.counts import (TransformerShape, batch_forward_flops, causal_pairs, decode_bytes, forward_flops,
+from echotrain.roofline.counts import (TransformerShape, batch_forward_flops, causal_pairs, decode_bytes, decode_flops,
+                                       forward_flops,
                                        group_forward_flops, prefill_flops, train_flops)
 from echotrain.roofline.peaks import PEAKS_ENV, Peaks, PeaksOff, machine_peaks, measure_copy, measure_gemm
 from echotrain.roofline.shapes import LLAMA_STYLE, UnsupportedModel, shape_of
 
-__all__ = ["TransformerShape", "batch_forward_flops", "causal_pairs", "decode_bytes", "forward_flops",
+__all__ = ["TransformerShape", "batch_forward_flops", "causal_pairs", "decode_bytes", "decode_flops", "forward_flops",
            "group_forward_flops", "prefill_flops", "train_flops", "PEAKS_ENV", "Peaks", "PeaksOff", "machine_peaks",
            "measure_copy", "measure_gemm", "LLAMA_STYLE", "UnsupportedModel", "shape_of"]

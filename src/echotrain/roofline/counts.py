@@ -29,7 +29,11 @@ logit: the last prompt position predicts the first response token) and per respo
 valid tokens its first ``r - 1`` tokens on top of the prompt (the last token predicts nothing)
 with ``r - 1`` logits (:func:`group_forward_flops`). Generation needs the same prefill, then
 ``max(r) - 1`` decode steps, each reading the weights once for the whole batch and, per row
-still generating, its KV cache (:func:`decode_bytes`).
+still generating, its KV cache (:func:`decode_bytes`), and per row the FLOPs of its new token
+(:func:`decode_flops`). A decode step is bound by the larger of bytes / bandwidth and FLOPs / GEMM
+rate: with one weight read shared by a batch of b rows it does ~2b FLOPs per weight read, so
+from b ~ (GEMM FLOP/s) / (2 x bandwidth in weights/s) rows on it is compute-bound (on a 2-core
+AVX2 EPYC in float32, ~160 GFLOP/s against ~29 GB/s, b ~ 11: the default 64 rows are).
 """
 
 from __future__ import annotations
@@ -192,3 +196,21 @@ def decode_bytes(shape: TransformerShape, prompt_lens: Sequence[int], response_l
         n = max(int(r) - 1, 0)
         kv_positions += n * int(p) + n * (n + 1) // 2
     return steps * shape.decode_weights * param_bytes + shape.kv_width * kv_bytes * kv_positions
+
+
+def decode_flops(shape: TransformerShape, prompt_lens: Sequence[int], response_lens: Sequence[int]) -> int:
+    """Forward FLOPs of the decode steps of one ``generate`` call (the prefill excluded): per row
+    of ``p`` prompt and ``r`` valid response tokens, its first ``r - 1`` tokens one at a time on top
+    of the cache, ``forward_flops(r - 1, causal_pairs(r - 1, p), r - 1 logits)`` (the same work as
+    the response part of :func:`group_forward_flops`).
+
+    Raises:
+        ValueError: the sequences differ in length.
+    """
+    if len(prompt_lens) != len(response_lens):
+        raise ValueError(f"prompt_lens and response_lens differ in length: {len(prompt_lens)} vs {len(response_lens)}")
+    total = 0
+    for p, r in zip(prompt_lens, response_lens):
+        n = max(int(r) - 1, 0)
+        total += forward_flops(shape, n, causal_pairs(n, int(p)), n)
+    return total

@@ -33,9 +33,11 @@ METRICS: dict[str, dict[str, str]] = {
     "throughput/decode_bw_util": {
         "reduce": "per-step value (one figure per step, over all rollout rounds and generate calls)",
         "unit": "fraction of the roofline bound (0-1)",
-        "help": "generation's roofline time (prefill FLOPs at the GEMM peak + decode bytes - weights once per "
-                "decode step, KV cache of the rows still generating - at the copy bandwidth) / time/generation; "
-                "generation is decode-dominated, so this is close to achieved / peak memory bandwidth",
+        "help": "generation's roofline time / time/generation: prefill FLOPs at the GEMM peak, plus per generate "
+                "call the larger of its decode bytes (weights once per decode step, KV cache of the rows still "
+                "generating) at the copy bandwidth and its decode FLOPs at the GEMM peak; with few rows decode is "
+                "bandwidth-bound and this is achieved / peak bandwidth, with many (the default 64 on a CPU) it is "
+                "compute-bound",
     },
 }
 
@@ -59,6 +61,9 @@ class UtilisationMeter:
         self.update_flops = 0
         self.prefill_flops = 0
         self.decode_bytes = 0
+        self.decode_flops = 0
+        #: roofline seconds of the decode steps: per generate call max(bytes / bandwidth, FLOPs / GEMM rate)
+        self.decode_seconds = 0.0
 
     def log_prob_pass(self, batch: Any, grad: bool) -> None:
         """Count one log-prob forward of ``batch`` (a RolloutBatch; rows of one prompt group
@@ -72,7 +77,7 @@ class UtilisationMeter:
     def generation(self, batch: Any, calls: Sequence[range]) -> None:
         """Count a rollout round: ``batch`` (RolloutBatch) generated in ``calls`` (the rows of
         each ``generate`` call). Prefill: each distinct prompt once; decode: per call."""
-        from echotrain.roofline.counts import decode_bytes, prefill_flops
+        from echotrain.roofline.counts import decode_bytes, decode_flops, prefill_flops
 
         p = batch.prompt_mask.sum(-1).tolist()
         r = batch.response_mask.sum(-1).long().tolist()
@@ -81,8 +86,12 @@ class UtilisationMeter:
             first.setdefault(int(g), i)
         self.prefill_flops += prefill_flops(self.shape, [p[i] for i in first.values()])
         for rows in calls:
-            self.decode_bytes += decode_bytes(self.shape, p[rows.start:rows.stop], r[rows.start:rows.stop],
-                                              param_bytes=self.param_bytes, kv_bytes=self.kv_bytes)
+            pc, rc = p[rows.start:rows.stop], r[rows.start:rows.stop]
+            nbytes = decode_bytes(self.shape, pc, rc, param_bytes=self.param_bytes, kv_bytes=self.kv_bytes)
+            flops = decode_flops(self.shape, pc, rc)
+            self.decode_bytes += nbytes
+            self.decode_flops += flops
+            self.decode_seconds += max(nbytes / self.peaks.copy_bytes_per_s, flops / self.peaks.gemm_flops_per_s)
 
     def step_metrics(self, time_generation: float, time_update: float) -> dict[str, float]:
         """The figures of :data:`METRICS` for the counted step (then the counters restart);
@@ -91,8 +100,7 @@ class UtilisationMeter:
         if time_update > 0:
             out["throughput/update_mfu"] = self.update_flops / (time_update * self.peaks.gemm_flops_per_s)
         if time_generation > 0:
-            bound = (self.prefill_flops / self.peaks.gemm_flops_per_s
-                     + self.decode_bytes / self.peaks.copy_bytes_per_s)
+            bound = self.prefill_flops / self.peaks.gemm_flops_per_s + self.decode_seconds
             out["throughput/decode_bw_util"] = bound / time_generation
         self.reset()
         return out

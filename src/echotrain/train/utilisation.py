@@ -9,6 +9,9 @@ the phase times the trainer already measures (``time/update``, ``time/generation
 machine's peaks (:mod:`echotrain.roofline.peaks`, measured once per machine / dtype / threads
 and cached; ``ECHOTRAIN_ROOFLINE_PEAKS`` stubs or disables them).
 
+A figure above 1 means the cached peak was measured while the machine was busier than during the
+step (``python benchmarks/bench_roofline.py`` re-measures and keeps the best figure seen).
+
 Fails soft: a model whose shape is unknown, ``ECHOTRAIN_ROOFLINE_PEAKS=off`` or several
 processes (torchrun: per-rank phase times) leave both metrics out of metrics.jsonl, and
 run_info.json's ``roofline`` entry says why.

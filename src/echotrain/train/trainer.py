@@ -116,7 +116,7 @@ class Trainer:
         #: counts each step's FLOPs / decode bytes against the machine's peaks (train/utilisation.py);
         #: None when the model's shape is unknown or the peaks are off (run_info.json says why)
         self.utilisation, roofline_info = build_meter(self.model, self.autocast_dtype, self.device,
-                                                      self.dist.world_size)
+                                                      is_main=self.dist.is_main)
         if task is None:
             from echotrain.tasks import get_task
 

@@ -12,9 +12,11 @@ and cached; ``ECHOTRAIN_ROOFLINE_PEAKS`` stubs or disables them).
 A figure above 1 means the cached peak was measured while the machine was busier than during the
 step (``python benchmarks/bench_roofline.py`` re-measures and keeps the best figure seen).
 
-Fails soft: a model whose shape is unknown, ``ECHOTRAIN_ROOFLINE_PEAKS=off`` or several
-processes (torchrun: per-rank phase times) leave both metrics out of metrics.jsonl, and
-run_info.json's ``roofline`` entry says why.
+With several processes (torchrun) the figures are rank 0's: its share of the passes and rollouts
+over its own phase times, against peaks measured by rank 0 alone (the other ranks count nothing).
+
+Fails soft: a model whose shape is unknown or ``ECHOTRAIN_ROOFLINE_PEAKS=off`` leave both metrics
+out of metrics.jsonl, and run_info.json's ``roofline`` entry says why.
 """
 
 from __future__ import annotations
@@ -117,15 +119,16 @@ def generate_calls(n_rows: int, num_generations: int, rollout_rng: str, rollout_
 
 
 def build_meter(model: Any, autocast_dtype: torch.dtype | None, device: torch.device,
-                world_size: int = 1) -> tuple[UtilisationMeter | None, dict[str, Any]]:
+                is_main: bool = True) -> tuple[UtilisationMeter | None, dict[str, Any]]:
     """The run's meter and run_info.json's ``roofline`` entry (the peaks and where they came
-    from, the counted shape; or ``disabled`` with the reason and no meter)."""
+    from, the counted shape; or ``disabled`` with the reason and no meter). Ranks other than the
+    main one (``is_main`` False) get no meter: only rank 0 writes metrics."""
     import dataclasses
 
     from echotrain.roofline import PeaksOff, UnsupportedModel, machine_peaks, shape_of
 
-    if world_size > 1:
-        return None, {"disabled": "utilisation is not reported with several processes (per-rank phase times)"}
+    if not is_main:
+        return None, {"disabled": "counted on rank 0 only"}
     try:
         shape = shape_of(model)
     except UnsupportedModel as exc:

@@ -21,12 +21,12 @@ gradients (allocating its state; no weight changes) warm the process up; a run's
 pays those costs once, the table shows the steady state.
 
 Work per phase is counted by :mod:`echotrain.roofline.counts` (model FLOPs for the passes; bytes
-and FLOPs for decode, bound by the larger of bytes / bandwidth and FLOPs / GEMM rate; bytes for AdamW: 28 bytes a parameter, read weight, grad, m, v and write weight, m, v in
-float32). The peaks are measured in the same run (:func:`echotrain.roofline.machine_peaks` with
+and FLOPs for decode, bound by the larger of bytes / bandwidth and FLOPs / GEMM rate; bytes for
+AdamW: 28 bytes a parameter, read weight, grad, m, v and write weight, m, v in float32). The peaks are measured in the same run (:func:`echotrain.roofline.machine_peaks` with
 ``refresh``): GEMM FLOP/s for the compute dtype and copy bytes/s. ``util`` = roofline time
 (work / peak) / measured wall time; ``CPU s`` is the process's CPU time in the phase (all
-threads: about threads x wall when the process had the cores to itself). The last two lines are the run's two figures as the trainer
-computes them (``throughput/update_mfu``, ``throughput/decode_bw_util``).
+threads: about threads x wall when the process had the cores to itself). The last line gives
+the run's two figures as the trainer computes them (``throughput/update_mfu``, ``throughput/decode_bw_util``).
 
 Usage::
 

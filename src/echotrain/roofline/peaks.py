@@ -1,14 +1,16 @@
 """The machine's two roofline peaks, measured once and cached: GEMM rate and copy bandwidth.
 
-- GEMM rate (FLOP/s): the best of ``torch.mm`` calls over half a second of two ``n x n`` matrices (``2 n^3`` FLOPs
-  each; n = 1024 on CPU, 4096 on CUDA) in the dtype the run computes in, on the thread count
-  in use.
-- copy bandwidth (bytes/s): the best of ``dst.copy_(src)`` calls over half a second of a 256 MiB float32 tensor,
-  counted as read + write (``2 x 256 MiB``), the "copy" figure of STREAM (McCalpin 1995).
+- GEMM rate (FLOP/s): the best of ``torch.mm`` calls over half a second, two ``n x n`` matrices
+  (``2 n^3`` FLOPs each; n = 1024 on CPU, 4096 on CUDA) in the dtype the run computes in, on the
+  thread count in use.
+- copy bandwidth (bytes/s): the best of ``dst.copy_(src)`` calls over half a second of a 256 MiB
+  float32 tensor, counted as read + write (``2 x 256 MiB``), the "copy" figure of STREAM
+  (McCalpin 1995).
 
-Both are what torch reaches on this machine for these shapes, not vendor peak figures; a loaded
+Both are what torch reaches on this machine for these shapes, not vendor peak figures. A loaded
 machine measures lower, so a figure measured under load can make a utilisation exceed 1 later,
-when the machine is quieter (``benchmarks/bench_roofline.py`` re-measures and keeps the best). :func:`machine_peaks` caches them in
+when the machine is quieter (``benchmarks/bench_roofline.py`` re-measures and keeps the best).
+:func:`machine_peaks` caches them in
 ``<$ECHOTRAIN_CACHE or ~/.cache/echotrain>/roofline/<machine>-<dtype>-t<threads>.json``
 (a second or two the first time). ``ECHOTRAIN_ROOFLINE_PEAKS=GEMM_FLOPS,COPY_BYTES`` (e.g.
 ``1e12,1e11``) uses those figures and measures nothing (tests set it, so they are fast and
@@ -46,6 +48,7 @@ class Peaks:
     threads: int
 
     def as_dict(self) -> dict:
+        """The fields as a JSON-ready dict (run_info.json's ``roofline.peaks``)."""
         return asdict(self)
 
 

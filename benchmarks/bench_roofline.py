@@ -21,7 +21,8 @@ gradients (allocating its state; no weight changes) warm the process up; a run's
 pays those costs once, the table shows the steady state.
 
 Work per phase is counted by :mod:`echotrain.roofline.counts` (model FLOPs for the passes; bytes
-and FLOPs for decode, bound by the larger of bytes / bandwidth and FLOPs / GEMM rate; bytes for
+and FLOPs for decode, each step bound by the larger of bytes / bandwidth and FLOPs / GEMM rate
+(:func:`echotrain.roofline.counts.decode_roofline_seconds`); bytes for
 AdamW: 28 bytes a parameter, read weight, grad, m, v and write weight, m, v in float32). The peaks are measured in the same run (:func:`echotrain.roofline.machine_peaks` with
 ``refresh``): GEMM FLOP/s for the compute dtype and copy bytes/s. ``util`` = roofline time
 (work / peak) / measured wall time; ``CPU s`` is the process's CPU time in the phase (all
@@ -60,8 +61,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from echotrain.roofline import (batch_forward_flops, decode_bytes, decode_flops, machine_peaks, prefill_flops,
-                                    shape_of)
+    from echotrain.roofline import (batch_forward_flops, decode_bytes, decode_flops, decode_roofline_seconds,
+                                    machine_peaks, prefill_flops, shape_of)
     from echotrain.train.config import resolve_config
     from echotrain.train.precision import autocast
     from echotrain.train.rollout import _prefill, encode_prompts, generate_rollouts, render_prompts
@@ -165,9 +166,10 @@ def main() -> None:
 
     # (phase, wall s, work, bound by, roofline s)
     d_bw, d_fl = b_decode / B, f_decode / F
+    d_roof = decode_roofline_seconds(shape, p, r, param_bytes=param.element_size(), kv_bytes=kv_bytes,
+                                     gemm_flops_per_s=F, copy_bytes_per_s=B)  # per step max
     rows = [("prefill", t_prefill, gf(f_prefill), "GEMM", f_prefill / F),
-            ("decode", t_decode, f"{gb(b_decode)}, {gf(f_decode)}", "GEMM" if d_fl > d_bw else "bandwidth",
-             max(d_bw, d_fl)),
+            ("decode", t_decode, f"{gb(b_decode)}, {gf(f_decode)}", "per step", d_roof),
             ("old log-probs", t_old, gf(f_old), "GEMM", f_old / F),
             ("with-grad forward", t_fwd, gf(f_fwd), "GEMM", f_fwd / F),
             ("backward", t_bwd, gf(2 * f_fwd), "GEMM", 2 * f_fwd / F),
@@ -177,7 +179,8 @@ def main() -> None:
           f"copy {B / 1e9:.1f} GB/s; compute dtype {dtype}, OpenMP wait {wait}, load avg {os.getloadavg()[0]:.1f}")
     print(f"# batch: {cfg.prompts_per_step} prompts x {G}, prompt tokens mean {sum(p) / len(p):.0f}, "
           f"response tokens mean {sum(r) / len(r):.1f} (max {max(r)}), {len(splits)} mini-batches of micro-batch "
-          f"{cfg.micro_batch_size}; decode byte bound {d_bw:.2f} s, FLOP bound {d_fl:.2f} s")
+          f"{cfg.micro_batch_size}; decode: all bytes / bandwidth {d_bw:.2f} s, all FLOPs / GEMM {d_fl:.2f} s, "
+          f"per-step larger of the two {d_roof:.2f} s")
     print("| phase | wall s | CPU s | share | work | bound by | roofline s | util |")
     print("|---|---:|---:|---:|---:|---|---:|---:|")
     for name, t, work, by, bound in rows:
@@ -185,7 +188,7 @@ def main() -> None:
               f"{bound / max(t, 1e-9):.2f} |")
     t_update = t_old + t_fwd + t_bwd + t_opt
     mfu = (f_old + 3 * f_fwd) / (t_update * F)
-    bw = (f_prefill / F + max(d_bw, d_fl)) / t_generate
+    bw = (f_prefill / F + d_roof) / t_generate
     print(f"# throughput/update_mfu = {mfu:.3f} (over old log-probs + forward + backward + optimizer, "
           f"{t_update:.1f} s); throughput/decode_bw_util = {bw:.3f} (over generation, {t_generate:.1f} s)")
     if args.json:

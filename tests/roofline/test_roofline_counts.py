@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from echotrain.roofline import (TransformerShape, batch_forward_flops, causal_pairs, decode_bytes, decode_flops,
-                                forward_flops,
+                                decode_roofline_seconds, forward_flops,
                                 group_forward_flops, shape_of, train_flops)
 
 # n_layers=2, d=8, H=2, Hkv=1, dh=4, d_ff=16, V=10, gated (3 MLP matrices)
@@ -131,3 +131,22 @@ def test_unknown_architecture_is_refused_with_its_name():
 
     with pytest.raises(UnsupportedModel, match="mamba"):
         shape_of(Odd())
+
+
+def test_decode_roofline_takes_the_larger_bound_step_by_step():
+    """Rows p=3, r=2 and r=3: step 1 has both rows, step 2 only the second.
+    step 1: bytes 1232*4 + 16*4*(4 + 4) = 5440; FLOPs 2 x (2*2*576 + 4*2*2*4*4 + 2*8*10) = 2 x 2720 = 5440
+    step 2: bytes 1232*4 + 16*4*5 = 5248;       FLOPs 2*2*576 + 4*2*2*4*5 + 160 = 2784"""
+    def roof(flops_per_s, bytes_per_s):
+        return decode_roofline_seconds(TINY, [3, 3], [2, 3], param_bytes=4, kv_bytes=4,
+                                       gemm_flops_per_s=flops_per_s, copy_bytes_per_s=bytes_per_s)
+
+    assert 5440 + 5440 + 5248 + 2784 == decode_bytes(TINY, [3, 3], [2, 3], param_bytes=4, kv_bytes=4) \
+        + decode_flops(TINY, [3, 3], [2, 3])
+    assert roof(1e4, 1e3) == pytest.approx((5440 + 5248) / 1e3)  # bandwidth-bound at both steps
+    assert roof(1e2, 1e3) == pytest.approx((5440 + 2784) / 1e2)  # compute-bound at both
+    # GEMM 800 FLOP/s: step 1 compute-bound (6.8 s > 5.44 s), step 2 bandwidth-bound (5.248 s > 3.48 s);
+    # more than either total alone (10.688 s of bytes, 10.28 s of FLOPs)
+    assert roof(800, 1e3) == pytest.approx(5440 / 800 + 5248 / 1e3)
+    with pytest.raises(ValueError, match="peaks"):
+        roof(0, 1e3)

@@ -31,7 +31,7 @@ with ``r - 1`` logits (:func:`group_forward_flops`). Generation needs the same p
 ``max(r) - 1`` decode steps, each reading the weights once for the whole batch and, per row
 still generating, its KV cache (:func:`decode_bytes`), and per row the FLOPs of its new token
 (:func:`decode_flops`). A decode step is bound by the larger of bytes / bandwidth and FLOPs / GEMM
-rate: with one weight read shared by a batch of b rows it does ~2b FLOPs per weight read, so
+rate (:func:`decode_roofline_seconds`, step by step, as rows finish): with one weight read shared by a batch of b rows it does ~2b FLOPs per weight read, so
 from b ~ (GEMM FLOP/s) / (2 x bandwidth in weights/s) rows on it is compute-bound (on a 2-core
 AVX2 EPYC in float32, ~160 GFLOP/s against ~29 GB/s, b ~ 11: the default 64 rows are).
 """
@@ -213,4 +213,39 @@ def decode_flops(shape: TransformerShape, prompt_lens: Sequence[int], response_l
     for p, r in zip(prompt_lens, response_lens):
         n = max(int(r) - 1, 0)
         total += forward_flops(shape, n, causal_pairs(n, int(p)), n)
+    return total
+
+
+def decode_roofline_seconds(shape: TransformerShape, prompt_lens: Sequence[int], response_lens: Sequence[int], *,
+                            param_bytes: int, kv_bytes: int, gemm_flops_per_s: float,
+                            copy_bytes_per_s: float) -> float:
+    """Roofline time of the decode steps of one ``generate`` call: per step s = 1..max(r) - 1, with
+    A_s the rows still generating (r_i - 1 >= s),
+
+        max( (decode_weights * param_bytes + kv_width * kv_bytes * sum_{i in A_s} (p_i + s)) / copy_bytes_per_s,
+             sum_{i in A_s} forward_flops(1 token, p_i + s pairs, 1 logit) / gemm_flops_per_s )
+
+    summed over the steps. Over all steps the two numerators add up to :func:`decode_bytes` and
+    :func:`decode_flops`; taking the larger per step (not of the sums) lets a call be compute-bound
+    while many rows generate and bandwidth-bound once most have finished.
+
+    Raises:
+        ValueError: the sequences differ in length, a byte size < 1 or a peak <= 0.
+    """
+    if len(prompt_lens) != len(response_lens):
+        raise ValueError(f"prompt_lens and response_lens differ in length: {len(prompt_lens)} vs {len(response_lens)}")
+    if param_bytes < 1 or kv_bytes < 1:
+        raise ValueError(f"param_bytes and kv_bytes must be >= 1, got {param_bytes}, {kv_bytes}")
+    if not (gemm_flops_per_s > 0 and copy_bytes_per_s > 0):
+        raise ValueError(f"peaks must be > 0, got gemm_flops_per_s={gemm_flops_per_s}, "
+                         f"copy_bytes_per_s={copy_bytes_per_s}")
+    rows = [(int(p), max(int(r) - 1, 0)) for p, r in zip(prompt_lens, response_lens)]
+    steps = max((n for _, n in rows), default=0)
+    weights = shape.decode_weights * param_bytes
+    total = 0.0
+    for s in range(1, steps + 1):
+        contexts = [p + s for p, n in rows if n >= s]
+        nbytes = weights + shape.kv_width * kv_bytes * sum(contexts)
+        flops = sum(forward_flops(shape, 1, c, 1) for c in contexts)
+        total += max(nbytes / copy_bytes_per_s, flops / gemm_flops_per_s)
     return total

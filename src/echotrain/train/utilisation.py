@@ -38,9 +38,9 @@ METRICS: dict[str, dict[str, str]] = {
     "throughput/decode_bw_util": {
         "reduce": "per-step value (one figure per step, over all rollout rounds and generate calls)",
         "unit": "fraction of the roofline bound (0-1)",
-        "help": "generation's roofline time / time/generation: prefill FLOPs at the GEMM peak, plus per generate "
-                "call the larger of its decode bytes (weights once per decode step, KV cache of the rows still "
-                "generating) at the copy bandwidth and its decode FLOPs at the GEMM peak; with few rows decode is "
+        "help": "generation's roofline time / time/generation: prefill FLOPs at the GEMM peak, plus per decode "
+                "step the larger of its bytes (the weights once, the KV cache of the rows still generating) at "
+                "the copy bandwidth and its FLOPs at the GEMM peak; with few rows decode is "
                 "bandwidth-bound and this is achieved / peak bandwidth, with many (the default 64 on a CPU) it is "
                 "compute-bound",
     },
@@ -67,7 +67,7 @@ class UtilisationMeter:
         self.prefill_flops = 0
         self.decode_bytes = 0
         self.decode_flops = 0
-        #: roofline seconds of the decode steps: per generate call max(bytes / bandwidth, FLOPs / GEMM rate)
+        #: roofline seconds of the decode steps: per step max(bytes / bandwidth, FLOPs / GEMM rate)
         self.decode_seconds = 0.0
 
     def log_prob_pass(self, batch: Any, grad: bool) -> None:
@@ -82,7 +82,7 @@ class UtilisationMeter:
     def generation(self, batch: Any, calls: Sequence[range]) -> None:
         """Count a rollout round: ``batch`` (RolloutBatch) generated in ``calls`` (the rows of
         each ``generate`` call). Prefill: each distinct prompt once; decode: per call."""
-        from echotrain.roofline.counts import decode_bytes, decode_flops, prefill_flops
+        from echotrain.roofline.counts import decode_bytes, decode_flops, decode_roofline_seconds, prefill_flops
 
         p = batch.prompt_mask.sum(-1).tolist()
         r = batch.response_mask.sum(-1).long().tolist()
@@ -96,7 +96,9 @@ class UtilisationMeter:
             flops = decode_flops(self.shape, pc, rc)
             self.decode_bytes += nbytes
             self.decode_flops += flops
-            self.decode_seconds += max(nbytes / self.peaks.copy_bytes_per_s, flops / self.peaks.gemm_flops_per_s)
+            self.decode_seconds += decode_roofline_seconds(
+                self.shape, pc, rc, param_bytes=self.param_bytes, kv_bytes=self.kv_bytes,
+                gemm_flops_per_s=self.peaks.gemm_flops_per_s, copy_bytes_per_s=self.peaks.copy_bytes_per_s)
 
     def step_metrics(self, time_generation: float, time_update: float) -> dict[str, float]:
         """The figures of :data:`METRICS` for the counted step (then the counters restart);

@@ -17,6 +17,9 @@ os.environ.setdefault("ECHOTRAIN_OPTIM_COMPILE", "0")
 # autocast=auto means bfloat16 on CPUs with native bf16; the suite pins it to float32 so that its
 # exact comparisons hold on every machine (tests of bfloat16 set autocast=bfloat16 explicitly).
 os.environ.setdefault("ECHOTRAIN_NATIVE_BF16", "0")
+# The trainer's utilisation figures divide by the machine's measured peaks; the suite gives fixed
+# ones (GEMM FLOP/s, copy bytes/s) so that no test measures or writes the roofline cache.
+os.environ.setdefault("ECHOTRAIN_ROOFLINE_PEAKS", "1e15,1e13")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

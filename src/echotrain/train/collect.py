@@ -67,13 +67,16 @@ class Collector:
         pad_id: the padding token id used when concatenating rounds.
         autocast_dtype: generate under ``torch.autocast`` in this dtype (the run's resolved
             ``autocast`` setting, :mod:`echotrain.train.precision`); None: no autocast.
+        utilisation: a :class:`~echotrain.train.utilisation.UtilisationMeter` that counts each
+            round's prefill FLOPs and decode bytes (None: nothing counted).
     """
 
     def __init__(self, cfg: TrainConfig, model: Any, tokenizer: Any, reward_fn: Any, prompts: PromptStream,
-                 dist: DistContext, pad_id: int, autocast_dtype: torch.dtype | None = None):
+                 dist: DistContext, pad_id: int, autocast_dtype: torch.dtype | None = None,
+                 utilisation: Any = None):
         self.cfg, self.model, self.tokenizer, self.reward_fn = cfg, model, tokenizer, reward_fn
         self.prompts, self.dist, self.pad_id = prompts, dist, pad_id
-        self.autocast_dtype = autocast_dtype
+        self.autocast_dtype, self.utilisation = autocast_dtype, utilisation
 
     def _generate(self, local: list[Any], mine: range, group_offset: int, draw: int, sampling: dict[str, Any]) -> Any:
         """This rank's rollouts of ``local`` (its share ``mine`` of the round's prompt groups)."""
@@ -106,6 +109,11 @@ class Collector:
             with autocast(self.model, self.autocast_dtype):
                 batch = self._generate(local, mine, group_offset, draw, sampling)
             t_gen = time.perf_counter() - t0
+            if self.utilisation is not None:
+                from echotrain.train.utilisation import generate_calls
+
+                self.utilisation.generation(batch, generate_calls(len(batch), cfg.num_generations, cfg.rollout_rng,
+                                                                  cfg.rollout_batch_size))
             t0 = time.perf_counter()
             texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
                      for ids, mask in zip(batch.response_ids, batch.response_mask)]

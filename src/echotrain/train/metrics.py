@@ -91,7 +91,10 @@ def builtin_metrics() -> None:
     """Import every built-in module that declares metrics (the losses', the update's, this
     module's), so :data:`echotrain.metrics.METRICS` is complete for readers of run directories
     (plots, the compare report, the docs' list)."""
-    import echotrain.train.update  # noqa: F401  (imports echotrain.rl's losses too)
+    import echotrain.train.lag  # noqa: F401  (staleness/*)
+    import echotrain.train.no_signal  # noqa: F401  (groups/all_zero_variance)
+    import echotrain.train.update  # noqa: F401  (imports echotrain.rl's losses and corrections too)
+    import echotrain.train.utilisation  # noqa: F401  (throughput/update_mfu, throughput/decode_bw_util)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -173,11 +176,12 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: str, model: Any, task_name: str,
              task: Any, world_size: int, dist_backend: str, lora: bool, autocast: str = "off",
-             autocast_reason: str = "") -> dict[str, Any]:
+             autocast_reason: str = "", roofline: dict[str, Any] | None = None) -> dict[str, Any]:
     """``run_info.json``'s content: what ``auto`` / ``0`` / empty config values resolved to in a
     run (device, threads, model, task, autocast: 'bfloat16' or 'off', and ``autocast_reason``:
     why, from :func:`echotrain.train.precision.resolve_autocast_why`) and the library versions,
-    for reproducing it."""
+    for reproducing it; ``roofline``: the machine peaks the utilisation figures use and where they
+    came from, or why there are none (:func:`echotrain.train.utilisation.build_meter`)."""
     import platform
 
     from echotrain.omp import omp_wait_in_force
@@ -200,6 +204,7 @@ def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: st
         "lora": lora,
         "autocast": autocast,
         "autocast_reason": autocast_reason,
+        "roofline": roofline if roofline is not None else {"disabled": "not measured"},
         "versions": {"echotrain": echotrain.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
     }

@@ -49,6 +49,7 @@ from echotrain.train.rollout import RolloutBatch
 from echotrain.train.stability import stability_flags
 from echotrain.rl.correction import rollout_mismatch_metrics
 from echotrain.train.step import StepData
+from echotrain.train.utilisation import build_meter
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
                                     update_mini_batch)
 
@@ -120,6 +121,10 @@ class Trainer:
         #: bfloat16 for the model's forward passes under ``autocast`` (train/precision.py), else
         #: None; and why (the startup line, run_info.json's autocast_reason)
         self.autocast_dtype, self.autocast_reason = resolve_for_why(self.model, cfg.autocast)
+        #: counts each step's FLOPs / decode bytes against the machine's peaks (train/utilisation.py);
+        #: None when the model's shape is unknown or the peaks are off (run_info.json says why)
+        self.utilisation, roofline_info = build_meter(self.model, self.autocast_dtype, self.device,
+                                                      is_main=self.dist.is_main)
         if task is None:
             from echotrain.tasks import get_task
 
@@ -142,7 +147,7 @@ class Trainer:
         self.loss_config = cfg.policy_loss_config()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.collector = Collector(cfg, self.model, tokenizer, reward_fn, self.prompts, self.dist, pad_id,
-                                   autocast_dtype=self.autocast_dtype)
+                                   autocast_dtype=self.autocast_dtype, utilisation=self.utilisation)
         # staleness=k: each step's rollouts were generated k steps ahead by the weights of then (train/lag.py)
         self.rollouts = LaggedRollouts(lambda: self.collector.collect(), cfg.staleness, cfg.steps,
                                        behaviour_log_prob=lambda b: self._log_probs_batched(self.model, b)[0])
@@ -165,7 +170,8 @@ class Trainer:
                 run_dir=self.run_dir, device=self.device, model_name=cfg.model, model=self.model, task_name=cfg.task,
                 task=self.task, world_size=self.dist.world_size, dist_backend=self.dist.backend,
                 lora=is_lora(self.model),
-                autocast=setting_name(self.autocast_dtype), autocast_reason=self.autocast_reason))
+                autocast=setting_name(self.autocast_dtype), autocast_reason=self.autocast_reason,
+                roofline=roofline_info))
             self.logger = MetricsLogger(self.run_dir, report_to=cfg.report_to, project=cfg.wandb_project,
                                         config=cfg.to_dict(), start_step=self.start_step)
 
@@ -186,6 +192,8 @@ class Trainer:
     # ------------------------------------------------------------------ 4. log-probs
     def _log_probs(self, model: Any, batch: RolloutBatch, with_entropy: bool = False,
                    grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.utilisation is not None:  # every log-prob pass of the step goes through here
+            self.utilisation.log_prob_pass(batch, grad)
         with autocast(model, self.autocast_dtype):
             return policy_log_probs(model, batch, self.cfg, with_entropy=with_entropy, grad=grad)
 
@@ -269,6 +277,8 @@ class Trainer:
         if data.rollout_log_prob is not None:  # train/inference mismatch of the whole step, every step
             record.update(rollout_mismatch_metrics(data.old_log_prob, data.rollout_log_prob, data.response_mask,
                                                    self.loss_config.log_ratio_clamp))
+        if self.utilisation is not None:
+            record.update(self.utilisation.step_metrics(data.time_generation, t_update))
         return record
 
     # ------------------------------------------------------------------ evaluation

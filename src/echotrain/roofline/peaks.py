@@ -1,0 +1,186 @@
+"""The machine's two roofline peaks, measured once and cached: GEMM rate and copy bandwidth.
+
+- GEMM rate (FLOP/s): the best of ``torch.mm`` calls over half a second, two ``n x n`` matrices
+  (``2 n^3`` FLOPs each; n = 1024 on CPU, 4096 on CUDA) in the dtype the run computes in, on the
+  thread count in use.
+- copy bandwidth (bytes/s): the best of ``dst.copy_(src)`` calls over half a second of a 256 MiB
+  float32 tensor, counted as read + write (``2 x 256 MiB``), the "copy" figure of STREAM
+  (McCalpin 1995).
+
+Both are what torch reaches on this machine for these shapes, not vendor peak figures. A loaded
+machine measures lower, so a figure measured under load can make a utilisation exceed 1 later,
+when the machine is quieter (``benchmarks/bench_roofline.py`` re-measures and keeps the best).
+:func:`machine_peaks` caches them in
+``<$ECHOTRAIN_CACHE or ~/.cache/echotrain>/roofline/<machine>-<dtype>-t<threads>.json``
+(a second or two the first time). ``ECHOTRAIN_ROOFLINE_PEAKS=GEMM_FLOPS,COPY_BYTES`` (e.g.
+``1e12,1e11``) uses those figures and measures nothing (tests set it, so they are fast and
+deterministic); ``ECHOTRAIN_ROOFLINE_PEAKS=off`` turns the utilisation figures off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+#: environment variable: ``GEMM_FLOPS,COPY_BYTES`` to use instead of measuring, or ``off``
+PEAKS_ENV = "ECHOTRAIN_ROOFLINE_PEAKS"
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """Measured peaks. ``gemm_flops_per_s``: FLOP/s; ``copy_bytes_per_s``: bytes/s (read + write);
+    ``source``: where they came from (a cache file, a fresh measurement, or the env variable);
+    ``machine``, ``dtype``, ``threads``: what they were measured for."""
+
+    gemm_flops_per_s: float
+    copy_bytes_per_s: float
+    source: str
+    machine: str
+    dtype: str
+    threads: int
+
+    def as_dict(self) -> dict:
+        """The fields as a JSON-ready dict (run_info.json's ``roofline.peaks``)."""
+        return asdict(self)
+
+
+class PeaksOff(RuntimeError):
+    """``ECHOTRAIN_ROOFLINE_PEAKS=off``: the run reports no utilisation."""
+
+
+def machine_name(device: torch.device) -> str:
+    """A file-name-safe name of the processor: the CUDA device's name, else the CPU model name
+    from /proc/cpuinfo (``platform.processor()`` elsewhere)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = ""
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.lower().startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        name = name or platform.processor() or platform.machine() or "cpu"
+        name = f"{name}-{os.cpu_count()}cpu"
+    return re.sub(r"[^A-Za-z0-9.]+", "_", name).strip("_")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(fn, device: torch.device, repeats: int, seconds: float) -> float:
+    """The shortest of at least ``repeats`` timed calls of ``fn``, going on until ``seconds`` have
+    passed (on a shared machine a longer window is likelier to hold a quiet moment)."""
+    best, start = float("inf"), time.perf_counter()
+    n = 0
+    while n < repeats or time.perf_counter() - start < seconds:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+        n += 1
+    return best
+
+
+def measure_gemm(dtype: torch.dtype, device: torch.device, n: int | None = None, repeats: int = 5,
+                 seconds: float = 0.5) -> float:
+    """Best FLOP/s of ``torch.mm`` of two ``n x n`` ``dtype`` matrices on ``device`` (after one
+    warm-up; at least ``repeats`` calls and ``seconds`` of them); ``2 n^3`` FLOPs each. n defaults
+    to 1024 (CPU) / 4096 (CUDA)."""
+    n = n or (4096 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), device, repeats, seconds)
+
+
+def measure_copy(device: torch.device, mib: int = 256, repeats: int = 5, seconds: float = 0.5) -> float:
+    """Best bytes/s of copies of a ``mib`` MiB float32 tensor on ``device`` (read + write counted:
+    ``2 * mib`` MiB per copy), after one warm-up; at least ``repeats`` copies and ``seconds``."""
+    numel = mib * 2**20 // 4
+    src = torch.ones(numel, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * src.numel() * src.element_size() / _best_seconds(lambda: dst.copy_(src), device, repeats, seconds)
+
+
+def _from_env(value: str, machine: str, dtype: str, threads: int) -> Peaks:
+    if value.strip().lower() == "off":
+        raise PeaksOff(f"{PEAKS_ENV}=off")
+    try:
+        flops, bw = (float(x) for x in value.split(","))
+        if not (flops > 0 and bw > 0):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{PEAKS_ENV}={value!r}: expected 'GEMM_FLOPS,COPY_BYTES' (two positive numbers, "
+                         "e.g. 1e12,1e11) or 'off'") from None
+    return Peaks(flops, bw, f"{PEAKS_ENV} (not measured)", machine, dtype, threads)
+
+
+def machine_peaks(dtype: torch.dtype, device: torch.device, threads: int | None = None,
+                  cache_dir: str | os.PathLike | None = None, refresh: bool = False) -> Peaks:
+    """The peaks for ``dtype`` on ``device`` with ``threads`` intra-op threads (default: torch's
+    current number): from ``$ECHOTRAIN_ROOFLINE_PEAKS``, else the cache file, else measured now
+    (and cached). ``refresh`` measures again and keeps, per figure, the larger of the new and the
+    cached value (a measurement taken while other processes ran is low; the best one seen is the
+    machine's).
+
+    Raises:
+        PeaksOff: ``ECHOTRAIN_ROOFLINE_PEAKS=off``.
+        ValueError: a malformed ``ECHOTRAIN_ROOFLINE_PEAKS``.
+    """
+    threads = int(threads or torch.get_num_threads())
+    machine, dname = machine_name(device), str(dtype).removeprefix("torch.")
+    env = os.environ.get(PEAKS_ENV, "")
+    if env:
+        return _from_env(env, machine, dname, threads)
+    if cache_dir is None:
+        from echotrain.models import default_cache_dir
+
+        cache_dir = default_cache_dir()
+    path = Path(cache_dir) / "roofline" / f"{machine}-{dname}-t{threads}.json"
+    old = None
+    if path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            old = (float(d["gemm_flops_per_s"]), float(d["copy_bytes_per_s"]), d.get("measured_at", "?"),
+                   int(d.get("measurements", 1)))
+        except (ValueError, KeyError, TypeError):
+            old = None  # a damaged cache file: measure again
+    if old is not None and not refresh:
+        return Peaks(old[0], old[1], f"cached {path} (best of {old[3]} measurement(s), last {old[2]})", machine,
+                     dname, threads)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flops, bw = measure_gemm(dtype, device), measure_copy(device)
+    finally:
+        torch.set_num_threads(previous)
+    count = 1
+    if old is not None:  # refresh: keep the best the machine has shown (a loaded moment measures low)
+        flops, bw, count = max(flops, old[0]), max(bw, old[1]), old[3] + 1
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"gemm_flops_per_s": flops, "copy_bytes_per_s": bw, "measured_at": stamp,
+                                   "measurements": count, "machine": machine, "dtype": dname, "threads": threads,
+                                   "torch": torch.__version__}, indent=2) + "\n")
+        os.replace(tmp, path)
+        where = f"measured {stamp}, best of {count} measurement(s), cached in {path}"
+    except OSError:
+        where = f"measured {stamp} (cache {path} not writable)"
+    return Peaks(flops, bw, where, machine, dname, threads)

@@ -1,0 +1,150 @@
+"""The trainer's utilisation figures: the meter's counts by hand, the peaks' cache, and runs
+(the CLI on a tiny saved Llama, the Trainer on the looped testbed) carrying both figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from echotrain.roofline import Peaks, TransformerShape
+from echotrain.roofline import peaks as peaks_mod
+from echotrain.train.rollout import RolloutBatch
+from echotrain.train.utilisation import METRICS, UtilisationMeter, build_meter, generate_calls
+
+# the shape of tests/roofline/test_roofline_counts.py (P_layer = 576, decode_weights = 1232, kv_width = 16)
+TINY = TransformerShape(n_layers=2, d_model=8, n_heads=2, n_kv_heads=1, d_head=4, d_ff=16, vocab_size=10)
+KEYS = ("throughput/update_mfu", "throughput/decode_bw_util")
+
+
+def _group_batch() -> RolloutBatch:
+    """One group: a 3-token prompt left-padded to 5, responses of 2 and 3 valid tokens right-padded to 4."""
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1]] * 2)
+    response_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.float32)
+    return RolloutBatch(prompt_ids=torch.zeros(2, 5, dtype=torch.long), prompt_mask=prompt_mask,
+                        response_ids=torch.zeros(2, 4, dtype=torch.long), response_mask=response_mask,
+                        group_index=torch.tensor([0, 0]), truncated=torch.tensor([False, False]))
+
+
+def test_meter_counts_a_step_by_hand():
+    peaks = Peaks(gemm_flops_per_s=1e4, copy_bytes_per_s=1e3, source="test", machine="m", dtype="float32", threads=1)
+    meter = UtilisationMeter(TINY, peaks, param_bytes=4, kv_bytes=4)
+    batch = _group_batch()
+    meter.log_prob_pass(batch, grad=False)  # old log-probs: 15680 FLOPs (the hand count; padding not counted)
+    meter.log_prob_pass(batch, grad=True)   # update: forward + backward = 3 x 15680
+    assert meter.update_flops == 4 * 15680
+    meter.generation(batch, generate_calls(2, 2, "stream", 0))
+    # prefill of the one prompt: 7456 FLOPs; decode: 9856 + 832 bytes (hand counts of the counts test)
+    assert (meter.prefill_flops, meter.decode_bytes) == (7456, 10688)
+    out = meter.step_metrics(time_generation=20.0, time_update=8.0)
+    assert out["throughput/update_mfu"] == pytest.approx(4 * 15680 / (8.0 * 1e4))
+    # decode: bytes bound 10688 / 1e3 = 10.7 s > FLOPs bound (2720 + 5504) / 1e4 = 0.82 s
+    assert out["throughput/decode_bw_util"] == pytest.approx((7456 / 1e4 + 10688 / 1e3) / 20.0)
+    # the same step on a machine with a 100x slower GEMM: decode is compute-bound
+    slow = UtilisationMeter(TINY, Peaks(1e2, 1e3, "test", "m", "float32", 1), param_bytes=4, kv_bytes=4)
+    slow.generation(batch, [range(0, 2)])
+    assert slow.step_metrics(time_generation=200.0, time_update=0.0) == {
+        "throughput/decode_bw_util": pytest.approx((7456 / 1e2 + (2720 + 5504) / 1e2) / 200.0)}
+    assert meter.update_flops == meter.prefill_flops == meter.decode_bytes == 0  # the next step starts at 0
+    assert set(out) == set(METRICS) == set(KEYS)
+    for spec in METRICS.values():
+        assert spec["reduce"] and spec["unit"] and spec["help"]
+
+
+def test_generate_calls_follow_the_rollout_settings():
+    assert generate_calls(8, 4, "stream", 0) == [range(0, 8)]
+    assert generate_calls(8, 4, "group", 0) == [range(0, 4), range(4, 8)]
+    assert generate_calls(8, 4, "stream", 3) == [range(0, 3), range(3, 6), range(6, 8)]
+
+
+def test_unknown_architecture_and_peaks_off_fail_soft(monkeypatch):
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+    meter, info = build_meter(Odd(), None, torch.device("cpu"))
+    assert meter is None and "Odd" in info["disabled"]
+    from echotrain.models.looped import LoopedConfig, LoopedTransformer
+
+    looped = LoopedTransformer(LoopedConfig(n_loops=3))
+    monkeypatch.setenv(peaks_mod.PEAKS_ENV, "off")
+    meter, info = build_meter(looped, None, torch.device("cpu"))
+    assert meter is None and "off" in info["disabled"]
+    monkeypatch.setenv(peaks_mod.PEAKS_ENV, "fast")
+    meter, info = build_meter(looped, None, torch.device("cpu"))
+    assert meter is None and "GEMM_FLOPS,COPY_BYTES" in info["disabled"]
+    monkeypatch.delenv(peaks_mod.PEAKS_ENV)
+    meter, info = build_meter(looped, None, torch.device("cpu"), is_main=False)  # measures nothing
+    assert meter is None and "rank 0" in info["disabled"]
+
+
+def test_peaks_are_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv(peaks_mod.PEAKS_ENV, raising=False)
+    calls = []
+    monkeypatch.setattr(peaks_mod, "measure_gemm", lambda dtype, device: calls.append("gemm") or 2e9)
+    monkeypatch.setattr(peaks_mod, "measure_copy", lambda device: calls.append("copy") or 3e9)
+    first = peaks_mod.machine_peaks(torch.float32, torch.device("cpu"), threads=1, cache_dir=tmp_path)
+    second = peaks_mod.machine_peaks(torch.float32, torch.device("cpu"), threads=1, cache_dir=tmp_path)
+    assert calls == ["gemm", "copy"]  # measured once
+    assert (first.gemm_flops_per_s, first.copy_bytes_per_s) == (second.gemm_flops_per_s, second.copy_bytes_per_s) \
+        == (2e9, 3e9)
+    assert first.source.startswith("measured") and second.source.startswith("cached")
+    (path,) = (tmp_path / "roofline").iterdir()
+    assert path.name.endswith("-float32-t1.json") and json.loads(path.read_text())["copy_bytes_per_s"] == 3e9
+    # another thread count is another machine state: measured again
+    peaks_mod.machine_peaks(torch.float32, torch.device("cpu"), threads=2, cache_dir=tmp_path)
+    assert len(calls) == 4
+    # refresh keeps the best figure of each kind: a lower GEMM (a loaded moment), a higher bandwidth
+    monkeypatch.setattr(peaks_mod, "measure_gemm", lambda dtype, device: 1e9)
+    monkeypatch.setattr(peaks_mod, "measure_copy", lambda device: 4e9)
+    best = peaks_mod.machine_peaks(torch.float32, torch.device("cpu"), threads=1, cache_dir=tmp_path, refresh=True)
+    assert (best.gemm_flops_per_s, best.copy_bytes_per_s) == (2e9, 4e9) and "best of 2" in best.source
+
+
+def test_the_measurements_are_positive_rates():
+    assert peaks_mod.measure_gemm(torch.float32, torch.device("cpu"), n=64, repeats=1, seconds=0) > 0
+    assert peaks_mod.measure_copy(torch.device("cpu"), mib=1, repeats=1, seconds=0) > 0
+
+
+def _check_run(run_dir, n_layers: int) -> None:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for rec in records:
+        for key in KEYS:
+            assert 0 < rec[key] <= 1, (key, rec[key])
+    info = json.loads((run_dir / "run_info.json").read_text())["roofline"]
+    assert info["peaks"]["gemm_flops_per_s"] == 1e15 and "ECHOTRAIN_ROOFLINE_PEAKS" in info["peaks"]["source"]
+    assert info["shape"]["n_layers"] == n_layers
+
+
+def test_cli_run_writes_both_figures(tmp_path, capsys, tiny_tokenizer, make_tiny_model):
+    """``echotrain train`` through the CLI on a tiny saved Llama (``model=testbed`` needs the
+    offline preflight fix of another branch; the testbed is run through the Trainer below)."""
+    from echotrain import cli
+
+    tok = tiny_tokenizer
+    model = make_tiny_model(tok)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    rc = cli.main(["train", f"model={tmp_path / 'model'}", f"output_dir={tmp_path / 'run'}", "steps=2",
+                   "prompts_per_step=2", "num_generations=2", "max_new_tokens=4", "eval_prompts=0",
+                   "num_threads=1", "device=cpu", "plots=false", "save_every=0", "save_final_model=false"])
+    assert rc == 0
+    _check_run(tmp_path / "run", n_layers=2)
+    assert "throughput/update_mfu" in capsys.readouterr().err  # the closing summary table has them
+
+
+def test_testbed_run_counts_the_loops(tmp_path):
+    from echotrain.train.config import parse_overrides, resolve_config
+    from echotrain.train.trainer import Trainer
+
+    cfg = resolve_config(overrides=parse_overrides([
+        "model=testbed", "task=testbed", "steps=2", "prompts_per_step=2", "num_generations=2", "max_new_tokens=4",
+        "eval_prompts=0", "num_threads=1", "save_every=0", "save_final_model=false", "plots=false",
+        "progress=false", f"output_dir={tmp_path / 'run'}"]))
+    trainer = Trainer(cfg)
+    trainer.train()
+    c = trainer.model.config
+    _check_run(tmp_path / "run", n_layers=c.n_layers * c.n_loops)

@@ -6,20 +6,14 @@ from __future__ import annotations
 import matplotlib
 
 from echotrain.compare.report import plot_curves
+from tests.train.test_plots import _spy_figures
 
 
 def test_compare_plots_are_readable_and_arms_look_different(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     from PIL import Image
 
-    seen = {}
-    real_savefig = matplotlib.figure.Figure.savefig
-
-    def spy(fig, path, **kw):
-        seen[str(path)] = fig
-        return real_savefig(fig, path, **kw)
-
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    seen = _spy_figures(monkeypatch)
     steps = list(range(0, 90, 10))
     # nine arms with identical curves: only their styles can tell them apart
     per_arm = {f"arm{i}": {"steps": steps, "n": 5, "mean": [0.4] * 9, "ci_low": [0.38] * 9, "ci_high": [0.42] * 9}

@@ -102,6 +102,22 @@ def _grads(model):
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
+def accumulate_window(trainer, mbs):
+    """TRL's accumulation loop over the micro-batches ``mbs`` (one optimizer step): the summed
+    loss value and the accumulated gradients."""
+    model = trainer.model
+    trainer._buffered_inputs = mbs
+    trainer.current_gradient_accumulation_steps = len(mbs)
+    model.zero_grad()
+    total = 0.0
+    for k, mb in enumerate(mbs):
+        trainer._step = k
+        loss = trainer._compute_loss(model, mb)
+        loss.backward()
+        total += float(loss.detach())
+    return total, _grads(model)
+
+
 @pytest.mark.parametrize("loss_mode,agg", [("echo", "balanced"), ("echo", "token-mean"),
                                            ("vanilla", "seq-mean-token-mean")])
 def test_accumulated_gradient_equals_whole_step(tmp_path, loss_mode, agg):
@@ -114,16 +130,7 @@ def test_accumulated_gradient_equals_whole_step(tmp_path, loss_mode, agg):
     model = trainer.model
     model.train()
     mbs = fabricated_window(trainer)
-    trainer._buffered_inputs = mbs
-    trainer.current_gradient_accumulation_steps = 2
-    model.zero_grad()
-    total = 0.0
-    for k, mb in enumerate(mbs):
-        trainer._step = k
-        loss = trainer._compute_loss(model, mb)
-        loss.backward()
-        total += float(loss.detach())
-    acc = _grads(model)
+    total, acc = accumulate_window(trainer, mbs)
     if loss_mode == "echo":
         assert trainer._metrics["train"]["echotrain/echo/batch_clipped"][-1] == 1.0
 
@@ -240,16 +247,7 @@ def test_rollout_correction_with_vllm_log_probs_is_exact_over_the_window(tmp_pat
     for mb in mbs:
         mb["sampling_per_token_logps"] = mb["old_per_token_logps"] + 0.05 * torch.randn(
             mb["old_per_token_logps"].shape, generator=g)
-    trainer._buffered_inputs = mbs
-    trainer.current_gradient_accumulation_steps = 2
-    model.zero_grad()
-    total = 0.0
-    for k, mb in enumerate(mbs):
-        trainer._step = k
-        loss = trainer._compute_loss(model, mb)
-        loss.backward()
-        total += float(loss.detach())
-    acc = _grads(model)
+    total, acc = accumulate_window(trainer, mbs)
     assert trainer._metrics["train"]["echotrain/rollout_corr/frac_high"][-1] > 0
     model.zero_grad()
     cat = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0] if k != "num_items_in_batch"}

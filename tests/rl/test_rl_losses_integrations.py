@@ -107,23 +107,14 @@ def test_trl_accumulated_gradient_is_exact_for_the_covariance_losses(tmp_path, l
     """Two micro-batches through EchoGRPOTrainer._compute_loss == the whole step as one batch, also
     on-policy, where the step statistics need the current log-probs (not zeros, as ECHO may use)."""
     pytest.importorskip("trl")
-    from tests.integrations.test_trl_adapter import _grads, fabricated_window, make_trainer
+    from tests.integrations.test_trl_adapter import _grads, accumulate_window, fabricated_window, make_trainer
 
     trainer = make_trainer(tmp_path, loss_mode=loss_mode, loss_agg_mode="token-mean", kl_cov_ratio=0.2,
                            clip_cov_ratio=0.2, clip_cov_lb=-1.0, clip_cov_ub=1.0)
     model = trainer.model
     model.train()
     mbs = fabricated_window(trainer, off_policy=off_policy)
-    trainer._buffered_inputs = mbs
-    trainer.current_gradient_accumulation_steps = 2
-    model.zero_grad()
-    total, chosen = 0.0, []
-    for k, mb in enumerate(mbs):
-        trainer._step = k
-        loss = trainer._compute_loss(model, mb)
-        loss.backward()
-        total += float(loss.detach())
-    acc = _grads(model)
+    total, acc = accumulate_window(trainer, mbs)
     model.zero_grad()
     cat = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0] if k != "num_items_in_batch"}
     log_prob, _ = trainer._log_probs(model, cat)

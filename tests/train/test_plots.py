@@ -64,6 +64,7 @@ def test_summary_figure_written(tmp_path, monkeypatch):
 def _spy_figures(monkeypatch):
     """Figure objects by saved path (plot functions close their figures after saving)."""
     import matplotlib
+    import matplotlib.figure
 
     matplotlib.use("Agg")
     seen = {}

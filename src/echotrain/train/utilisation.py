@@ -145,4 +145,4 @@ def build_meter(model: Any, autocast_dtype: torch.dtype | None, device: torch.de
     meter = UtilisationMeter(shape, peaks, param_bytes=param.element_size(), kv_bytes=kv_bytes)
     return meter, {"peaks": peaks.as_dict(), "shape": dataclasses.asdict(shape),
                    "param_bytes": meter.param_bytes, "kv_bytes": kv_bytes,
-                   "metrics": {k: v["help"] for k, v in METRICS.items()}}
+                   "metrics": {k: m.help for k, m in METRICS.items()}}

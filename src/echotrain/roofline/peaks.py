@@ -101,8 +101,9 @@ def measure_gemm(dtype: torch.dtype, device: torch.device, n: int | None = None,
     warm-up; at least ``repeats`` calls and ``seconds`` of them); ``2 n^3`` FLOPs each. n defaults
     to 1024 (CPU) / 4096 (CUDA)."""
     n = n or (4096 if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    g = torch.Generator(device=device).manual_seed(0)  # its own generator: a run's RNG stream is untouched
+    a = torch.randn(n, n, device=device, generator=g).to(dtype)
+    b = torch.randn(n, n, device=device, generator=g).to(dtype)
     torch.mm(a, b)
     return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), device, repeats, seconds)
 

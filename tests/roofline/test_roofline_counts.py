@@ -150,3 +150,17 @@ def test_decode_roofline_takes_the_larger_bound_step_by_step():
     assert roof(800, 1e3) == pytest.approx(5440 / 800 + 5248 / 1e3)
     with pytest.raises(ValueError, match="peaks"):
         roof(0, 1e3)
+
+
+def test_measuring_the_gemm_peak_leaves_the_global_rng_alone():
+    """The first run on a machine measures the peaks, later ones read the cache: both must see
+    the same RNG stream, or the same seed would give different runs."""
+    import torch
+
+    from echotrain.roofline.peaks import measure_gemm
+
+    torch.manual_seed(1)
+    expected = torch.rand(4)
+    torch.manual_seed(1)
+    measure_gemm(torch.float32, torch.device("cpu"), n=32, repeats=1, seconds=0.0)
+    assert torch.equal(torch.rand(4), expected)

@@ -45,7 +45,7 @@ threads, prompts, reps = (int(a) for a in sys.argv[1:4])
 torch.set_num_threads(threads)
 from echotrain.models import load_policy
 from echotrain.tasks import get_task
-from echotrain.train.rollout import forward_log_probs, generate_rollouts
+from echotrain.runtime.rollout import forward_log_probs, generate_rollouts
 model, tok = load_policy(None)
 examples = get_task("default").sample(prompts, 0)
 out = {"generation": [], "update": [], "generation_cpu": [], "update_cpu": []}

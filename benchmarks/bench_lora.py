@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from echotrain.models import load_policy
-    from echotrain.train.checkpoint import latest_checkpoint
+    from echotrain.runtime.checkpoints import latest_checkpoint
     from echotrain.train.config import resolve_config
     from echotrain.train.trainer import Trainer
 

@@ -21,7 +21,7 @@ import torch
 
 from echotrain.models import load_policy
 from echotrain.train.config import resolve_config
-from echotrain.train.precision import native_bf16
+from echotrain.runtime.precision import native_bf16
 from echotrain.train.trainer import Trainer
 
 

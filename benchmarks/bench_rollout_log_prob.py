@@ -1,7 +1,7 @@
 """Cost of recording ``rollout_log_prob`` inside generation, as a ratio to plain ``generate``.
 
 Each round runs ``model.generate`` (sampling, KV cache) on the same prompts with and without
-:class:`echotrain.train.rollout.RolloutLogProbRecorder`, in shuffled order, under the same seed;
+:class:`echotrain.runtime.rollout.RolloutLogProbRecorder`, in shuffled order, under the same seed;
 reports the fastest of the rounds (process CPU time) and the ratio. A noise-control row runs the
 baseline twice.
 
@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from echotrain.train.rollout import RolloutLogProbRecorder, encode_prompts, render_prompts
+    from echotrain.runtime.rollout import RolloutLogProbRecorder, encode_prompts, render_prompts
 
     if args.model == "testbed":
         from echotrain.models.testbed import load_testbed

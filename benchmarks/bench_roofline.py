@@ -64,8 +64,8 @@ def main() -> None:
     from echotrain.roofline import (batch_forward_flops, decode_bytes, decode_flops, decode_roofline_seconds,
                                     machine_peaks, prefill_flops, shape_of)
     from echotrain.train.config import resolve_config
-    from echotrain.train.precision import autocast
-    from echotrain.train.rollout import _prefill, encode_prompts, generate_rollouts, render_prompts
+    from echotrain.runtime.precision import autocast
+    from echotrain.runtime.rollout import _prefill, encode_prompts, generate_rollouts, render_prompts
     from echotrain.train.trainer import Trainer
     from echotrain.train.update import mini_batch_splits
 

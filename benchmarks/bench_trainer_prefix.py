@@ -28,7 +28,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from echotrain.models import load_policy
     from echotrain.tasks import get_task
-    from echotrain.train.rollout import forward_log_probs, generate_rollouts
+    from echotrain.runtime.rollout import forward_log_probs, generate_rollouts
 
     model, tok = load_policy(args.model)
     task = get_task("default")

@@ -38,7 +38,7 @@ def main() -> None:
     from echotrain.models import load_policy
     from echotrain.tasks import get_task
     from echotrain.train.length_stats import length_facts
-    from echotrain.train.rollout import generate_rollouts
+    from echotrain.runtime.rollout import generate_rollouts
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)

@@ -222,7 +222,7 @@ def _preflight_only(cmd: list[str]) -> None:
     """What ``echotrain train`` checks before it loads the model, on the command's resolved config."""
     import argparse
 
-    from echotrain.train import preflight
+    from echotrain.runtime import preflight
     from echotrain.train.commands import _resolve_train_config
 
     config = next((b for a, b in zip(cmd, cmd[1:]) if a == "--config"), None)

@@ -2,8 +2,10 @@
 inside a function (a lazy import still ties the two modules together), under ``TYPE_CHECKING``
 or not, and every import by string (``"echotrain.train.commands:register_train"`` in cli.py's
 command table, ``importlib.import_module("echotrain.x")``) must form a graph without cycles
-(docs/design/architecture.md: one direction of dependency); and no module below the CLI
-imports it."""
+(docs/design/architecture.md: one direction of dependency); no module below the CLI imports it;
+the runtime layer (``echotrain.runtime``: what training and evaluation share) imports neither
+the trainer's orchestration (``echotrain.train``), the benchmark suites (``echotrain.evalsuite``)
+nor the CLI; and ``echotrain.evalsuite`` imports nothing from ``echotrain.train``."""
 
 from __future__ import annotations
 
@@ -108,6 +110,27 @@ def test_nothing_below_the_cli_imports_it():
     graph = import_graph(SRC)
     assert "echotrain.train.commands" in graph["echotrain.cli"]  # its string-loaded commands are edges
     assert sorted(m for m, deps in graph.items() if "echotrain.cli" in deps) == []
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_runtime_imports_neither_train_nor_evalsuite_nor_cli():
+    graph = import_graph(SRC)
+    runtime = sorted(m for m in graph if _in(m, "echotrain.runtime"))
+    assert {"echotrain.runtime.rollout", "echotrain.runtime.preflight", "echotrain.runtime.loading"} <= set(runtime)
+    assert "echotrain.runtime.checkpoints" in graph["echotrain.runtime.loading"]  # lazy imports are edges
+    bad = sorted((m, d) for m in runtime for d in graph[m]
+                 if any(_in(d, p) for p in ("echotrain.train", "echotrain.evalsuite", "echotrain.cli")))
+    assert bad == []
+
+
+def test_evalsuite_imports_nothing_from_train():
+    graph = import_graph(SRC)
+    suite = [m for m in graph if _in(m, "echotrain.evalsuite")]
+    assert "echotrain.runtime.loading" in graph["echotrain.evalsuite.runner"]  # the walk sees its lazy imports
+    assert sorted((m, d) for m in suite for d in graph[m] if _in(d, "echotrain.train")) == []
 
 
 def test_the_walk_finds_lazy_and_type_checking_cycles(tmp_path):

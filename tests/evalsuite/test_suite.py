@@ -252,7 +252,7 @@ def test_evaluate_run_dir_writes_and_skips(tmp_path, ascii_tokenizer, monkeypatc
     kwargs = dict(benchmarks=[f"choice:mini={f}"], n=1, temperature=0.0, max_new_tokens=2)
     first = evaluate_run_dir(run, None, **kwargs)
     assert (run / "suite" / "custom" / "summary.json").is_file() and first["model"].endswith("final_model")
-    import echotrain.train.evaluate as ev
+    import echotrain.runtime.loading as ev
 
     monkeypatch.setattr(ev, "load_for_eval", lambda *a, **k: pytest.fail("a finished evaluation was redone"))
     assert evaluate_run_dir(run, None, **kwargs) == json.loads(json.dumps(first))
@@ -301,7 +301,7 @@ def test_eval_autocast_flag_sets_the_forward_precision(setting, want, tmp_path, 
     chosen precision; the default is float32."""
     _save_tiny_model(tmp_path / "model", ascii_tokenizer)
     seen: list[torch.dtype] = []
-    from echotrain.train import evaluate as evaluate_module
+    from echotrain.runtime import loading as evaluate_module
 
     real_load = evaluate_module.load_for_eval
 

@@ -7,7 +7,7 @@ import torch
 
 from echotrain.models.looped import LoopedConfig, LoopedTransformer
 
-rollout = pytest.importorskip("echotrain.train.rollout")
+rollout = pytest.importorskip("echotrain.runtime.rollout")
 
 
 class CharTokenizer:

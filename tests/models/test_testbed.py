@@ -22,7 +22,7 @@ TINY = TestbedConfig(train_examples=512, d_model=32, n_heads=2, n_layers=1, max_
 
 
 def test_byte_tokenizer_pads_left_and_round_trips():
-    from echotrain.train.rollout import encode_prompts
+    from echotrain.runtime.rollout import encode_prompts
 
     tok = ByteTokenizer()
     enc = tok(["1+2=", "81-88="])

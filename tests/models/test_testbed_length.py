@@ -150,7 +150,7 @@ def test_shipped_weights_load_with_their_hash(tmp_path, monkeypatch):
         tw.verify("testbed", bad)
     monkeypatch.setattr(tw, "WEIGHTS_DIR", bad)
     from echotrain.train.config import ConfigError
-    from echotrain.train.preflight import check_model
+    from echotrain.runtime.preflight import check_model
 
     with pytest.raises(ConfigError, match="model=testbed: shipped weights .* differs"):
         check_model("testbed")

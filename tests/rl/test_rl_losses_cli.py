@@ -13,7 +13,7 @@ import math
 import pytest
 
 from echotrain import cli
-from echotrain.train import preflight
+from echotrain.runtime import preflight
 
 NEW_LOSSES = ["cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "gpg", "clip_cov", "kl_cov", "dro", "luspo", "vespo"]
 TINY = ["model=testbed", "task=testbed", "steps=3", "prompts_per_step=2", "num_generations=4", "max_new_tokens=6",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from echotrain.train.evaluate import evaluate
-from echotrain.train.rollout import bos_to_prepend, encode_prompts, forward_log_probs, generate_rollouts
+from echotrain.runtime.rollout import bos_to_prepend, encode_prompts, forward_log_probs, generate_rollouts
 
 BOS = 1
 

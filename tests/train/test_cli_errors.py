@@ -222,7 +222,7 @@ def test_resume_truncated_only_checkpoint(cwd, capsys, tiny_run):
 
 
 def test_resume_falls_back_to_previous_checkpoint(tiny_run, tiny_tokenizer, make_tiny_model, digit_task, capsys):
-    from echotrain.train import preflight
+    from echotrain.runtime import preflight
 
     run = tiny_run("r")
     ckpts = sorted((run / "checkpoints").iterdir())
@@ -276,7 +276,7 @@ def test_read_only_output_dir(cwd, capsys, no_model_load):
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        from echotrain.train import preflight
+        from echotrain.runtime import preflight
 
         try:
             preflight.check_writable(ro, "output_dir")
@@ -313,7 +313,7 @@ def test_eval_missing_path_like_model_says_no_such_folder(cwd, capsys, no_model_
 def test_every_local_model_name_passes_the_preflight_offline(cwd):
     """Each name load_policy resolves without the hub (one table) is accepted with HF_HUB_OFFLINE=1."""
     from echotrain.models.hf import LOCAL_MODELS
-    from echotrain.train import preflight
+    from echotrain.runtime import preflight
 
     assert "testbed" in LOCAL_MODELS and "smollm2-135m-instruct" in LOCAL_MODELS
     for name in LOCAL_MODELS:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from echotrain.train.checkpoint import latest_checkpoint, load_checkpoint
+from echotrain.runtime.checkpoints import latest_checkpoint, load_checkpoint
 from echotrain.train.config import resolve_config
 from echotrain.train.dist import DistContext
 from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES, read_jsonl

@@ -9,14 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from echotrain.train.checkpoint import (
-    list_checkpoints,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from echotrain.train.evaluate import evaluate, pass_at_k
+from echotrain.runtime.checkpoints import list_checkpoints, load_checkpoint
+from echotrain.runtime.sampling_stats import pass_at_k
+from echotrain.train.checkpoint import rng_state, save_checkpoint, set_rng_state
+from echotrain.train.evaluate import evaluate
 
 
 def test_pass_at_k_closed_forms():

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("peft")
 
 from echotrain import cli  # noqa: E402
-from echotrain.train.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from echotrain.runtime.checkpoints import latest_checkpoint, load_checkpoint  # noqa: E402
 
 LORA_RUN = ["model=testbed", "task=testbed", "steps=1", "lora_r=2", "lora_alpha=4", "lr=1e-2", "prompts_per_step=2",
             "num_generations=4", "max_new_tokens=4", "micro_batch_size=8", "eval_prompts=0", "num_threads=1",
@@ -50,7 +50,7 @@ def test_eval_of_a_lora_run_without_final_model(lora_run, capsys):
 def test_merged_weights_are_base_plus_scaled_adapter_product(lora_run):
     """W = W0 + (alpha / r) B A for every adapted layer, with A, B from the checkpoint."""
     from echotrain.models import load_policy
-    from echotrain.train.evaluate import load_for_eval
+    from echotrain.runtime.loading import load_for_eval
 
     merged, _, desc = load_for_eval(str(lora_run))
     base, _ = load_policy("testbed")

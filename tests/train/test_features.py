@@ -13,7 +13,8 @@ import torch
 from echotrain.rewards import RewardFunction
 from echotrain.tasks import get_task
 from echotrain.train.config import resolve_config
-from echotrain.train.features import read_chat_template, spread_sample_rows
+from echotrain.runtime.chat_template import read_chat_template
+from echotrain.train.features import spread_sample_rows
 from echotrain.train.metrics import read_jsonl
 from echotrain.train.trainer import Trainer
 
@@ -95,7 +96,7 @@ def test_reward_timeouts_counted_in_metrics(tmp_path, tiny_tokenizer, make_tiny_
 
 
 def test_chat_template_override(tmp_path, tiny_tokenizer, make_tiny_model, digit_task):
-    from echotrain.train.rollout import render_prompts
+    from echotrain.runtime.rollout import render_prompts
 
     template = "{% for m in messages %}q:{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} a:{% endif %}"
     t = _trainer(tmp_path, "tpl", tiny_tokenizer, make_tiny_model, digit_task, chat_template=template, steps=1)

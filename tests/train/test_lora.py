@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("peft")
 
-from echotrain.train.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from echotrain.runtime.checkpoints import latest_checkpoint, load_checkpoint  # noqa: E402
 from echotrain.train.config import ConfigError, resolve_config  # noqa: E402
-from echotrain.train.lora import reference_policy  # noqa: E402
+from echotrain.runtime.lora import reference_policy  # noqa: E402
 from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES  # noqa: E402
-from echotrain.train.rollout import forward_log_probs, generate_rollouts  # noqa: E402
+from echotrain.runtime.rollout import forward_log_probs, generate_rollouts  # noqa: E402
 
 BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=8,
             num_mini_batches=2, lr=2e-2, device="cpu", progress=False, plots=False, save_final_model=False,
@@ -57,7 +57,7 @@ def test_only_adapters_change_and_reference_is_the_base_model(lora_run, tiny_tok
     torch.testing.assert_close(got[m], want[m], rtol=0, atol=1e-6)
     assert float((tuned[m] - want[m]).abs().max()) > 1e-3  # adapters on: a different policy
     # the peft wrapper keeps the shared-prompt forward (its kwargs reach the base model)
-    from echotrain.train.rollout import _supports_shared_prefix
+    from echotrain.runtime.rollout import _supports_shared_prefix
 
     assert _supports_shared_prefix(trainer.model)
     with torch.no_grad():

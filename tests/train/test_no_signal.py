@@ -53,7 +53,7 @@ def zero_reward(tmp_path, monkeypatch):
 def testbed_model_check(monkeypatch):
     """Let ``model=testbed`` through the model preflight (the cached testbed is loadable offline)
     whether or not this checkout's preflight knows the name."""
-    from echotrain.train import preflight
+    from echotrain.runtime import preflight
 
     original = preflight.check_model
     monkeypatch.setattr(preflight, "check_model", lambda name, key="model": None if name == "testbed"

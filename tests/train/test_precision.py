@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from echotrain.train import precision
+from echotrain.runtime import precision
 from echotrain.train.config import ConfigError, resolve_config
 
 BASE = dict(steps=2, prompts_per_step=2, num_generations=4, max_new_tokens=6, micro_batch_size=4,
@@ -86,7 +86,7 @@ def test_bfloat16_log_probs_are_close_to_float32_but_not_equal(tiny_model):
     """The with-grad log-probs of a fixed batch: bfloat16 autocast is a different computation
     (a guard that the setting is not silently ignored) within bf16's precision of float32's;
     both come back float32 with float32 gradients."""
-    from echotrain.train.rollout import forward_log_probs
+    from echotrain.runtime.rollout import forward_log_probs
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 20, (4, 5), generator=g)

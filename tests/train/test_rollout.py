@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from echotrain.train.rollout import concat_rollouts, forward_log_probs, generate_rollouts, response_mask_from_ids
+from echotrain.runtime.rollout import concat_rollouts, forward_log_probs, generate_rollouts, response_mask_from_ids
 
 EOS, PAD = 2, 0
 

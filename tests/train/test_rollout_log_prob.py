@@ -13,7 +13,7 @@ import torch
 
 from echotrain import cli
 from echotrain.rl.correction import CORRECTION_METRICS, ROLLOUT_CORRECTIONS
-from echotrain.train.rollout import forward_log_probs, generate_rollouts
+from echotrain.runtime.rollout import forward_log_probs, generate_rollouts
 
 RUN = ["model=testbed", "task=testbed", "prompts_per_step=2", "num_generations=2", "max_new_tokens=6",
        "micro_batch_size=2", "num_mini_batches=2", "eval_prompts=0", "num_threads=1", "progress=false",

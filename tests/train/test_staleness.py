@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from echotrain.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from echotrain.runtime.checkpoints import latest_checkpoint, list_checkpoints, load_checkpoint
 from echotrain.train.config import ConfigError, resolve_config
 from echotrain.train.lag import STALENESS_METRICS, LaggedRollouts, StalenessMismatch
 from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES, read_jsonl
-from echotrain.train.rollout import RolloutBatch, forward_log_probs
+from echotrain.runtime.rollout import RolloutBatch, forward_log_probs
 from echotrain.train.step import StepData
 
 BASE = dict(steps=4, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=4,
@@ -33,7 +33,7 @@ TESTBED = ["model=testbed", "task=testbed", "prompts_per_step=4", "num_generatio
 #: local model it may not know yet); everything else is ``echotrain.cli.main``
 CLI = r"""
 import sys
-import echotrain.train.preflight as p
+import echotrain.runtime.preflight as p
 _check = p.check_model
 p.check_model = lambda name, key="model": None if name == "testbed" else _check(name, key)
 from echotrain.cli import main
@@ -47,7 +47,7 @@ def strip(records):
 
 def cli(monkeypatch, *args: str) -> int:
     """``echotrain.cli.main(args)`` in this process (preflight's model check bypassed for testbed)."""
-    import echotrain.train.preflight as p
+    import echotrain.runtime.preflight as p
     from echotrain.cli import main
 
     check = p.check_model

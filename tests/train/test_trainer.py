@@ -120,7 +120,8 @@ def test_dapo_dynamic_sampling_and_grpo_kl(run, tmp_path, tiny_tokenizer, make_t
 
 
 def test_eval_loads_a_run_directory(run, tiny_tokenizer, digit_task):
-    from echotrain.train.evaluate import evaluate, load_for_eval
+    from echotrain.runtime.loading import load_for_eval
+    from echotrain.train.evaluate import evaluate
 
     trainer, _ = run("final", steps=1, save_final_model=True)
     model, tok, desc = load_for_eval(str(trainer.run_dir))

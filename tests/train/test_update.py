@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from echotrain.train.dist import DistContext
-from echotrain.train.rollout import RolloutBatch
+from echotrain.runtime.rollout import RolloutBatch
 from echotrain.train.step import StepData
 from echotrain.train.update import micro_batches, mini_batch_splits, old_log_probs
 

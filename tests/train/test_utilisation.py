@@ -10,7 +10,7 @@ import torch
 
 from echotrain.roofline import Peaks, TransformerShape
 from echotrain.roofline import peaks as peaks_mod
-from echotrain.train.rollout import RolloutBatch
+from echotrain.runtime.rollout import RolloutBatch
 from echotrain.train.utilisation import METRICS, UtilisationMeter, build_meter, generate_calls
 
 # the shape of tests/roofline/test_roofline_counts.py (P_layer = 576, decode_weights = 1232, kv_width = 16)

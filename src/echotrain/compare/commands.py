@@ -16,7 +16,7 @@ import argparse
 import signal
 import sys
 
-from echotrain.train.config import ConfigError
+from echotrain.runtime.errors import ConfigError
 
 EPILOG = """\
 CONFIG.yaml: name, output_dir, seeds (N or [list]: exploration), confirm_seeds (N or [list]: the
@@ -119,7 +119,7 @@ def run_compare(args: argparse.Namespace) -> int:
                 get_task(c.config.task, **c.config.task_options)
             except (KeyError, ValueError, TypeError) as exc:
                 raise ConfigError(f"task={c.config.task!r} task_options={c.config.task_options}: {exc}") from None
-        from echotrain.train import preflight
+        from echotrain.runtime import preflight
 
         for model in dict.fromkeys(c.config.model for c in cells):  # as echotrain train does, once per model
             preflight.check_model(model)

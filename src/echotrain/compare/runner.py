@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import yaml
 
 from echotrain.compare.config import Cell, CompareSpec
-from echotrain.train.checkpoint import latest_checkpoint
+from echotrain.runtime.checkpoints import latest_checkpoint
 from echotrain.train.config import save_config
 from echotrain.train.metrics import read_jsonl
 

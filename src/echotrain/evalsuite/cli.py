@@ -96,8 +96,8 @@ def run_suite_command(args: argparse.Namespace) -> int:
     except ValueError:
         return fail(f"--k {args.k!r} must be comma-separated integers")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else SUITE_MAX_NEW_TOKENS
-    from echotrain.train import preflight
-    from echotrain.train.config import ConfigError
+    from echotrain.runtime import preflight
+    from echotrain.runtime.errors import ConfigError
 
     try:
         _check_settings(args.n, ks, args.temperature, args.top_p, max_new, args.batch_size)
@@ -112,8 +112,8 @@ def run_suite_command(args: argparse.Namespace) -> int:
         return fail(exc)
     import torch
 
-    from echotrain.train.checkpoint import CheckpointError
-    from echotrain.train.evaluate import load_for_eval
+    from echotrain.runtime.checkpoints import CheckpointError
+    from echotrain.runtime.loading import load_for_eval
 
     torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:
@@ -126,7 +126,7 @@ def run_suite_command(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / (
         f"eval-{name}-" + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     t0 = time.perf_counter()
-    from echotrain.train.precision import autocast, resolve_for
+    from echotrain.runtime.precision import autocast, resolve_for
 
     with autocast(model, resolve_for(model, args.autocast)):
         summary = run_suite(model, tok, args.suite, benchmarks=args.benchmark, data_dir=args.data_dir, limit=args.limit,

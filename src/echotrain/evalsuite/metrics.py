@@ -8,7 +8,7 @@ problem ``i`` is right):
   ``std_i(mean_j correct[i][j]) / sqrt(P)`` (population std; 0 for P = 1);
 - ``pass@k`` = (1 / P) sum_i [1 - C(n - c_i, k) / C(n, k)], ``c_i`` the number of samples with
   ``correct >= 1``: the unbiased estimator of Chen et al. 2021 (arXiv 2107.03374, Eq. 1), from
-  ``echotrain.train.evaluate.pass_at_k``. ``pass@1`` equals ``avg@n`` for binary scores.
+  ``echotrain.runtime.sampling_stats.pass_at_k``. ``pass@1`` equals ``avg@n`` for binary scores.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from echotrain.train.evaluate import pass_at_k
+from echotrain.runtime.sampling_stats import pass_at_k
 
 __all__ = ["accuracy_metrics"]
 

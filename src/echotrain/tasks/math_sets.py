@@ -238,5 +238,5 @@ def _math500(*, path: str | Path | None = None, split: str = "test", **options: 
     return JsonlMathTask("math500", load_math500(path, split=split), **options)
 
 
-_gsm8k.hub_dataset = "openai/gsm8k"  # type: ignore[attr-defined]  (read by echotrain.train.preflight)
+_gsm8k.hub_dataset = "openai/gsm8k"  # type: ignore[attr-defined]  (read by echotrain.runtime.preflight)
 _math500.hub_dataset = "HuggingFaceH4/MATH-500"  # type: ignore[attr-defined]

@@ -1,13 +1,15 @@
 """echotrain.train: orchestration of RL from verifiable rewards (the math is in echotrain.rl).
 
 - :mod:`~echotrain.train.config`     ``TrainConfig`` (every field documented), presets, validation
-- :mod:`~echotrain.train.rollout`    batched generation, response masks, log-probs of response tokens
 - :mod:`~echotrain.train.trainer`    ``Trainer``: rollout -> reward -> advantage -> old log-probs -> update
-- :mod:`~echotrain.train.checkpoint` atomic checkpoints, keep-last-k, RNG states for exact resume
+- :mod:`~echotrain.train.checkpoint` writing atomic checkpoints, keep-last-k, RNG states, resume
 - :mod:`~echotrain.train.metrics`    metrics.jsonl / samples.jsonl / eval.jsonl, summary table
 - :mod:`~echotrain.train.plots`      PNG curves
-- :mod:`~echotrain.train.evaluate`   accuracy and unbiased pass@k
+- :mod:`~echotrain.train.evaluate`   accuracy and pass@k of a policy on a task
 - :mod:`~echotrain.train.commands`   ``echotrain train`` / ``echotrain eval``
+
+What training shares with evaluation (generation, precision, preflight, checkpoint reading,
+model loading for eval, ``ConfigError``) is :mod:`echotrain.runtime`.
 
 Heavy imports (transformers, matplotlib) happen inside the functions that need them.
 """

@@ -1,4 +1,5 @@
-"""Checkpoints: atomic writes, keep-last-k, and the RNG states that make resume exact.
+"""Writing checkpoints and resuming from them: atomic writes, keep-last-k, and the RNG states
+that make resume exact (reading checkpoint files is :mod:`echotrain.runtime.checkpoints`).
 
 A checkpoint is one ``torch.save`` file ``<run>/checkpoints/step_<step, 8 digits>.pt`` holding the
 model, optimizer and scheduler state dicts, every RNG state (python, numpy, torch CPU and CUDA),
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,12 +19,7 @@ import numpy as np
 import torch
 
 from echotrain.atomic import fsync_dir
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file cannot be read (truncated, corrupted); the message names the file."""
-
-
-_NAME = re.compile(r"^step_(\d{8})\.pt$")
+from echotrain.runtime.checkpoints import latest_valid_checkpoint, list_checkpoints, load_checkpoint
 
 
 def rng_state() -> dict[str, Any]:
@@ -62,20 +57,6 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
         torch.save(obj, tmp)
 
 
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Checkpoint files of a run, oldest first."""
-    d = Path(run_dir) / "checkpoints"
-    if not d.is_dir():
-        return []
-    return sorted(p for p in d.iterdir() if _NAME.match(p.name))
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest checkpoint file of a run, or None."""
-    ckpts = list_checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
-
-
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any, data_state: dict[str, Any], keep_last: int = 1,
                     extra: dict[str, Any] | None = None, model_state: dict[str, Any] | None = None) -> Path:
@@ -107,60 +88,6 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     if removed:
         fsync_dir(path.parent)
     return path
-
-
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint file written by :func:`save_checkpoint`.
-
-    Raises:
-        FileNotFoundError: no such file.
-        CheckpointError: the file is damaged (names it).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} not found")
-    # our own files: they hold numpy RNG state and python tuples, so not weights_only
-    try:
-        return torch.load(path, map_location=map_location, weights_only=False)
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise CheckpointError(f"checkpoint {str(path)!r} is damaged (truncated or not a torch archive): {exc}") from exc
-
-
-def checkpoint_step(path: str | os.PathLike) -> int:
-    """The step in a checkpoint file name ``step_<step, 8 digits>.pt``.
-
-    Raises:
-        ValueError: the name does not follow that pattern.
-    """
-    m = _NAME.match(Path(path).name)
-    if not m:
-        raise ValueError(f"{str(path)!r} is not a checkpoint file name (step_<step, 8 digits>.pt)")
-    return int(m.group(1))
-
-
-def is_readable_checkpoint(path: str | os.PathLike) -> bool:
-    """Cheap integrity check: ``path`` is a complete zip archive (what ``torch.save`` writes).
-
-    A truncated file loses the zip central directory at its end, so this catches it without
-    reading the tensors.
-    """
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as zf:
-            return bool(zf.namelist())
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
-        return False
-
-
-def latest_valid_checkpoint(run_dir: str | os.PathLike) -> tuple[Path | None, list[Path]]:
-    """``(newest readable checkpoint or None, damaged files newer than it)``, newest first."""
-    damaged: list[Path] = []
-    for p in reversed(list_checkpoints(run_dir)):
-        if is_readable_checkpoint(p):
-            return p, damaged
-        damaged.append(p)
-    return None, damaged
 
 
 def restart_schedule(scheduler: Any, saved: dict[str, Any]) -> None:
@@ -202,7 +129,7 @@ def resume_from(run_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer
         echotrain.train.dist.WorldSizeMismatch: written by another number of processes.
     """
     from echotrain.train.dist import WorldSizeMismatch
-    from echotrain.train.lora import load_model_state
+    from echotrain.runtime.lora import load_model_state
     from echotrain.train.metrics import truncate_jsonl
 
     run_dir = Path(run_dir)

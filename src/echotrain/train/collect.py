@@ -17,8 +17,8 @@ import torch
 from echotrain.rl import zero_variance_groups
 from echotrain.train.config import TrainConfig
 from echotrain.train.dist import DistContext
-from echotrain.train.precision import autocast
-from echotrain.train.rollout import concat_rollouts, generate_rollouts, generate_rollouts_per_group, group_seed
+from echotrain.runtime.precision import autocast
+from echotrain.runtime.rollout import concat_rollouts, generate_rollouts, generate_rollouts_per_group, group_seed
 from echotrain.train.step import StepData
 
 
@@ -66,7 +66,7 @@ class Collector:
         dist: the data-parallel context (one process: everything local).
         pad_id: the padding token id used when concatenating rounds.
         autocast_dtype: generate under ``torch.autocast`` in this dtype (the run's resolved
-            ``autocast`` setting, :mod:`echotrain.train.precision`); None: no autocast.
+            ``autocast`` setting, :mod:`echotrain.runtime.precision`); None: no autocast.
         utilisation: a :class:`~echotrain.train.utilisation.UtilisationMeter` that counts each
             round's prefill FLOPs and decode bytes (None: nothing counted).
     """

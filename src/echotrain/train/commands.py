@@ -25,7 +25,7 @@ from echotrain.train.config import (
     parse_overrides,
     resolve_config,
 )
-from echotrain.train.precision import AUTOCAST_CHOICES
+from echotrain.runtime.precision import AUTOCAST_CHOICES
 
 TRAIN_EPILOG = """\
 Configuration keys (key=value on the command line, or a flat YAML mapping in --config).
@@ -95,13 +95,13 @@ def run_train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    from echotrain.train import preflight
+    from echotrain.runtime import preflight
 
     try:  # every path, device and resume state, before a model is loaded or anything is written
         preflight.check_threads(cfg.num_threads)
         preflight.check_device(cfg.device)
         if args.resume is not None:
-            from echotrain.train.checkpoint import checkpoint_step
+            from echotrain.runtime.checkpoints import checkpoint_step
 
             reached = checkpoint_step(preflight.check_resume(cfg.output_dir, cfg.steps))
             if reached == cfg.steps:  # nothing to run: say so, write nothing
@@ -124,7 +124,7 @@ def run_train(args: argparse.Namespace) -> int:
     import torch
 
     from echotrain.omp import omp_wait_in_force
-    from echotrain.train.precision import describe as describe_precision
+    from echotrain.runtime.precision import describe as describe_precision
     from echotrain.train.trainer import Trainer
 
     from echotrain.train.dist import local_world_size
@@ -219,7 +219,7 @@ def run_eval(args: argparse.Namespace) -> int:
         print(f"echotrain eval: error: need --n >= 1, --prompts >= 1 and every k in [1, n={args.n}]; got k={ks}",
               file=sys.stderr)
         return 2
-    from echotrain.train.evaluate import greedy_samples_error
+    from echotrain.runtime.sampling_stats import greedy_samples_error
 
     if not args.temperature >= 0:  # also NaN
         print(f"echotrain eval: error: --temperature must be >= 0 (0 = greedy), got {args.temperature}", file=sys.stderr)
@@ -239,7 +239,7 @@ def run_eval(args: argparse.Namespace) -> int:
         except yaml.YAMLError:
             print(f"echotrain eval: error: --task-option {item!r}: not a valid YAML value", file=sys.stderr)
             return 2
-    from echotrain.train import preflight
+    from echotrain.runtime import preflight
 
     try:  # paths, device, threads and the task before the model is loaded
         preflight.check_threads(args.threads, key="--threads")
@@ -253,9 +253,10 @@ def run_eval(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from echotrain.train.checkpoint import CheckpointError
-    from echotrain.train.evaluate import evaluate, load_for_eval
-    from echotrain.train.precision import autocast, resolve_for
+    from echotrain.runtime.checkpoints import CheckpointError
+    from echotrain.runtime.loading import load_for_eval
+    from echotrain.train.evaluate import evaluate
+    from echotrain.runtime.precision import autocast, resolve_for
 
     torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:

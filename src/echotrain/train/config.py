@@ -28,13 +28,10 @@ import yaml
 
 from echotrain.optim.schedules import LR_DECAYS
 from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, with_policy_loss_fields
-from echotrain.train.precision import AUTOCAST_CHOICES
+from echotrain.runtime.errors import ConfigError  # also echotrain.train.config.ConfigError, as before
+from echotrain.runtime.precision import AUTOCAST_CHOICES
 
 BALANCED_SUFFIX = "+balanced"
-
-
-class ConfigError(ValueError):
-    """A configuration key or value is invalid; the message names the key and the valid choices."""
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, group: str = "run") -> Any:
@@ -587,7 +584,7 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.lora_dropout == 0, "lora_dropout", "must be 0: the trainer runs the policy without dropout (the old "
          "log-probs, ECHO's pre-pass and the with-grad pass must be the same function)")
     if cfg.lora_r > 0:
-        from echotrain.train.lora import parse_target_modules
+        from echotrain.runtime.lora import parse_target_modules
 
         try:
             parse_target_modules(cfg.lora_target_modules)

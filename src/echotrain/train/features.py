@@ -7,13 +7,11 @@ Kept apart from the trainer loop; each function is one option.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-__all__ = ["checkpointed_forward", "enable_gradient_checkpointing", "prepare_policy", "read_chat_template",
-           "spread_sample_rows"]
+__all__ = ["checkpointed_forward", "enable_gradient_checkpointing", "prepare_policy", "spread_sample_rows"]
 
 
 def prepare_policy(model: Any, tokenizer: Any, cfg: Any, device: torch.device, dist: Any) -> tuple[Any, Any]:
@@ -26,7 +24,8 @@ def prepare_policy(model: Any, tokenizer: Any, cfg: Any, device: torch.device, d
     Raises:
         ValueError: ``gradient_checkpointing`` on a model without support for it.
     """
-    from echotrain.train.lora import apply_lora
+    from echotrain.runtime.chat_template import read_chat_template
+    from echotrain.runtime.lora import apply_lora
 
     model = model.to(device)
     if cfg.lora_r > 0:
@@ -75,28 +74,6 @@ def checkpointed_forward(model: Any) -> Iterator[None]:
         yield
     finally:
         model.eval()
-
-
-def read_chat_template(value: str) -> str:
-    """A chat template from ``value``: the template itself (contains ``{{`` or ``{%``) or a file path.
-
-    Raises:
-        FileNotFoundError: ``value`` is neither a template nor an existing file.
-        ValueError: the template is not valid Jinja.
-    """
-    text = value
-    if "{{" not in value and "{%" not in value:
-        p = Path(value).expanduser()
-        if not p.is_file():
-            raise FileNotFoundError(f"chat_template={value!r}: neither a Jinja template nor an existing file")
-        text = p.read_text()
-    import jinja2
-
-    try:
-        jinja2.Environment().parse(text)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"chat_template: invalid Jinja at line {exc.lineno}: {exc.message}") from None
-    return text
 
 
 def spread_sample_rows(group_index: torch.Tensor, n: int) -> list[int]:

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from echotrain.metrics import Metric, declare_metric
-from echotrain.train.rollout import RolloutBatch
+from echotrain.runtime.rollout import RolloutBatch
 from echotrain.train.step import StepData
 
 #: The metrics this module adds (only with ``staleness > 0``), declared in the metric schema.

@@ -179,7 +179,7 @@ def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: st
              autocast_reason: str = "", roofline: dict[str, Any] | None = None) -> dict[str, Any]:
     """``run_info.json``'s content: what ``auto`` / ``0`` / empty config values resolved to in a
     run (device, threads, model, task, autocast: 'bfloat16' or 'off', and ``autocast_reason``:
-    why, from :func:`echotrain.train.precision.resolve_autocast_why`) and the library versions,
+    why, from :func:`echotrain.runtime.precision.resolve_autocast_why`) and the library versions,
     for reproducing it; ``roofline``: the machine peaks the utilisation figures use and where they
     came from, or why there are none (:func:`echotrain.train.utilisation.build_meter`)."""
     import platform

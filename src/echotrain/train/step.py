@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from echotrain.train.rollout import RolloutBatch, concat_rollouts
+from echotrain.runtime.rollout import RolloutBatch, concat_rollouts
 
 
 @dataclasses.dataclass

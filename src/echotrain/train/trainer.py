@@ -40,12 +40,12 @@ from echotrain.train.config import TrainConfig, save_config
 from echotrain.train.dist import init_distributed, rank_seed
 from echotrain.train.lag import LaggedRollouts
 from echotrain.train.features import prepare_policy
-from echotrain.train.lora import is_lora, model_state, reference_policy, save_final_model
+from echotrain.runtime.lora import is_lora, model_state, reference_policy, save_final_model
 from echotrain.train.no_signal import ALL_ZERO_VARIANCE, NoSignalWatch, all_zero_variance
-from echotrain.train.precision import autocast, resolve_for_why, setting_name
+from echotrain.runtime.precision import autocast, resolve_for_why, setting_name
 from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, read_jsonl, run_info, sample_rows,
                                      step_record, write_json_atomic)
-from echotrain.train.rollout import RolloutBatch
+from echotrain.runtime.rollout import RolloutBatch
 from echotrain.train.stability import stability_flags
 from echotrain.rl.correction import rollout_mismatch_metrics
 from echotrain.train.step import StepData
@@ -118,7 +118,7 @@ class Trainer:
 
             model, tokenizer = load_policy(cfg.model, dtype=dtype, device=str(self.device))
         self.model, self.tokenizer = prepare_policy(model, tokenizer, cfg, self.device, self.dist)
-        #: bfloat16 for the model's forward passes under ``autocast`` (train/precision.py), else
+        #: bfloat16 for the model's forward passes under ``autocast`` (runtime/precision.py), else
         #: None; and why (the startup line, run_info.json's autocast_reason)
         self.autocast_dtype, self.autocast_reason = resolve_for_why(self.model, cfg.autocast)
         #: counts each step's FLOPs / decode bytes against the machine's peaks (train/utilisation.py);

@@ -27,7 +27,7 @@ from echotrain.rl.correction import apply_rollout_correction
 from echotrain.rl.stepwise import split_micro_batches
 from echotrain.train.config import TrainConfig
 from echotrain.train.dist import DistContext
-from echotrain.train.rollout import RolloutBatch, forward_log_probs
+from echotrain.runtime.rollout import RolloutBatch, forward_log_probs
 from echotrain.train.step import StepData
 
 KL_REF = declare_metric("kl/ref", reduce="token_mean", unit="nats per token", when="kl_coef > 0",

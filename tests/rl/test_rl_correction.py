@@ -343,3 +343,24 @@ def test_parse_and_mismatch_helpers():
     assert m["rollout_corr/log_prob_abs_diff"] == pytest.approx(0.25)
     assert m["rollout_corr/kl"] == pytest.approx(-0.25)
     assert m["rollout_corr/k3_kl"] == pytest.approx((math.exp(0.5) - 1 - 0.5) / 2)
+
+
+@pytest.mark.parametrize("settings", [
+    {"rollout_correction": "token_mask", "rollout_is_threshold": 0.5},
+    {"rollout_correction": "token_is", "rollout_is_threshold": 3.0, "rollout_is_threshold_lower": 1.5},
+    {"rollout_correction": "rejection", "rollout_rs_threshold": 0.5},
+])
+def test_a_band_without_the_on_policy_ratio_is_refused(settings):
+    """A band that excludes rho = 1 would cut or drop every token of an on-policy batch (a run
+    training on nothing, silently): refused, naming the key."""
+    from echotrain.rl import PolicyLossConfig
+
+    with pytest.raises(ValueError, match="on-policy ratio 1 must stay inside"):
+        PolicyLossConfig(**settings)
+    PolicyLossConfig(rollout_correction="rejection", rollout_rs="token_k2", rollout_rs_threshold=0.5)  # k2: a divergence
+
+
+def test_none_written_as_a_string_is_no_correction_for_the_integrations():
+    from echotrain.integrations.verl import make_verl_policy_loss
+
+    make_verl_policy_loss("vanilla", {"rollout_correction": "none"})  # was refused as if a correction were set

@@ -126,3 +126,24 @@ def test_trl_accumulated_gradient_is_exact_for_the_covariance_losses(tmp_path, l
     assert total == pytest.approx(float(ref.detach()), rel=1e-5, abs=1e-7)
     for a, b in zip(acc, _grads(model)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_reads_must_name_a_field_or_the_losses_own_setting_and_verl_forwards_both():
+    """A ``reads`` typo is refused at registration; a plugin loss's own setting read from verl's
+    config lands in loss_options (it is not a PolicyLossConfig field)."""
+    verl_core_algos()
+    from echotrain.integrations.verl import _loss_config
+
+    with pytest.raises(ValueError, match="names neither a PolicyLossConfig field"):
+        rl.register_policy_loss("typo_reads", reads=("clip_ratio_lo",))
+    rl.register_policy_loss("own_setting_reads", reads=("my_gain",),
+                            settings={"my_gain": rl.loss_setting(1.0, "a gain")})(
+        rl.POLICY_LOSSES["vanilla"])
+    try:
+        cfg = _loss_config({"my_gain": 2.0}, rl.PolicyLossConfig(), "own_setting_reads")
+        assert cfg.my_gain == 2.0 and cfg.loss_options == {"my_gain": 2.0}
+    finally:
+        from echotrain.rl.objectives import unregister_policy_loss
+
+        unregister_policy_loss("own_setting_reads")
+    assert "typo_reads" not in rl.POLICY_LOSSES

@@ -66,6 +66,7 @@ from echotrain.rl import (
     needs_log_prob_prepass,
 )
 from echotrain.rl.config import POLICY_LOSS_FIELDS, with_policy_loss_fields
+from echotrain.rl.correction_names import parse_rollout_correction
 from echotrain.rl.objectives import loss_step_stats
 
 __all__ = ["EchoGRPOConfig", "EchoGRPOTrainer"]
@@ -147,7 +148,7 @@ class EchoGRPOTrainer(GRPOTrainer):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"EchoGRPOTrainer does not support {bad} (the echotrain loss has no such term)")
-        if args.rollout_correction is not None and not args.use_vllm:
+        if parse_rollout_correction(args.rollout_correction) and not args.use_vllm:
             raise ValueError(f"rollout_correction={args.rollout_correction!r} needs the sampler's per-token log-probs, "
                              "which TRL records only when generating with vLLM (use_vllm=True: "
                              "sampling_per_token_logps); set rollout_correction=None")
@@ -197,7 +198,7 @@ class EchoGRPOTrainer(GRPOTrainer):
             old = mb.get("old_per_token_logps")
             entry = {"response_mask": mask, "advantages": mb["advantages"], "group_index": mb["group_index"],
                      "rollout_log_prob": mb.get("sampling_per_token_logps")}
-            if old is None and ((prepass and not ratio_only) or cfg.rollout_correction is not None):
+            if old is None and ((prepass and not ratio_only) or parse_rollout_correction(cfg.rollout_correction)):
                 # the pre-pass's statistics read the log-probs, or the correction needs pi_old itself
                 with torch.no_grad():
                     entry["old_log_prob"] = entry["log_prob"] = self._log_probs(model, mb)[0]

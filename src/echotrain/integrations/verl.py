@@ -113,6 +113,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from echotrain.rl.config import POLICY_LOSS_FIELDS
+from echotrain.rl.correction_names import parse_rollout_correction
 from echotrain.rl import (
     POLICY_LOSSES,
     PolicyLossConfig,
@@ -191,16 +193,18 @@ def _loss_config(verl_config: Any, base: PolicyLossConfig, loss_mode: str) -> Po
     clip_c = _get(verl_config, "clip_ratio_c", base.clip_ratio_c)
     low = _get(verl_config, "clip_ratio_low", _get(verl_config, "clip_ratio", base.clip_ratio_low))
     high = _get(verl_config, "clip_ratio_high", _get(verl_config, "clip_ratio", base.clip_ratio_high))
-    extra = {}
+    extra, options = {}, dict(base.loss_options)
     for name in POLICY_LOSSES.info(loss_mode).get("reads", ()):
         if name in _CLIP_KEYS:
             continue
         source = _get(verl_config, "policy_loss") if name in _VERL_POLICY_LOSS_KEYS else verl_config
         value = _get(source, name)
         if value is not None:
-            extra[name] = value
+            # a PolicyLossConfig field, or a setting the loss declared itself (kept in loss_options)
+            (extra if name in POLICY_LOSS_FIELDS else options)[name] = value
     return dataclasses.replace(
         base,
+        loss_options=options,
         clip_ratio_low=float(low),
         clip_ratio_high=float(high),
         clip_ratio_c=None if clip_c is None or loss_mode not in DUAL_CLIP_LOSSES else float(clip_c),
@@ -236,7 +240,7 @@ def make_verl_policy_loss(loss_mode: str, config: PolicyLossConfig | Mapping[str
     if loss_mode not in POLICY_LOSSES:
         raise ValueError(f"unknown loss_mode {loss_mode!r}; valid: {sorted(POLICY_LOSSES)}")
     base = as_policy_loss_config(config)
-    if base.rollout_correction is not None:
+    if parse_rollout_correction(base.rollout_correction):
         raise ValueError(f"rollout_correction={base.rollout_correction!r}: in verl the correction is verl's own stage "
                          "(algorithm.rollout_correction: rollout_is, rollout_rs, ...); its weights reach the echotrain "
                          "loss as rollout_is_weights. Leave echotrain's rollout_correction none")

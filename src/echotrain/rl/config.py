@@ -353,6 +353,28 @@ def cross_field_problem(values: Any) -> str | None:
     lb, ub = getattr(values, "clip_cov_lb"), getattr(values, "clip_cov_ub")
     if _is_real(lb) and _is_real(ub) and not lb < ub:
         return f"clip_cov_lb={lb!r} must be < clip_cov_ub={ub!r}"
+    return _on_policy_kept_problem(values)
+
+
+def _on_policy_kept_problem(values: Any) -> str | None:
+    """An IS or rejection band that excludes the on-policy ratio 1, so a correction would cut or
+    remove every token even with no train/inference gap (a run that silently trains on nothing):
+    the bands of the corrections in ``rollout_correction`` must contain 1."""
+    try:
+        names = set(parse_rollout_correction(getattr(values, "rollout_correction")))
+    except ValueError:
+        return None  # the field's own check names the problem
+    bands = []
+    if names & {"token_is", "seq_is", "token_mask", "seq_mask"}:
+        bands.append(("rollout_is_threshold_lower", "rollout_is_threshold"))
+    if "rejection" in names and str(getattr(values, "rollout_rs")).endswith("k1"):
+        bands.append(("rollout_rs_threshold_lower", "rollout_rs_threshold"))  # k1: a band on the ratio
+    for low, high in bands:
+        lo, hi = getattr(values, low), getattr(values, high)
+        if _is_real(hi) and hi < 1:
+            return f"{high}={hi!r} must be >= 1: the on-policy ratio 1 must stay inside the band of rollout_correction"
+        if lo is not None and _is_real(lo) and lo > 1:
+            return f"{low}={lo!r} must be <= 1: the on-policy ratio 1 must stay inside the band of rollout_correction"
     return None
 
 

@@ -60,7 +60,8 @@ from echotrain.rl.validation import as_bool_mask, check_finite, check_same_shape
 #: Every metric this module produces, declared in the metric schema (:mod:`echotrain.metrics`).
 #: All are step values computed from the optimizer step's all-reduced sums. The three mismatch
 #: metrics are logged by the trainer for every training step (``reduce="step"``, from the whole
-#: batch); the others come with each optimizer step's loss when a ``rollout_correction`` is set
+#: batch; with a correction the loss returns them too, per optimizer step, and the trainer's
+#: whole-batch value is the one written); the others come with each optimizer step's loss when a ``rollout_correction`` is set
 #: (``reduce="mean"``: one value per optimizer step, averaged over the step's optimizer steps).
 CORRECTION_METRICS: dict[str, Metric] = {m.name: m for m in (
     declare_metric("rollout_corr/log_prob_abs_diff", reduce="step", unit="nats", when="every step (rollout_log_prob recorded)",

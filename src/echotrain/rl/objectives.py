@@ -106,6 +106,10 @@ def register_policy_loss(
     for m in names:
         METRICS.check(m)
     settings = dict(settings or {})
+    unknown = [r for r in reads if r not in POLICY_LOSS_FIELDS and r not in settings]
+    if unknown:
+        raise ValueError(f"policy loss {name!r}: reads={unknown!r} names neither a PolicyLossConfig field nor one of "
+                         "the loss's own settings")
     for key, s in settings.items():
         if key in LOSS_SETTINGS:
             raise ValueError(f"policy loss {name!r}: setting {key!r} is already declared by loss_mode="

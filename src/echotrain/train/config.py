@@ -170,7 +170,8 @@ class TrainConfig:
                                          "(bit-identical with one mini-batch; the later mini-batches still get theirs "
                                          "from the pass before any update). Saves 1/num_mini_batches of that pass. "
                                          "Off with several processes, with SAM (its second pass runs at w + e) and with losses whose step "
-                                         "statistics read the log-probs before that forward (clip_cov, kl_cov).",
+                                         "statistics read the log-probs before that forward (clip_cov, kl_cov), and with a "
+                                         "rollout_correction (it reads every old log-prob before the first update).",
                                          group="update")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (transformers' "
                                       "gradient_checkpointing_enable, non-reentrant): less memory, ~30% more update "

@@ -47,7 +47,7 @@ from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, r
                                      step_record, write_json_atomic)
 from echotrain.runtime.rollout import RolloutBatch
 from echotrain.train.stability import stability_flags
-from echotrain.rl.correction import rollout_mismatch_metrics
+from echotrain.rl.correction import parse_rollout_correction, rollout_mismatch_metrics
 from echotrain.train.step import StepData
 from echotrain.train.utilisation import build_meter
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
@@ -255,7 +255,7 @@ class Trainer:
         reuse = (cfg.reuse_on_policy_log_probs and not self.dist.enabled and not isinstance(self.optimizer, SAM)
                  and (declared is None or declared.ratio_only))
         # (not with a rollout correction either: it reads every old log-prob before the first update)
-        reuse = reuse and self.loss_config.rollout_correction is None
+        reuse = reuse and not parse_rollout_correction(self.loss_config.rollout_correction)
         if batch.rollout_log_prob is not None:  # recorded inside generation (the sampling weights)
             data.rollout_log_prob = batch.rollout_log_prob
         data.old_log_prob, data.entropy = old_log_probs(

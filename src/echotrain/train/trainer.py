@@ -149,8 +149,8 @@ class Trainer:
         self.collector = Collector(cfg, self.model, tokenizer, reward_fn, self.prompts, self.dist, pad_id,
                                    autocast_dtype=self.autocast_dtype, utilisation=self.utilisation)
         # staleness=k: each step's rollouts were generated k steps ahead by the weights of then (train/lag.py)
-        self.rollouts = LaggedRollouts(lambda: self.collector.collect(), cfg.staleness, cfg.steps,
-                                       behaviour_log_prob=lambda b: self._log_probs_batched(self.model, b)[0])
+        # (generation records each rollout's rollout_log_prob itself, so no behaviour pass is needed)
+        self.rollouts = LaggedRollouts(lambda: self.collector.collect(), cfg.staleness, cfg.steps)
         self.start_step = 0
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)

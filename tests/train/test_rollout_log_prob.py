@@ -46,6 +46,14 @@ def test_recorded_log_probs_are_the_update_distribution(testbed, share_prefix):
                                                       b.response_mask)[0][m]).abs().max() > 1e-3
     # rows select and concatenate with it
     assert torch.equal(b.select([1, 0]).rollout_log_prob, b.rollout_log_prob[[1, 0]])
+    # the sampler's entropy: the entropy of the same distributions, as forward_log_probs computes it
+    _, ent = forward_log_probs(model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask, temperature=0.7,
+                               with_entropy=True)
+    assert b.rollout_entropy is not None and b.rollout_entropy.shape == b.response_ids.shape
+    torch.testing.assert_close(b.rollout_entropy[m], ent[m], rtol=0, atol=1e-4)
+    assert (b.rollout_entropy[~m] == 0).all() and (b.rollout_entropy[m] >= 0).all()
+    assert float(b.rollout_entropy[m].std()) > 1e-3  # per-position values, not one number
+    assert torch.equal(b.select([1, 0]).rollout_entropy, b.rollout_entropy[[1, 0]])
 
 
 def test_bf16_generation_shows_a_mismatch(testbed):

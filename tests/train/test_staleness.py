@@ -167,6 +167,46 @@ def test_rollouts_of_step_t_come_from_the_weights_of_step_t_minus_2(build_traine
     assert abs(records[0]["rollout_corr/kl"]) < 1e-6
 
 
+def test_coupled_old_log_prob_is_the_samplers(build_trainer, tiny_tokenizer, make_tiny_model):
+    """recompute_old_log_prob=false: old_log_prob and entropy are the sampler's (the weights of
+    step t - 2), so the first mini-batch's ratio is pi_t / pi_{t-2}, not 1."""
+    trainer = build_trainer(BASE, staleness=2, recompute_old_log_prob=False)
+    weights, datas = _capture(trainer)
+    records = trainer.train()
+    probe = make_tiny_model(tiny_tokenizer)
+    for t in (3, 4):
+        data, mask = datas[t], datas[t].batch.response_mask.bool()
+        sampler = _log_probs(probe, weights[t - 2], data.batch)
+        assert torch.equal(data.old_log_prob, data.rollout_log_prob)
+        torch.testing.assert_close(data.old_log_prob[mask], sampler[mask], rtol=0, atol=1e-5)
+        assert torch.equal(data.entropy, data.batch.rollout_entropy)
+        learner = _log_probs(probe, weights[t], data.batch)
+        assert (learner - sampler)[mask].abs().max() > 1e-3
+        assert records[t - 1]["rollout_corr/kl"] == 0.0  # behaviour = old by construction
+        # the first update's ratio is against the sampler: ppo_kl = mean(old - current) over its rows is the drift
+        assert abs(records[t - 1]["ppo_kl"]) > 1e-6
+    assert records[-1]["entropy"] == pytest.approx(
+        float(datas[4].batch.rollout_entropy[datas[4].batch.response_mask.bool()].mean()), rel=1e-5)
+
+
+def test_coupled_without_lag_matches_the_recomputed_run_closely(run_trainer):
+    """staleness=0: the sampler's log-probs equal the recomputed ones up to KV-cache rounding, so
+    the coupled run follows the recomputed one (same rollouts at step 1, nearly the same update)."""
+    _, recomputed = run_trainer(BASE, "a", steps=2)
+    _, coupled = run_trainer(BASE, "b", steps=2, recompute_old_log_prob=False)
+    assert coupled[0]["reward/mean"] == recomputed[0]["reward/mean"]
+    assert coupled[0]["entropy"] == pytest.approx(recomputed[0]["entropy"], abs=1e-4)
+    assert coupled[0]["grad_norm"] == pytest.approx(recomputed[0]["grad_norm"], rel=1e-3)
+
+
+def test_coupled_with_a_correction_is_refused(capsys):
+    from echotrain.cli import main
+
+    assert main(["train", "recompute_old_log_prob=false", "rollout_correction=token_is"]) == 2
+    err = capsys.readouterr().err
+    assert "recompute_old_log_prob=False" in err and "rollout_correction='token_is'" in err
+
+
 @pytest.mark.parametrize("loss_mode", sorted(__import__("echotrain.rl", fromlist=["POLICY_LOSSES"]).POLICY_LOSSES))
 def test_every_loss_trains_with_a_lag(run_trainer, loss_mode):
     _, records = run_trainer(BASE, loss_mode=loss_mode, staleness=1, steps=2)

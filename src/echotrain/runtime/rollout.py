@@ -39,6 +39,9 @@ class RolloutBatch:
         rollout_log_prob: (N, T) float32 log-probs of the sampled tokens under the model that
             generated them, recorded at generation (:class:`RolloutLogProbRecorder`), 0 off
             ``response_mask``; None when not recorded (e.g. greedy evaluation).
+        rollout_entropy: (N, T) float32 entropy (nats) of the distribution each response token
+            was sampled from (the same log-softmax), 0 off ``response_mask``; None when not
+            recorded. The trainer's ``entropy`` when ``recompute_old_log_prob=false``.
     """
 
     prompt_ids: torch.Tensor
@@ -48,6 +51,7 @@ class RolloutBatch:
     group_index: torch.Tensor
     truncated: torch.Tensor
     rollout_log_prob: torch.Tensor | None = None
+    rollout_entropy: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -75,7 +79,8 @@ class RolloutLogProbRecorder:
     token as the last input id (Hugging Face's and the looped transformer's): a forward hook keeps
     the last position's log-softmax ``(N, V)`` of each call, and the next call's pre-hook gathers
     it at the token just sampled (one ``(N, V)`` buffer, no stored logits). :meth:`finish`
-    gathers the last token. Use as a context manager around ``generate``.
+    gathers the last token; :meth:`entropy` gives the entropy of each of those distributions
+    (computed from the same buffer). Use as a context manager around ``generate``.
     """
 
     def __init__(self, model: Any, temperature: float):
@@ -83,18 +88,25 @@ class RolloutLogProbRecorder:
         self.temperature = float(temperature)
         self.prev: torch.Tensor | None = None
         self.cols: list[torch.Tensor] = []
+        self.ent_cols: list[torch.Tensor] = []
         self._handles: list[Any] = []
 
     def _pre(self, module: Any, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if self.prev is not None and ids is not None:
             self.cols.append(self.prev.gather(-1, ids[:, -1:].to(self.prev.device)).squeeze(-1).float().cpu())
+            self.ent_cols.append(self._entropy(self.prev))
 
     def _post(self, module: Any, args: tuple, kwargs: dict, out: Any) -> None:
         logits = out.logits[:, -1, :].float()
         if self.temperature != 1.0:
             logits = logits / self.temperature
         self.prev = torch.log_softmax(logits, dim=-1)
+
+    @staticmethod
+    def _entropy(log_p: torch.Tensor) -> torch.Tensor:
+        """(N,) float32 entropy -sum_v p log p of the (N, V) log-softmax ``log_p``, on CPU."""
+        return -(log_p.exp() * log_p).sum(-1).float().cpu()
 
     def __enter__(self) -> "RolloutLogProbRecorder":
         self._handles = [self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
@@ -116,11 +128,20 @@ class RolloutLogProbRecorder:
         if self.prev is not None and response_ids.shape[1] > len(self.cols):
             self.cols.append(self.prev.gather(-1, response_ids[:, len(self.cols):len(self.cols) + 1]
                                               .to(self.prev.device)).squeeze(-1).float().cpu())
+            self.ent_cols.append(self._entropy(self.prev))
         self.prev = None
         if len(self.cols) != response_ids.shape[1]:
             raise RuntimeError(f"recorded {len(self.cols)} sampled-token log-probs for {response_ids.shape[1]} response "
                                "positions: this model's generate does not run one forward per new token")
         return torch.stack(self.cols, dim=1) if self.cols else torch.zeros(response_ids.shape, dtype=torch.float32)
+
+    def entropy(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """``(N, T)`` float32 entropies (nats) of the distributions the tokens of ``response_ids``
+        were sampled from; call after :meth:`finish` (which records the last position)."""
+        if len(self.ent_cols) != response_ids.shape[1]:
+            raise RuntimeError(f"recorded {len(self.ent_cols)} entropies for {response_ids.shape[1]} response positions")
+        return (torch.stack(self.ent_cols, dim=1) if self.ent_cols
+                else torch.zeros(response_ids.shape, dtype=torch.float32))
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_ids: int | Sequence[int] | None,
@@ -277,7 +298,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
     device = next(model.parameters()).device
     ids, attn = encode_prompts(tokenizer, texts, pad_id)
     chunk = batch_size or len(texts)
-    responses, rollout_lps = [], []
+    responses, rollout_lps, rollout_ents = [], [], []
     was_training = model.training
     model.eval()
     try:
@@ -302,6 +323,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                 new_ids = out[:, ids.shape[1]:]
                 if recorder is not None:
                     rollout_lps.append(recorder.finish(new_ids))
+                    rollout_ents.append(recorder.entropy(new_ids))
             # clone outside inference mode: later passes use these ids under autograd
             responses.append(new_ids.cpu().clone())
     finally:
@@ -309,11 +331,13 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
     width = max(r.shape[1] for r in responses)
     response_ids = torch.cat([F.pad(r, (0, width - r.shape[1]), value=pad_id) for r in responses])
     mask, truncated = response_mask_from_ids(response_ids, eos, pad_id)
-    rollout_log_prob = None
+    rollout_log_prob = rollout_entropy = None
     if rollout_lps:
         rollout_log_prob = torch.cat([F.pad(r.clone(), (0, width - r.shape[1])) for r in rollout_lps]) * mask
+        rollout_entropy = torch.cat([F.pad(r.clone(), (0, width - r.shape[1])) for r in rollout_ents]) * mask
     return RolloutBatch(prompt_ids=ids, prompt_mask=attn, response_ids=response_ids, response_mask=mask,
-                        group_index=group_index, truncated=truncated, rollout_log_prob=rollout_log_prob)
+                        group_index=group_index, truncated=truncated, rollout_log_prob=rollout_log_prob,
+                        rollout_entropy=rollout_entropy)
 
 
 def _prefill(model: Any, ids: torch.Tensor, attn: torch.Tensor, repeats: int) -> Any:
@@ -349,6 +373,8 @@ def concat_rollouts(batches: Sequence[RolloutBatch], pad_token_id: int) -> Rollo
         truncated=torch.cat([b.truncated for b in batches]),
         rollout_log_prob=None if any(b.rollout_log_prob is None for b in batches) else
         torch.cat([rpad(b.rollout_log_prob, T, 0) for b in batches]),
+        rollout_entropy=None if any(b.rollout_entropy is None for b in batches) else
+        torch.cat([rpad(b.rollout_entropy, T, 0) for b in batches]),
     )
 
 

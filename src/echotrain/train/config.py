@@ -126,6 +126,14 @@ class TrainConfig:
                         "without LoRA; the queue is in each checkpoint, so --resume is exact and needs the same k. "
                         "Same seed and k: bit-identical runs. 0 = synchronous (on-policy) training. AReaL and "
                         "prime-rl run 2-8 asynchronously.", group="rollout")
+    recompute_old_log_prob: bool = _f(True, "Recompute old_log_prob with the learner's weights at the start of the step "
+                                      "(the proximal policy of decoupled PPO: the ratio's trust region is centred on "
+                                      "the current weights, and a rollout_correction can weigh behaviour against them). "
+                                      "false = coupled (AReaL's recompute_logprob=false, verl's bypass mode): "
+                                      "old_log_prob is the sampler's own rollout_log_prob and the rollout entropy is the "
+                                      "sampler's, so under staleness=k the ratio and its clip measure the whole drift "
+                                      "since sampling (naive PPO of AReaL's Table); one no-grad pass less per step. "
+                                      "Not with a rollout_correction (its ratio pi_old/mu would be 1).", group="rollout")
 
     # ---- objective (defaults come from the preset) ------------------------------------------
     adv_estimator: str = _f("grpo", "Advantage estimator (echotrain.rl.compute_advantages): grpo = (r-mean)/std per group; "
@@ -557,6 +565,11 @@ def validate(cfg: TrainConfig) -> None:
                 "log_samples", "top_k", "no_signal_steps"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     need(cfg.keep_last >= 1, "keep_last", "must be >= 1")
+    from echotrain.rl.correction_names import parse_rollout_correction
+
+    need(cfg.recompute_old_log_prob or not parse_rollout_correction(cfg.rollout_correction), "recompute_old_log_prob",
+         f"false (old_log_prob = rollout_log_prob) makes rollout_correction={cfg.rollout_correction!r} a no-op "
+         "(its ratio pi_old / mu is 1): recompute, or drop the correction")
     need(cfg.num_mini_batches <= cfg.prompts_per_step, "num_mini_batches",
          f"must be <= prompts_per_step={cfg.prompts_per_step} (mini-batches hold whole groups)")
     need(cfg.temperature > 0, "temperature", "must be > 0 (RL needs sampling)")

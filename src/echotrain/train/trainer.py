@@ -258,13 +258,21 @@ class Trainer:
         reuse = reuse and not parse_rollout_correction(self.loss_config.rollout_correction)
         if batch.rollout_log_prob is not None:  # recorded inside generation (the sampling weights)
             data.rollout_log_prob = batch.rollout_log_prob
-        data.old_log_prob, data.entropy = old_log_probs(
-            functools.partial(self._log_probs_batched, self.model, with_entropy=True), batch,
-            splits[0] if reuse else None)
+        if cfg.recompute_old_log_prob:
+            data.old_log_prob, data.entropy = old_log_probs(
+                functools.partial(self._log_probs_batched, self.model, with_entropy=True), batch,
+                splits[0] if reuse else None)
+        else:  # coupled: the sampler's log-probs and entropy are pi_old's (no recompute pass)
+            if batch.rollout_log_prob is None or batch.rollout_entropy is None:
+                raise RuntimeError("recompute_old_log_prob=false needs the sampler's log-probs and entropy, which "
+                                   "this rollout batch does not carry (generation did not record them)")
+            data.old_log_prob, data.entropy = batch.rollout_log_prob.clone(), batch.rollout_entropy.clone()
         data.ref_log_prob = self._ref_log_probs(batch)
 
         # 5. update: one optimizer step per mini-batch
-        updates = [self.update_mini_batch(data, rows, on_policy=i == 0, fill_old=reuse and i == 0)
+        # (coupled, old_log_prob is the sampler's: not the current weights' numbers even before any update)
+        updates = [self.update_mini_batch(data, rows, on_policy=i == 0 and cfg.recompute_old_log_prob,
+                                          fill_old=reuse and i == 0 and cfg.recompute_old_log_prob)
                    for i, rows in enumerate(splits)]
         t_update = time.perf_counter() - t_update
 

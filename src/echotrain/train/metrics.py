@@ -78,7 +78,7 @@ _step("throughput/tokens_per_s", "tokens per second", "valid response tokens / s
 _step("memory/peak_mb", "MiB", "peak memory: CUDA max allocated on GPU, else peak RSS", volatile=True,
       panel="Peak memory", label="peak")
 for _name, _unit, _help, _label in (
-        ("eval/accuracy", "mean score", "greedy mean score on the fixed evaluation prompts", "greedy eval"),
+        ("eval/accuracy", "mean score", "mean score on the fixed evaluation prompts (greedy unless eval_temperature > 0)", "greedy eval"),
         ("eval/format_rate", "fraction of completions", "greedy answer format rate on the fixed evaluation prompts",
          "greedy eval format rate")):
     _step(_name, _unit, _help, file="eval", when="eval_prompts > 0, evaluation steps", label=_label,

@@ -291,7 +291,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict[str, float]:
-        """Greedy accuracy on ``cfg.eval_prompts`` fixed prompts; appended to eval.jsonl.
+        """Accuracy on ``cfg.eval_prompts`` fixed prompts (greedy, or one sample each at
+        ``cfg.eval_temperature``); appended to eval.jsonl.
 
         Runs under a forked RNG, so enabling it does not change the training run."""
         from echotrain.train.evaluate import evaluate
@@ -300,7 +301,7 @@ class Trainer:
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[]), autocast(self.model, self.autocast_dtype):
             res = evaluate(self.model, self.tokenizer, self.eval_task, num_prompts=cfg.eval_prompts, n=1, ks=(1,),
-                           max_new_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed + 7,
+                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature, seed=cfg.seed + 7,
                            batch_prompts=max(cfg.prompts_per_step * cfg.num_generations, 1))
         out = {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"]}
         self.logger.log_eval({"step": step, **out, "eval/prompts": cfg.eval_prompts,

@@ -231,3 +231,18 @@ def test_a_baseline_override_fills_in_for_a_file_without_one(tmp_path):
     assert s.verdict[0]["baseline"] == "grpo"
     with pytest.raises(ConfigError, match=r"verdict\[0\].baseline=None is not valid"):
         spec(tmp_path, baseline=None, verdict=[{"arm": "echo_detach"}])
+
+
+def test_a_difference_claim_needs_both_references(tmp_path, capsys):
+    from echotrain.cli import main
+
+    spec = {"name": "t", "base": {"model": "testbed", "task": "testbed"}, "baseline": "a",
+            "arms": {"a": {}, "b": {}}, "verdict": [{"arm": "a", "baseline": "b", "arm_ref": "b"}]}
+    path = tmp_path / "c.yaml"
+    path.write_text(__import__("yaml").safe_dump(spec))
+    assert main(["compare", str(path), "--dry-run"]) == 2
+    assert "verdict[0]: arm_ref and baseline_ref come together" in capsys.readouterr().err
+    spec["verdict"][0]["baseline_ref"] = "c"
+    path.write_text(__import__("yaml").safe_dump(spec))
+    assert main(["compare", str(path), "--dry-run"]) == 2
+    assert "verdict[0].baseline_ref='c' is not valid" in capsys.readouterr().err

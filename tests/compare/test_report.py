@@ -231,3 +231,38 @@ def test_cli_report_of_a_study_with_confirmation_seeds(tmp_path, capsys):
     (root / "compare.yaml").write_text((root / "compare.yaml").read_text() + "report: {correction: sidak}\n")
     assert main(["compare", "report", str(root), "--out", str(tmp_path / "out")]) == 2
     assert "correction='sidak' is not valid" in capsys.readouterr().err
+
+
+def test_difference_of_differences_claim(tmp_path):
+    """arm_ref / baseline_ref: per seed (a8 - a0) - (b8 - b0), by hand. AUC over steps 0..6 of
+    (0, x, x, x) is 5x/6. echo loses 0.1 / 0.2 / 0.3 of x from k0 to k8, grpo 0.2 / 0.4 / 0.6."""
+    root = tmp_path / "cmp"
+    for seed, (e_loss, g_loss) in enumerate([(0.1, 0.2), (0.2, 0.4), (0.3, 0.6)]):
+        make_run(root, "echo_k0", seed, (0.0, 0.6, 0.6, 0.6))
+        make_run(root, "echo_k8", seed, (0.0,) + (0.6 - e_loss,) * 3)
+        make_run(root, "grpo_k0", seed, (0.0, 0.6, 0.6, 0.6))
+        make_run(root, "grpo_k8", seed, (0.0,) + (0.6 - g_loss,) * 3)
+    claim = {"claim": "echo loses less AUC than grpo from k0 to k8", "arm": "echo_k8", "arm_ref": "echo_k0",
+             "baseline": "grpo_k8", "baseline_ref": "grpo_k0", "statistic": "auc", "direction": "greater",
+             "margin": 0.0}
+    spec = {"name": "t", "baseline": "grpo_k0", "arms": {a: {} for a in ("grpo_k0", "grpo_k8", "echo_k0", "echo_k8")},
+            "verdict": [claim]}
+    (root / "compare.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    write_report([root], plots=False)
+    v = json.loads((root / "report" / "summary.json").read_text())["verdict"][0]
+    # diffs: -(5/6)(0.1 - 0.2) = +0.0833, +0.1667, +0.25 -> mean 1/6, sd 1/12
+    assert v["comparison"]["diffs"] == pytest.approx([5 / 60, 10 / 60, 15 / 60])
+    assert v["comparison"]["diff_std"] == pytest.approx(1 / 12)
+    from scipy import stats
+
+    assert v["p"] == pytest.approx(stats.ttest_1samp([5 / 60, 10 / 60, 15 / 60], 0).pvalue)  # two-sided
+    md = (root / "report" / "report.md").read_text()
+    assert "| (echo_k8 - echo_k0) vs (grpo_k8 - grpo_k0) | auc |" in md
+    # one reference missing: not run, naming it
+    import shutil
+
+    for seed in range(3):
+        shutil.rmtree(root / "cells" / f"grpo_k0__s{seed}")
+    write_report([root], plots=False)
+    v = json.loads((root / "report" / "summary.json").read_text())["verdict"][0]
+    assert v["result"] == "not run (grpo_k0 missing)"

@@ -32,6 +32,11 @@ A comparison file (``configs/compare/*.yaml``) is a mapping::
         statistic: auc                  # auc | final | steps_to_threshold | worst_grad_norm | any_flag
         direction: greater              # greater | less
         margin: 0.0
+      - claim: "echo loses less than grpo from k=0 to k=8"   # a difference of differences, per seed:
+        arm: echo_k8                    # (echo_k8 - echo_k0) vs (grpo_k8 - grpo_k0)
+        arm_ref: echo_k0
+        baseline: grpo_k8
+        baseline_ref: grpo_k0
     suite: {name: math, limit: 20}      # optional: an eval suite after each cell (skipped if absent)
 
 Selecting arms on the command line (``arms=a,b``) drops the claims that name an unselected arm
@@ -66,7 +71,7 @@ REPORT_KEYS = ("metric", "threshold", "stability", "max_step", "rule", "correcti
 #: report keys of the verdict rule: default, valid values (see echotrain.compare.stats)
 RULE_DEFAULTS = {"rule": "paired_t", "correction": "holm", "alpha": ALPHA, "power": POWER}
 STATISTICS = ("auc", "final", "steps_to_threshold", "worst_grad_norm", "any_flag")
-CLAIM_KEYS = ("claim", "arm", "baseline", "statistic", "direction", "margin")
+CLAIM_KEYS = ("claim", "arm", "baseline", "statistic", "direction", "margin", "arm_ref", "baseline_ref")
 #: ``phase=`` values: which seeds' cells an invocation runs (verdicts always use the confirmation seeds)
 PHASES = ("all", "exploration", "confirmation")
 #: keys compare sets per cell; not allowed in base / arms / sweep
@@ -350,8 +355,12 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
         c.setdefault("direction", "greater")
         c.setdefault("margin", 0.0)
         c.setdefault("claim", f"{c.get('arm')} {c['direction']} than {c['baseline']} on {c['statistic']}")
+        if ("arm_ref" in c) != ("baseline_ref" in c):
+            raise ConfigError(f"verdict[{i}]: arm_ref and baseline_ref come together (a difference of differences: "
+                              "(arm - arm_ref) vs (baseline - baseline_ref), per seed)")
+        refs = ("arm_ref", "baseline_ref") if "arm_ref" in c else ()
         for key, valid in (("arm", file_labels), ("baseline", file_labels), ("statistic", STATISTICS),
-                           ("direction", CLAIM_DIRECTIONS)):
+                           ("direction", CLAIM_DIRECTIONS), *((k, file_labels) for k in refs)):
             if c.get(key) not in valid:
                 raise ConfigError(f"verdict[{i}].{key}={c.get(key)!r} is not valid; valid: {', '.join(map(str, valid))}")
         if not isinstance(c["margin"], (int, float)) or isinstance(c["margin"], bool) or not c["margin"] >= 0:
@@ -359,7 +368,7 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
         if verdict_none:
             spec.dropped_verdicts.append({"claim": c["claim"], "reason": "verdict=none"})
             continue
-        missing = [c[k] for k in ("arm", "baseline") if c[k] not in labels]
+        missing = [c[k] for k in ("arm", "baseline", *refs) if c[k] not in labels]
         if missing:  # names an arm the command line did not select
             spec.dropped_verdicts.append({"claim": c["claim"],
                                           "reason": f"arm(s) {', '.join(dict.fromkeys(missing))} not selected"})

@@ -219,13 +219,26 @@ def _values(per_seed: dict[str, dict[int, dict[str, Any]]], arm: str, key: str) 
     return {s: float(v[key]) for s, v in per_seed[arm].items() if v.get(key) is not None}
 
 
+def _claim_values(per_seed: dict[str, dict[int, dict[str, Any]]], arm: str, ref: str | None,
+                  key: str) -> dict[int, float]:
+    """``{seed: statistic}`` of ``arm``, or with ``ref`` the per-seed difference arm - ref (seeds in both)."""
+    values = _values(per_seed, arm, key)
+    if ref is None:
+        return values
+    other = _values(per_seed, ref, key)
+    return {s: v - other[s] for s, v in values.items() if s in other}
+
+
 def verdicts(claims: Sequence[dict[str, Any]], per_seed: dict[str, dict[int, dict[str, Any]]],
              baseline: str | None = None, seeds: Sequence[int] | None = None, rule: str = "paired_t",
              correction: str = "holm", alpha: float = ALPHA, power: float = POWER) -> list[dict[str, Any]]:
     """Apply the verdict rule to a study's claims (see :func:`echotrain.compare.stats.evaluate_claims`).
 
     Args:
-        claims: ``{"claim", "arm", "baseline", "statistic", "direction", "margin"}`` each.
+        claims: ``{"claim", "arm", "baseline", "statistic", "direction", "margin"}`` each, optionally
+            ``arm_ref`` and ``baseline_ref``: then the per-seed values compared are the differences
+            (arm - arm_ref) and (baseline - baseline_ref), a difference of differences (e.g. the
+            accuracy lost from staleness 0 to 8 by one objective against another's), paired by seed.
         per_seed: ``{arm: {seed: {statistic: value}}}`` (:func:`seed_statistics` per run, or the
             ``runs`` of a committed ``summary.json``).
         seeds: pair only these seeds (the confirmation seeds); None: every seed both arms have.
@@ -240,8 +253,10 @@ def verdicts(claims: Sequence[dict[str, Any]], per_seed: dict[str, dict[int, dic
     for c in claims:
         arm, base, stat = c["arm"], c.get("baseline") or baseline, c["statistic"]
         key = "steps_to_threshold_censored" if stat == "steps_to_threshold" else stat
-        if arm in per_seed and base in per_seed:
-            comps.append(paired_comparison(_values(per_seed, arm, key), _values(per_seed, base, key),
+        needed = [arm, base] + [c[k] for k in ("arm_ref", "baseline_ref") if c.get(k)]
+        if all(a in per_seed for a in needed):
+            comps.append(paired_comparison(_claim_values(per_seed, arm, c.get("arm_ref"), key),
+                                           _claim_values(per_seed, base, c.get("baseline_ref"), key),
                                            1 - alpha, rule=rule, seeds=seeds, power=power))
             ok.append(True)
         else:
@@ -257,7 +272,8 @@ def verdicts(claims: Sequence[dict[str, Any]], per_seed: dict[str, dict[int, dic
         entry["mde_holm"] = (min_detectable_effect(comp["diff_std"], comp["n"], alpha / m, power)
                              if present and comp["n"] >= 2 and correction == "holm" else entry["mde"])
         if not present:
-            entry["result"] = f"not run ({c['arm'] if c['arm'] not in per_seed else base} missing)"
+            gone = [a for a in [c["arm"], base, c.get("arm_ref"), c.get("baseline_ref")] if a and a not in per_seed]
+            entry["result"] = f"not run ({', '.join(dict.fromkeys(gone))} missing)"
         elif comp.get("rule_error"):
             entry["result"] = f"insufficient data ({comp['rule_error']})"
         elif comp["n"] < 2:
@@ -450,7 +466,9 @@ def _verdict_table(rows: Sequence[dict[str, Any]], vr: dict[str, Any]) -> list[s
         diff = (f"{_fmt(comp.get('diff_mean'))} [{_fmt(comp.get('ci_low'))}, {_fmt(comp.get('ci_high'))}]"
                 if comp.get("n") else "n/a")
         mde = _fmt(c.get("mde")) + (f" ({_fmt(c.get('mde_holm'))})" if holm else "")
-        lines.append(f"| {c['claim']} | {c['arm']} vs {c['baseline']} | {c['statistic']} | "
+        pair = (f"({c['arm']} - {c['arm_ref']}) vs ({c['baseline']} - {c['baseline_ref']})" if c.get("arm_ref")
+                else f"{c['arm']} vs {c['baseline']}")
+        lines.append(f"| {c['claim']} | {pair} | {c['statistic']} | "
                      f"{c['direction']} ({c.get('margin', 0)}) | {comp.get('n', 0)} | {diff} | {_fmt(c.get('p'))} | "
                      + (f"{_fmt(c.get('p_holm'))} | " if holm else "") + f"{mde} | **{verdict_phrase(c)}** |")
     return lines

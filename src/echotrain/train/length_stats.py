@@ -4,7 +4,8 @@ The premise of Balanced Aggregation and of the length-collapse claims is that co
 responses differ in length; :func:`length_facts` measures it from ``response_mask``-style valid
 lengths, 0/1 correctness and the group of each row (the rows sampled from one prompt).
 
-Pure tensor math, no model; used by ``scripts/measure_testbed_length.py`` (docs/testbed.md).
+Pure tensor math, no model; used by ``scripts/measure_testbed_length.py`` (docs/testbed.md) and
+the trainer's ``response_length/gap`` and ``response_length/within_group_gap`` step metrics.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ At the end of a run ``stability.json`` holds the stability flags
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -28,6 +29,7 @@ import torch
 
 from echotrain.atomic import atomic_write_json, atomic_write_text
 from echotrain.metrics import declare_metric, reduce_updates, summary_keys
+from echotrain.train.length_stats import length_facts
 
 if TYPE_CHECKING:
     from echotrain.train.step import StepData
@@ -53,6 +55,13 @@ _step("format_rate", "fraction of completions", "share of completions whose answ
 _step("response_length/mean", "tokens", "mean valid response length", summary=True, panel="Response length",
       label="mean")
 _step("response_length/max", "tokens", "longest valid response", panel="Response length", label="max")
+_step("response_length/gap", "tokens", "mean length of the step's correct responses (score >= 1) minus that of its wrong ones "
+      "(pooled over the batch: mixes problem size with the answer)", panel="Length gap (correct - wrong)",
+      label="pooled", when="the step has both correct and wrong responses")
+_step("response_length/within_group_gap", "tokens", "mean over the step's mixed groups of (mean correct length - "
+      "mean wrong length) in the group: the length gap a group-relative advantage sees (Balanced Aggregation's "
+      "premise)", panel="Length gap (correct - wrong)", label="within group",
+      when="the step has a group with both correct and wrong responses")
 _step("truncated_frac", "fraction of completions", "share of responses cut at max_new_tokens without EOS",
       panel="Truncated responses", label="truncated (no EOS)")
 _step("entropy", "nats per token", "mean token entropy of the rollout policy over valid tokens", summary=True,
@@ -142,6 +151,10 @@ def step_record(step: int, data: StepData, updates: list[dict[str, float]], *, l
         "reward/timeouts": data.reward_timeouts,
         "reward/exceptions": data.reward_exceptions,
     }
+    facts = length_facts(lengths, data.correct >= 1.0, batch.group_index)
+    for key in ("gap", "within_group_gap"):  # undefined (NaN) without right and wrong answers: not written
+        if math.isfinite(facts[key]):
+            record[f"response_length/{key}"] = facts[key]
     record.update(reduce_updates(updates))
     record.setdefault("lr", last_lr)
     record.update({

@@ -133,21 +133,30 @@ def run_train(args: argparse.Namespace) -> int:
     torch.set_num_threads(cfg.num_threads or max(1, preflight.affinity_cores() // local_world_size()))
     t0 = time.perf_counter()
     from echotrain.train.dist import WorldSizeMismatch
+    from echotrain.train.async_rollouts import AsyncUnsupported, RolloutWorkerError
     from echotrain.train.lag import StalenessMismatch
 
     try:
         trainer = Trainer(cfg, task=task, resume=args.resume is not None)
-    except (OSError, WorldSizeMismatch, StalenessMismatch) as exc:  # a hub id that passed the checks but does
+    except (OSError, WorldSizeMismatch, StalenessMismatch, AsyncUnsupported) as exc:  # a hub id that passed the checks but does
         # not exist; a resume with another number of processes or another staleness
         if getattr(args, "debug", False):
             raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)
         return 2
     outputs = "config.yaml, metrics.jsonl, samples.jsonl, " + ("plots/, " if cfg.plots else "") + "checkpoints/"
-    print(f"echotrain: run directory {trainer.run_dir} ({outputs}); {torch.get_num_threads()} threads, device "
+    threads = (f"{torch.get_num_threads()} learner + {trainer.rollouts.spec.threads} rollout-worker threads"
+               if cfg.async_rollouts else f"{torch.get_num_threads()} threads")
+    print(f"echotrain: run directory {trainer.run_dir} ({outputs}); {threads}, device "
           f"{trainer.device}, {describe_precision(trainer.autocast_dtype, trainer.autocast_reason)}; OpenMP wait "
           f"policy {omp_wait_in_force()}", file=sys.stderr)
-    trainer.train()
+    try:
+        trainer.train()
+    except RolloutWorkerError as exc:  # the async worker died or stalled; the last completed step is saved
+        if getattr(args, "debug", False):
+            raise
+        print(f"echotrain train: error: {exc}", file=sys.stderr)
+        return 1
     total = time.perf_counter() - t0
     train_s = getattr(trainer, "train_seconds", total)
     glance = "plots/summary.png: the run at a glance" if cfg.plots else "metrics.jsonl: one line per step; plots=false"

@@ -126,6 +126,27 @@ class TrainConfig:
                         "without LoRA; the queue is in each checkpoint, so --resume is exact and needs the same k. "
                         "Same seed and k: bit-identical runs. 0 = synchronous (on-policy) training. AReaL and "
                         "prime-rl run 2-8 asynchronously.", group="rollout")
+    async_rollouts: bool = _f(False, "Asynchronous rollouts (echotrain.train.async_rollouts): a worker process generates "
+                              "and scores batches with the newest weights it has while the learner trains on a "
+                              "bounded queue; the weights reach it through shared memory after every step. Not "
+                              "deterministic (fixed lag, staleness=k, is the reproducible mode). CPU, one process "
+                              "(refused under torchrun and on other devices). On 2 CPU cores it does not pay "
+                              "(docs/benchmarks.md): false stays the default.", group="rollout")
+    max_staleness: int = _f(1, "async_rollouts: the oldest batch trained on at step t is sampled by the weights of step "
+                            "t - max_staleness (>= 1); also the queue's size. prime-rl's max_off_policy_steps, AReaL's "
+                            "max_head_offpolicyness.", group="rollout")
+    async_stale: str = _f("drop", "async_rollouts: a batch older than max_staleness is dropped (the next one is "
+                          "taken; biases towards problems whose batches return sooner) or regenerated (the learner "
+                          "generates one itself with its current weights, from a second prompt stream); both are "
+                          "counted (async/dropped, async/regenerated).", choices=("drop", "regenerate"),
+                          group="rollout")
+    async_timeout_s: float = _f(600.0, "async_rollouts: seconds the learner waits for one batch before the run ends with "
+                                "an error naming the worker (a stalled worker); a worker that died is noticed within "
+                                "~2 s.", group="rollout")
+    rollout_threads: int = _f(0, "async_rollouts: threads of the worker process; 0 = half of the run's threads "
+                              "(at least 1).", group="rollout")
+    learner_threads: int = _f(0, "async_rollouts: threads of the learner; 0 = the run's threads minus rollout_threads "
+                              "(at least 1).", group="rollout")
     recompute_old_log_prob: bool = _f(True, "Recompute old_log_prob with the learner's weights at the start of the step "
                                       "(the proximal policy of decoupled PPO: the ratio's trust region is centred on "
                                       "the current weights, and a rollout_correction can weigh behaviour against them). "
@@ -570,6 +591,14 @@ def validate(cfg: TrainConfig) -> None:
                 "log_samples", "top_k", "no_signal_steps"):
         need(getattr(cfg, key) >= 0, key, "must be >= 0")
     need(cfg.keep_last >= 1, "keep_last", "must be >= 1")
+    need(cfg.max_staleness >= 1, "max_staleness", "must be >= 1 (the worker is always at least one step behind)")
+    need(cfg.async_timeout_s > 0, "async_timeout_s", "must be > 0 seconds")
+    for key in ("rollout_threads", "learner_threads"):
+        need(getattr(cfg, key) >= 0, key, "must be >= 0 (0 = split the run's threads)")
+    need(not (cfg.async_rollouts and cfg.staleness), "staleness",
+         "fixed lag and async_rollouts=true are two modes: set staleness=0 with async_rollouts (its lag is max_staleness)")
+    need(not cfg.async_rollouts or cfg.device in ("cpu", "auto"), "device",
+         "async_rollouts=true runs on the CPU only (the GPU weight copy is not built)")
     from echotrain.rl.correction_names import parse_rollout_correction
 
     need(cfg.recompute_old_log_prob or not parse_rollout_correction(cfg.rollout_correction), "recompute_old_log_prob",

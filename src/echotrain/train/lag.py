@@ -22,10 +22,11 @@ with LoRA or without. The queue is part of the checkpoint (written atomically wi
 resume continues exactly. Under torchrun every rank holds the whole (gathered) rollout batch, so
 each rank's queue is the same and rank 0's copy in the checkpoint restores all of them.
 
-The learner always recomputes ``old_log_prob`` with its own weights (the proximal policy of
+By default the learner recomputes ``old_log_prob`` with its own weights (the proximal policy of
 decoupled PPO, Hilton et al. 2022, arXiv 2110.00641; AReaL, arXiv 2505.24298); the sampler's
 per-token log-probs travel with the rollouts as ``rollout_log_prob`` (the behaviour policy), and
-``rollout_version`` records the version of the weights that sampled each rollout.
+``rollout_version`` records the version of the weights that sampled each rollout
+(``recompute_old_log_prob=false`` trains against the sampler's log-probs instead).
 
 Metrics (added to each ``metrics.jsonl`` record when ``staleness > 0``; a synchronous run has
 none of them, so its records are unchanged) are declared in :data:`STALENESS_METRICS`. With
@@ -49,11 +50,11 @@ from echotrain.train.step import StepData
 
 #: The metrics this module adds (only with ``staleness > 0``), declared in the metric schema.
 STALENESS_METRICS: dict[str, Metric] = {m.name: m for m in (
-    declare_metric("staleness/min", reduce="step", unit="training steps", when="staleness > 0",
+    declare_metric("staleness/min", reduce="step", unit="training steps", when="staleness > 0 or async_rollouts=true",
                    help="learner version minus rollout_version (the weights that sampled the rollout) (min over the step's rollouts)"),
-    declare_metric("staleness/mean", reduce="step", unit="training steps", when="staleness > 0", panel="Staleness", label="mean staleness (steps)",
+    declare_metric("staleness/mean", reduce="step", unit="training steps", when="staleness > 0 or async_rollouts=true", panel="Staleness", label="mean staleness (steps)",
                    help="as staleness/min, averaged (mean over the step's rollouts)"),
-    declare_metric("staleness/max", reduce="step", unit="training steps", when="staleness > 0", panel="Staleness", label="max staleness (steps)",
+    declare_metric("staleness/max", reduce="step", unit="training steps", when="staleness > 0 or async_rollouts=true", panel="Staleness", label="max staleness (steps)",
                    help="as staleness/min, the largest (max over the step's rollouts)"),
     declare_metric("staleness/queue_depth", reduce="step", unit="rollout batches", when="staleness > 0",
                    help="batches generated ahead for later steps, held in the queue (value after the step)"),
@@ -152,7 +153,14 @@ class LaggedRollouts:
         data.time_generation, data.time_scoring = t_gen, t_score
         return data
 
-    def step_metrics(self, step: int, data: StepData) -> dict[str, float]:
+    def after_step(self, step: int) -> None:
+        """Nothing: the queue is filled by :meth:`rollouts_for` (the async worker's counterpart
+        publishes the weights here)."""
+
+    def close(self) -> None:
+        """Nothing to stop (no worker process)."""
+
+    def step_metrics(self, step: int, data: StepData, step_seconds: float | None = None) -> dict[str, float]:
         """The :data:`STALENESS_METRICS` of step ``step`` trained on ``data`` (after its update, so
         ``old_log_prob`` is complete); ``{}`` when ``staleness == 0``. KL(behaviour || old) is
         ``rollout_corr/kl``, logged every step (:func:`echotrain.rl.correction.rollout_mismatch_metrics`)."""

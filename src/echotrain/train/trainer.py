@@ -50,6 +50,7 @@ from echotrain.train.stability import stability_flags
 from echotrain.rl.correction import parse_rollout_correction, rollout_mismatch_metrics
 from echotrain.train.step import StepData
 from echotrain.train.utilisation import build_meter
+from echotrain.train.async_rollouts import RolloutWorkerError
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
                                     update_mini_batch)
 
@@ -151,6 +152,8 @@ class Trainer:
         # staleness=k: each step's rollouts were generated k steps ahead by the weights of then (train/lag.py)
         # (generation records each rollout's rollout_log_prob itself, so no behaviour pass is needed)
         self.rollouts = LaggedRollouts(lambda: self.collector.collect(), cfg.staleness, cfg.steps)
+        if cfg.async_rollouts:  # a worker process generates while this process trains (train/async_rollouts.py)
+            self.rollouts = self._async_rollouts(tokenizer, reward_fn, pad_id)
         self.start_step = 0
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -174,6 +177,33 @@ class Trainer:
                 roofline=roofline_info))
             self.logger = MetricsLogger(self.run_dir, report_to=cfg.report_to, project=cfg.wandb_project,
                                         config=cfg.to_dict(), start_step=self.start_step)
+
+    def _async_rollouts(self, tokenizer: Any, reward_fn: Any, pad_id: int) -> Any:
+        """The :class:`~echotrain.train.async_rollouts.AsyncRollouts` of this run, the threads split
+        between the worker and this process (``rollout_threads`` / ``learner_threads``).
+
+        Raises:
+            AsyncUnsupported: under torchrun (one worker per rank and the version protocol across
+                ranks are not built) or on a device other than the CPU.
+        """
+        from echotrain.train.async_rollouts import AsyncRollouts, AsyncUnsupported, WorkerSpec
+
+        cfg = self.cfg
+        if self.dist.enabled:
+            raise AsyncUnsupported("async_rollouts=true is not supported under torchrun (one worker per rank and the "
+                               "weight-version protocol across ranks are not built); use staleness=k (fixed lag)")
+        if self.device.type != "cpu":
+            raise AsyncUnsupported(f"async_rollouts=true runs on the CPU only; this run's device is {self.device}")
+        total = torch.get_num_threads()
+        rollout = cfg.rollout_threads or max(1, total // 2)
+        torch.set_num_threads(cfg.learner_threads or max(1, total - rollout))
+        spec = WorkerSpec(cfg=cfg, buffer=None, tokenizer=tokenizer, task=self.task, reward_fn=reward_fn, pad_id=pad_id,
+                          autocast_dtype=self.autocast_dtype, prompt_draws=0, threads=rollout, seed=cfg.seed + 7919)
+        regen_prompts = PromptStream(self.task, cfg.seed + 104_729)
+        regen = Collector(cfg, self.model, tokenizer, reward_fn, regen_prompts, self.dist, pad_id,
+                          autocast_dtype=self.autocast_dtype)
+        return AsyncRollouts(spec, self.model, self.prompts, regen.collect, cfg.max_staleness, cfg.async_stale,
+                             cfg.async_timeout_s, regen_prompts=regen_prompts)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """``cfg.optimizer`` on the trainable parameters, from its registry entry (which settings it
@@ -281,12 +311,14 @@ class Trainer:
         record = step_record(step, data, updates, last_lr=self.scheduler.get_last_lr()[0], t_start=t_start,
                              cpu_start=cpu_start, t_update=t_update, device=self.device)
         record[ALL_ZERO_VARIANCE] = int(all_zero_variance(data.rewards, batch.group_index))
-        record.update(self.rollouts.step_metrics(step, data))  # staleness/* (none when staleness=0)
+        # staleness/* (none when synchronous), async/*
+        record.update(self.rollouts.step_metrics(step, data, record["time/step"]))
         if data.rollout_log_prob is not None:  # train/inference mismatch of the whole step, every step
             record.update(rollout_mismatch_metrics(data.old_log_prob, data.rollout_log_prob, data.response_mask,
                                                    self.loss_config.log_ratio_clamp))
         if self.utilisation is not None:
-            record.update(self.utilisation.step_metrics(data.time_generation, t_update))
+            # (async: the worker generated, uncounted here: no decode figure)
+            record.update(self.utilisation.step_metrics(0.0 if cfg.async_rollouts else data.time_generation, t_update))
         return record
 
     # ------------------------------------------------------------------ evaluation
@@ -318,7 +350,8 @@ class Trainer:
         path = self.run_dir / "checkpoints" / f"step_{step:08d}.pt"
         if self.dist.is_main:
             extra = {"world_size": self.dist.world_size, "rng_ranks": rngs if self.dist.enabled else None}
-            if self.cfg.staleness:  # the rollouts generated ahead (train/lag.py); every rank holds the same
+            if self.cfg.staleness or self.cfg.async_rollouts:  # the rollouts generated ahead (train/lag.py;
+                # every rank holds the same) / the async mode and its regeneration stream
                 extra["rollouts"] = self.rollouts.state_dict()
             path = save_checkpoint(self.run_dir, step, model=self.model, optimizer=self.optimizer,
                                    scheduler=self.scheduler, data_state=self.prompts.state_dict(),
@@ -339,8 +372,15 @@ class Trainer:
         try:
             if cfg.eval_prompts and self.start_step == 0 and main:
                 self.evaluate(0)
+            last_saved = self.start_step
             for step in range(self.start_step + 1, cfg.steps + 1):
-                record = self.train_step(step)
+                try:
+                    record = self.train_step(step)
+                except RolloutWorkerError:  # nothing of this step is applied: keep the last completed one
+                    if step - 1 > last_saved:
+                        self.save(step - 1)
+                    raise
+                self.rollouts.after_step(step)  # async: publish the weights of version `step` to the worker
                 if main and cfg.eval_prompts and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
                     record.update(self.evaluate(step))
                 self.logger.log(record)
@@ -355,9 +395,11 @@ class Trainer:
                     cb(step, record)
                 if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                     self.save(step)
+                    last_saved = step
                     if cfg.plots and step != cfg.steps and main:
                         self.write_plots()
         finally:
+            self.rollouts.close()  # async: stop the worker
             bar.close()
             self.logger.close()
         self.dist.barrier()

@@ -1,0 +1,157 @@
+"""Asynchronous rollouts (``async_rollouts=true``, train/async_rollouts.py): a worker process
+generates with the newest published weights, the learner never trains on a batch older than
+``max_staleness``, the sampler's log-probs are those of the version recorded, and a dead or
+stalled worker ends the run with a message naming it, a checkpoint and a working ``--resume``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from echotrain.cli import main
+from echotrain.runtime.checkpoints import latest_checkpoint
+from echotrain.runtime.rollout import forward_log_probs
+from echotrain.train.config import resolve_config
+from echotrain.train.metrics import read_jsonl
+
+RUN = ["model=testbed", "task=testbed", "prompts_per_step=4", "num_generations=4", "max_new_tokens=6",
+       "micro_batch_size=16", "num_threads=2", "eval_prompts=0", "plots=false", "save_final_model=false",
+       "progress=false", "seed=0", "lr=3e-4", "async_rollouts=true"]
+
+
+def _over(tokens):
+    return dict(t.split("=", 1) for t in tokens)
+
+
+def test_async_run_never_trains_on_a_batch_older_than_max_staleness(tmp_path, capsys):
+    run = tmp_path / "a"
+    assert main(["train", *RUN, "steps=6", "max_staleness=2", f"output_dir={run}"]) == 0
+    assert "1 learner + 1 rollout-worker threads" in capsys.readouterr().err
+    recs = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    for r in recs:
+        assert 0 <= r["staleness/min"] <= r["staleness/max"] <= 2
+        assert r["async/regenerated"] == 0  # async_stale=drop
+        assert 0 <= r["async/learner_wait_frac"] <= 1 and 0 <= r["async/worker_wait_frac"] <= 1
+        assert "throughput/decode_bw_util" not in r  # the learner did not generate
+    assert recs[0]["staleness/max"] == 0  # step 1 is sampled by the initial weights (version 0)
+    ck = torch.load(latest_checkpoint(run), weights_only=False)
+    assert ck["extra"]["rollouts"]["mode"] == "async"
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_rollout_log_probs_are_those_of_the_recorded_version(tmp_path, lora_r):
+    """The worker samples with the weights the learner published: recompute the batch's log-probs
+    with the saved weights of its rollout_version and compare (a torn or stale copy would differ).
+    With LoRA only the adapters are published."""
+    if lora_r:
+        pytest.importorskip("peft")
+    from echotrain.train.trainer import Trainer
+
+    cfg = resolve_config(overrides={**_over(RUN), "steps": 5, "max_staleness": 1, "lr": 1e-2, "lora_r": lora_r,
+                                    "lora_alpha": 2 * lora_r or 16,
+                                    "output_dir": str(tmp_path / "b"), "recompute_old_log_prob": False})
+    trainer = Trainer(cfg)
+    weights = {0: {k: v.clone() for k, v in trainer.model.state_dict().items()}}
+    datas = {}
+    inner = trainer.rollouts.rollouts_for
+
+    def rollouts_for(step):
+        datas[step] = inner(step)
+        return datas[step]
+
+    trainer.rollouts.rollouts_for = rollouts_for
+    trainer.callbacks.append(lambda step, rec: weights.__setitem__(
+        step, {k: v.clone() for k, v in trainer.model.state_dict().items()}))
+    trainer.train()
+    probe = trainer.model
+    seen = set()
+    for step, data in datas.items():
+        v = int(data.rollout_version[0])
+        assert (data.rollout_version == v).all() and step - 1 - 1 <= v <= step - 1
+        seen.add(step - 1 - v)
+        probe.load_state_dict(weights[v])
+        b, m = data.batch, data.batch.response_mask.bool()
+        with torch.no_grad():
+            lp = forward_log_probs(probe, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)[0]
+        torch.testing.assert_close(data.rollout_log_prob[m], lp[m], rtol=0, atol=1e-4)
+        if v != step - 1:  # and not those of the learner's current weights (lr 1e-2 moved them)
+            probe.load_state_dict(weights[step - 1])
+            with torch.no_grad():
+                now = forward_log_probs(probe, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)[0]
+            assert (now - lp)[m].abs().max() > 1e-3
+    assert 1 in seen  # the lag happened at least once
+
+
+def test_a_slow_learner_drops_or_regenerates_stale_batches_and_never_deadlocks(tmp_path):
+    from echotrain.train.trainer import Trainer
+
+    for stale in ("drop", "regenerate"):
+        cfg = resolve_config(overrides={**_over(RUN), "steps": 4, "max_staleness": 1, "async_stale": stale,
+                                        "output_dir": str(tmp_path / stale)})
+        trainer = Trainer(cfg, callbacks=[lambda step, rec: time.sleep(1.5)])  # the queue fills meanwhile
+        t0 = time.perf_counter()
+        recs = trainer.train()
+        assert time.perf_counter() - t0 < 60 and trainer.rollouts.proc is None  # the worker was stopped
+        key = "async/dropped" if stale == "drop" else "async/regenerated"
+        assert sum(r[key] for r in recs) >= 1
+        assert all(r["staleness/max"] <= 1 for r in recs)
+
+
+def test_killing_the_worker_ends_the_run_with_its_name_and_resume_continues(tmp_path, capsys, monkeypatch):
+    from echotrain.train import trainer as trainer_mod
+
+    run = tmp_path / "k"
+    real_train_step = trainer_mod.Trainer.train_step
+
+    def train_step(self, step):
+        if step == 3:  # the worker dies between steps 2 and 3
+            os.kill(self.rollouts.proc.pid, signal.SIGKILL)
+        return real_train_step(self, step)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", train_step)
+    t0 = time.perf_counter()
+    assert main(["train", *RUN, "steps=5", "save_every=0", f"output_dir={run}"]) == 1
+    assert time.perf_counter() - t0 < 60
+    err = capsys.readouterr().err
+    assert "rollout worker process (echotrain-rollout-worker, pid" in err and "died" in err and "--resume" in err
+    assert latest_checkpoint(run).name == "step_00000002.pt"  # the last completed step
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", real_train_step)
+    assert main(["train", "--resume", str(run)]) == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+
+
+def test_a_stalled_worker_times_out_with_a_message(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the worker imports async_helpers too
+    from async_helpers import SlowReward
+
+    from echotrain.tasks import get_task
+    from echotrain.train.async_rollouts import RolloutWorkerError
+    from echotrain.train.trainer import Trainer
+
+    cfg = resolve_config(overrides={**_over(RUN), "steps": 3, "async_timeout_s": 3.0, "output_dir": str(tmp_path / "s")})
+    task = get_task("testbed")
+    trainer = Trainer(cfg, task=task, reward_fn=SlowReward(task))
+    t0 = time.perf_counter()
+    with pytest.raises(RolloutWorkerError, match=r"sent no rollout batch for \d+ s \(async_timeout_s=3\)"):
+        trainer.train()
+    assert time.perf_counter() - t0 < 25 and trainer.rollouts.proc is None  # stopped, not waited for
+    assert latest_checkpoint(tmp_path / "s").name == "step_00000001.pt"
+
+
+@pytest.mark.parametrize("tokens, message", [
+    (["staleness=2"], "staleness=2: fixed lag and async_rollouts=true are two modes"),
+    (["device=cuda"], "device='cuda': async_rollouts=true runs on the CPU only"),
+    (["max_staleness=0"], "max_staleness=0: must be >= 1"),
+    (["async_stale=wait"], "async_stale"),
+    (["async_timeout_s=0"], "async_timeout_s=0.0: must be > 0 seconds"),
+])
+def test_bad_async_settings_are_refused(tokens, message, capsys):
+    assert main(["train", "async_rollouts=true", *tokens]) == 2
+    assert message in capsys.readouterr().err

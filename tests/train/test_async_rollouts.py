@@ -89,19 +89,63 @@ def test_rollout_log_probs_are_those_of_the_recorded_version(tmp_path, lora_r):
     assert 1 in seen  # the lag happened at least once
 
 
-def test_a_slow_learner_drops_or_regenerates_stale_batches_and_never_deadlocks(tmp_path):
+def test_a_slow_learner_never_deadlocks_and_the_worker_discards_what_went_stale(tmp_path):
     from echotrain.train.trainer import Trainer
 
-    for stale in ("drop", "regenerate"):
-        cfg = resolve_config(overrides={**_over(RUN), "steps": 4, "max_staleness": 1, "async_stale": stale,
-                                        "output_dir": str(tmp_path / stale)})
-        trainer = Trainer(cfg, callbacks=[lambda step, rec: time.sleep(1.5)])  # the queue fills meanwhile
-        t0 = time.perf_counter()
-        recs = trainer.train()
-        assert time.perf_counter() - t0 < 60 and trainer.rollouts.proc is None  # the worker was stopped
-        key = "async/dropped" if stale == "drop" else "async/regenerated"
-        assert sum(r[key] for r in recs) >= 1
-        assert all(r["staleness/max"] <= 1 for r in recs)
+    cfg = resolve_config(overrides={**_over(RUN), "steps": 4, "max_staleness": 1, "output_dir": str(tmp_path / "slow")})
+    trainer = Trainer(cfg, callbacks=[lambda step, rec: time.sleep(1.5)])  # the queue fills meanwhile
+    t0 = time.perf_counter()
+    recs = trainer.train()
+    assert time.perf_counter() - t0 < 60 and trainer.rollouts.proc is None  # the worker was stopped
+    assert sum(r["async/worker_discarded"] for r in recs) >= 1  # it waited on the full queue past max_staleness
+    assert all(r["staleness/max"] <= 1 for r in recs) and sum(r["async/dropped"] for r in recs) == 0
+
+
+class _Alive:
+    pid, exitcode = 1234, None
+
+    def is_alive(self):
+        return True
+
+
+@pytest.mark.parametrize("stale", ["drop", "regenerate"])
+def test_the_learner_drops_or_regenerates_a_batch_older_than_max_staleness(stale):
+    """The learner's side alone, on a hand-filled queue: at step 5 (version 4) with k = 1, a batch
+    of version 2 is too old, one of version 3 is not."""
+    import queue
+
+    from echotrain.train.async_rollouts import AsyncRollouts, _encode
+    from echotrain.train.collect import PromptStream
+
+    def batch(version, n=2):
+        from echotrain.runtime.rollout import RolloutBatch
+        from echotrain.train.step import StepData
+
+        z = torch.zeros(n, 3, dtype=torch.long)
+        b = RolloutBatch(prompt_ids=z, prompt_mask=z + 1, response_ids=z, response_mask=torch.ones(n, 3),
+                         group_index=torch.zeros(n, dtype=torch.long), truncated=torch.zeros(n, dtype=torch.bool))
+        d = StepData(batch=b, rewards=torch.full((n,), float(version)), correct=torch.zeros(n),
+                     format_ok=torch.ones(n, dtype=torch.bool), examples=[None] * n, texts=[""] * n)
+        d.rollout_version = torch.full((n,), version, dtype=torch.long)
+        return d
+
+    prompts = PromptStream(None, 0)
+    ar = AsyncRollouts(spec=None, model=None, prompts=prompts, regenerate=lambda: batch(99), max_staleness=1,
+                       stale=stale)
+    ar.proc, ar.queue = _Alive(), queue.Queue()
+    for v, draws in ((2, 7), (3, 8)):
+        ar.queue.put(("batch", _encode(batch(v)), draws, 1.0, 0.5, 2))
+    data = ar.rollouts_for(5)
+    m = ar.step_metrics(5, data, step_seconds=2.0)
+    if stale == "drop":
+        assert float(data.rewards[0]) == 3 and prompts.draws == 8  # the version-3 batch; stream after both
+        assert m["async/dropped"] == 1 and m["async/regenerated"] == 0 and m["async/worker_discarded"] == 4
+        assert m["staleness/max"] == 1
+    else:
+        assert float(data.rewards[0]) == 99 and data.rollout_version.tolist() == [4, 4]  # the learner's own
+        assert m["async/dropped"] == 0 and m["async/regenerated"] == 1 and prompts.draws == 7
+        assert m["staleness/max"] == 0
+    assert m["async/worker_wait_frac"] == pytest.approx(0.5 / 1.5)
 
 
 def test_killing_the_worker_ends_the_run_with_its_name_and_resume_continues(tmp_path, capsys, monkeypatch):

@@ -198,7 +198,8 @@ class Trainer:
         rollout = cfg.rollout_threads or max(1, total // 2)
         torch.set_num_threads(cfg.learner_threads or max(1, total - rollout))
         spec = WorkerSpec(cfg=cfg, buffer=None, tokenizer=tokenizer, task=self.task, reward_fn=reward_fn, pad_id=pad_id,
-                          autocast_dtype=self.autocast_dtype, prompt_draws=0, threads=rollout, seed=cfg.seed + 7919)
+                          autocast_dtype=self.autocast_dtype, prompt_draws=0, threads=rollout, seed=cfg.seed + 7919,
+                          max_staleness=cfg.max_staleness)
         regen_prompts = PromptStream(self.task, cfg.seed + 104_729)
         regen = Collector(cfg, self.model, tokenizer, reward_fn, regen_prompts, self.dist, pad_id,
                           autocast_dtype=self.autocast_dtype)

@@ -4,7 +4,7 @@
 Runs, in one process group: ``group`` (rollout_rng=group, compared with one process), ``lora`` (the same with
 LoRA adapters), ``uneven`` (3 groups: a rank with no rows in a mini-batch),
 ``lag`` (group, staleness=2), ``stream`` (per-rank RNG streams), ``killed`` (stream, killed after step 2's metrics, so the
-step-1 checkpoint is the last) and ``killed`` resumed. Not a test module (no ``test_`` prefix).
+step-1 checkpoint is the last) and ``killed`` resumed; ``async`` (async_rollouts=true: refused on every rank). Not a test module (no ``test_`` prefix).
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ def main(out: Path) -> None:
     except Killed:
         pass
     run(out, "killed", resume=True, rollout_rng="stream")
+    from echotrain.train.async_rollouts import AsyncUnsupported
+
+    try:  # asynchronous rollouts are refused under torchrun, on every rank, before any step
+        run(out, "async", async_rollouts=True)
+    except AsyncUnsupported as exc:
+        (out / f"async_refused_rank{torch.distributed.get_rank()}.txt").write_text(str(exc))
     import torch.distributed as dist
 
     dist.destroy_process_group()

@@ -151,3 +151,10 @@ def test_rank_seeds_are_the_run_seed_on_rank_0_and_distinct_elsewhere():
         assert seeds[0] == seed and len(set(seeds)) == 8
         assert all(0 <= s < 2**63 for s in seeds)
     assert rank_seed(0, 1) != rank_seed(1, 1)
+
+
+def test_async_rollouts_are_refused_under_torchrun(two_process_runs):
+    for rank in (0, 1):
+        text = (two_process_runs / f"async_refused_rank{rank}.txt").read_text()
+        assert "async_rollouts=true is not supported under torchrun" in text and "staleness=k" in text
+    assert not (two_process_runs / "async" / "metrics.jsonl").exists()

@@ -98,3 +98,20 @@ def run_on_ranks(world: int, work: Callable[[int, ThreadAllReduce], None]) -> No
 def run_ranks():
     """The :func:`run_on_ranks` function."""
     return run_on_ranks
+
+
+def _echo_token_ratios(log_prob, old_log_prob, response_mask, cfg):
+    """ECHO's rho~ = kappa rho over one whole step by the loss's own path (its private
+    ``_rescale``): ``(rho~ (B, T), R, kappa, clipped)``."""
+    from echotrain.rl.echo import _rescale
+    from echotrain.rl.surrogate import clamped_log_ratio
+
+    mask = response_mask.bool()
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
+    return _rescale(log_ratio, mask, cfg, log_ratio.sum(dtype=torch.float64))
+
+
+@pytest.fixture(scope="session")
+def echo_token_ratios():
+    """The :func:`_echo_token_ratios` function (session scope: usable by hypothesis tests)."""
+    return _echo_token_ratios

@@ -124,7 +124,7 @@ def test_literal_accepts_its_values_only():
     assert conv("a") == "a" and conv("3") == 3 and conv(3) == 3
     with pytest.raises(ValueError):
         conv("c")
-    assert type_name(Literal["a", "b"]) == "one of 'a', 'b'" and type_name(int | None) == "int"
+    assert type_name(Literal["a", "b"]) == "choice of 'a', 'b'" and type_name(int | None) == "int"
     assert type_name(list[str]) == "list"
 
 

@@ -183,12 +183,12 @@ def coercer(annotation: Any) -> Coercer:
 
 def type_name(annotation: Any) -> str:
     """How an error message names the type: ``int`` for ``int | None``, ``list`` for ``list[str]``,
-    ``one of 'a', 'b'`` for ``Literal['a', 'b']``."""
+    ``choice of 'a', 'b'`` for ``Literal['a', 'b']``."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Union or origin is types.UnionType:
         return type_name(next(a for a in args if a is not type(None)))
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
+        return "choice of " + ", ".join(repr(a) for a in args)
     return getattr(origin or annotation, "__name__", str(annotation))
 
 

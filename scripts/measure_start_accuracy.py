@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import time
 
 import torch
+
+from _report import report  # scripts/_report.py
 
 
 def _parse_opt(text: str):
@@ -92,10 +93,7 @@ def main() -> None:
     }
     for ex, c, r in list(zip(examples, completions, rewards.tolist()))[: args.show]:
         print(f"--- Q: {ex.question!r} gold={ex.answer!r} reward={r}\n{c!r}")
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import defaultdict
 
 import torch
+
+from _report import report  # scripts/_report.py
 
 
 def main() -> None:
@@ -69,7 +70,7 @@ def main() -> None:
         out[f"greedy_truncated@{budget}"] = sum(r[3] for r in rows) / len(rows)
         out[f"greedy_seconds@{budget}"] = round(sec, 1)
     if args.samples < 1:
-        print(json.dumps(out, indent=1))
+        report(out, args.json)  # greedy budgets only
         return
     rows, sec = run(args.samples, args.max_new_tokens, True)
     g = torch.tensor([r[0] for r in rows])
@@ -85,10 +86,7 @@ def main() -> None:
     out["by_n_terms"] = {n: {"accuracy": round(sum(r[2] for r in v) / len(v), 3),
                              "mean_length": round(sum(r[1] for r in v) / len(v), 1),
                              "truncated": round(sum(r[3] for r in v) / len(v), 3)} for n, v in sorted(by_n.items())}
-    print(json.dumps(out, indent=1))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    report(out, args.json)
 
 
 if __name__ == "__main__":

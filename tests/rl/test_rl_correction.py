@@ -5,7 +5,6 @@ registered loss x every aggregation mode (by enumeration), and bad settings."""
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
 import torch
@@ -209,44 +208,20 @@ def test_random_micro_batch_splits_match_one_batch(name, cfg, loss_mode, agg):
             assert metrics[k] == pytest.approx(ref_metrics[k], rel=1e-10, abs=1e-12), k
 
 
-class _ThreadAllReduce:
-    def __init__(self, world):
-        self.barrier, self.buf = threading.Barrier(world), [None] * world
-
-    def for_rank(self, rank):
-        def reduce(t, op):
-            self.buf[rank] = t.clone()
-            self.barrier.wait()
-            s = torch.stack(self.buf)
-            out = s.sum(0) if op == "sum" else s.max(0).values
-            self.barrier.wait()
-            return t.copy_(out)
-
-        return reduce
-
-
 @pytest.mark.parametrize("loss_mode", list(POLICY_LOSSES))
 @pytest.mark.parametrize("name,cfg", _correction_cases(), ids=[c[0] for c in _correction_cases()])
-def test_two_simulated_ranks_match_one_batch(name, cfg, loss_mode):
+def test_two_simulated_ranks_match_one_batch(name, cfg, loss_mode, run_ranks):
     b, agg, world = _batch(), "seq-mean-token-mean", 2
     _, ref_grad, _ = _loss_grad(loss_mode, agg, cfg, [b])
-    reducer, grads, errors = _ThreadAllReduce(world), {}, []
+    grads = {}
 
-    def work(rank):
-        try:
-            mbs = split_micro_batches(shard_batch(b, rank, world), 2)
-            step = compute_step_stats(mbs, loss_mode=loss_mode, loss_agg_mode=agg, config=cfg,
-                                      reduce_fn=reducer.for_rank(rank), dp_size=1)
-            grads[rank] = _loss_grad(loss_mode, agg, cfg, mbs, step)[1]
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-            reducer.barrier.abort()
+    def work(rank, reducer):
+        mbs = split_micro_batches(shard_batch(b, rank, world), 2)
+        step = compute_step_stats(mbs, loss_mode=loss_mode, loss_agg_mode=agg, config=cfg,
+                                  reduce_fn=reducer.for_rank(rank), dp_size=1)
+        grads[rank] = _loss_grad(loss_mode, agg, cfg, mbs, step)[1]
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    if errors:
-        raise errors[0]
+    run_ranks(world, work)
     torch.testing.assert_close(torch.cat([grads[0], grads[1]]), ref_grad, rtol=0, atol=1e-10)
 
 

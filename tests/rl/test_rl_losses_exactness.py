@@ -1,4 +1,4 @@
-"""Every loss of echotrain.rl.losses is exact under micro-batches and (emulated) ranks.
+"""Every registered policy loss is exact under micro-batches and (emulated) ranks.
 
 One big batch (``step=None``) vs random micro-batch splits through ``compute_step_stats`` /
 ``compute_policy_loss(..., step=)``: the summed losses and gradients equal the big batch's, for
@@ -14,7 +14,6 @@ from echotrain import rl
 from echotrain.rl import compute_policy_loss, compute_step_stats, split_micro_batches, step_agg_loss
 from tests.rl.conftest import make_batch
 
-NEW_LOSSES = ["cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "gpg", "clip_cov", "kl_cov", "dro", "luspo", "vespo"]
 CFG = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, norm_constant=7.0, dro_beta=0.5,
            kl_cov_ratio=0.1, clip_cov_ratio=0.05, clip_cov_lb=-0.05, clip_cov_ub=0.5)
 
@@ -41,7 +40,7 @@ def _big_and_split(loss_mode, agg, sizes, seed=0, B=24, T=7):
 
 
 @pytest.mark.parametrize("agg", list(rl.AGG_MODES))
-@pytest.mark.parametrize("loss_mode", NEW_LOSSES)
+@pytest.mark.parametrize("loss_mode", list(rl.POLICY_LOSSES))
 def test_micro_batches_equal_one_big_batch(loss_mode, agg):
     g = torch.Generator().manual_seed(hash((loss_mode, agg)) % 10_000)
     cuts = sorted(torch.randint(0, 25, (3,), generator=g).tolist())

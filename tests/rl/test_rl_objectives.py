@@ -9,16 +9,6 @@ import pytest
 import torch
 
 from echotrain.rl import AGG_MODES, POLICY_LOSSES, PolicyLossConfig, compute_policy_loss
-from echotrain.rl.echo import _rescale
-from echotrain.rl.surrogate import clamped_log_ratio
-
-def echo_token_ratios(log_prob, old_log_prob, response_mask, cfg):
-    """ECHO's rho~ = kappa rho over one whole step by the loss's own path (its private
-    ``_rescale``): ``(rho~ (B, T), R, kappa, clipped)``."""
-    mask = response_mask.bool()
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
-    return _rescale(log_ratio, mask, cfg, log_ratio.sum(dtype=torch.float64))
-
 
 
 def _tokens(log_ratios, advs, mask=None, dtype=torch.float64):
@@ -255,7 +245,7 @@ def test_echo_clipped_gradient_matches_closed_form_with_baseline(batch_ratio, dr
 
 
 @pytest.mark.parametrize("batch_ratio", ["geo", "arith"])
-def test_echo_preserves_ratios_between_tokens_and_hits_the_bound(batch_ratio):
+def test_echo_preserves_ratios_between_tokens_and_hits_the_bound(echo_token_ratios, batch_ratio):
     old, lp, adv, mask = _echo_batch(-0.3)
     cfg = PolicyLossConfig(batch_ratio=batch_ratio, batch_clip_low=0.05)
     rho_t, R, kappa, clipped = echo_token_ratios(lp, old, mask, cfg)

@@ -18,18 +18,8 @@ from echotrain.rl import (
     split_micro_batches,
     zero_variance_groups,
 )
-from echotrain.rl.echo import _rescale
-from echotrain.rl.surrogate import clamped_log_ratio
 
 SETTINGS = settings(max_examples=25, deadline=None)
-
-
-def echo_token_ratios(log_prob, old_log_prob, response_mask, cfg):
-    """ECHO's rho~ = kappa rho over one whole step by the loss's own path (its private
-    ``_rescale``): ``(rho~ (B, T), R, kappa, clipped)``."""
-    mask = response_mask.bool()
-    log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
-    return _rescale(log_ratio, mask, cfg, log_ratio.sum(dtype=torch.float64))
 
 
 @st.composite
@@ -119,7 +109,7 @@ def test_token_weights_are_normalised(batch, agg):
 
 @SETTINGS
 @given(batch=batches(), batch_ratio=st.sampled_from(["geo", "arith"]), band=st.floats(0.001, 0.3))
-def test_echo_rescaled_ratios_keep_token_ratios_and_stay_in_band(batch, batch_ratio, band):
+def test_echo_rescaled_ratios_keep_token_ratios_and_stay_in_band(echo_token_ratios, batch, batch_ratio, band):
     mask = batch["response_mask"]
     cfg = PolicyLossConfig(batch_ratio=batch_ratio, batch_clip_low=band, batch_clip_high=band)
     rho_t, R, kappa, clipped = echo_token_ratios(batch["log_prob"], batch["old_log_prob"], mask, cfg)

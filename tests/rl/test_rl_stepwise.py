@@ -8,8 +8,6 @@ micro-batch (any loss is), finite gradients under any split."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -111,55 +109,24 @@ def test_random_micro_batch_split_matches_single_batch(batch_factory, loss_mode,
         torch.testing.assert_close(grad, ref_grad, rtol=0, atol=tol)
 
 
-class ThreadAllReduce:
-    """Emulates ``all_reduce`` across ``world`` ranks that run as threads of one process."""
-
-    def __init__(self, world: int):
-        self.barrier = threading.Barrier(world)
-        self.buf: list[torch.Tensor | None] = [None] * world
-
-    def for_rank(self, rank: int):
-        def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
-            self.buf[rank] = t.clone()
-            self.barrier.wait()
-            stacked = torch.stack(self.buf)
-            out = stacked.sum(0) if op == "sum" else stacked.max(0).values
-            self.barrier.wait()
-            return t.copy_(out)
-
-        return reduce
-
-
-def _run_ranks(batch, loss_mode, agg, cfg, world=2, mb_size=2, dp_size=None):
+def _run_ranks(run_ranks, batch, loss_mode, agg, cfg, world=2, mb_size=2, dp_size=None):
     """Each simulated rank: shard -> micro-batches -> step stats (thread all-reduce) -> backward."""
-    reducer = ThreadAllReduce(world)
     out: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
 
-    def work(rank):
-        try:
-            mbs = split_micro_batches(shard_batch(batch, rank, world), mb_size)
-            step = compute_step_stats(
-                mbs, loss_mode=loss_mode, loss_agg_mode=agg, config=cfg, reduce_fn=reducer.for_rank(rank), dp_size=dp_size
-            )
-            out[rank] = _accumulate(mbs, loss_mode, agg, cfg, step)[1]
-        except BaseException as e:  # surfaced in the main thread
-            errors.append(e)
-            reducer.barrier.abort()
+    def work(rank, reducer):
+        mbs = split_micro_batches(shard_batch(batch, rank, world), mb_size)
+        step = compute_step_stats(
+            mbs, loss_mode=loss_mode, loss_agg_mode=agg, config=cfg, reduce_fn=reducer.for_rank(rank), dp_size=dp_size
+        )
+        out[rank] = _accumulate(mbs, loss_mode, agg, cfg, step)[1]
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_ranks(world, work)
     return torch.cat([out[r] for r in range(world)])
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize("loss_mode,name,overrides", CASES, ids=[c[1] for c in CASES])
-def test_two_simulated_ranks_match_single_batch(batch_factory, loss_mode, name, overrides, agg):
+def test_two_simulated_ranks_match_single_batch(batch_factory, run_ranks, loss_mode, name, overrides, agg):
     if not _exact(loss_mode):
         pytest.skip(f"loss_mode={loss_mode!r} declares it is not exact under splits: "
                     f"{POLICY_LOSSES.info(loss_mode)['exact']}")
@@ -167,7 +134,7 @@ def test_two_simulated_ranks_match_single_batch(batch_factory, loss_mode, name, 
     # shard 0 holds groups 0 and half of group 1 -> groups straddle ranks.
     batch = _drifted_batch(batch_factory, seed=5)
     _, ref_grad, _ = _oracle_grad(batch, loss_mode, agg, cfg)
-    grad = _run_ranks(batch, loss_mode, agg, cfg)  # ranks' grads summed (dp_size=1)
+    grad = _run_ranks(run_ranks, batch, loss_mode, agg, cfg)  # ranks' grads summed (dp_size=1)
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-10)
 
 
@@ -182,23 +149,23 @@ ECHO_FLAG_CASES = [
 
 @pytest.mark.parametrize("agg", ["token-mean", "balanced"])
 @pytest.mark.parametrize("name,overrides", ECHO_FLAG_CASES, ids=[c[0] for c in ECHO_FLAG_CASES])
-def test_two_simulated_ranks_match_single_batch_for_echo_flags(batch_factory, name, overrides, agg):
+def test_two_simulated_ranks_match_single_batch_for_echo_flags(batch_factory, run_ranks, name, overrides, agg):
     """ECHO's open-choice flags (tests/rl/test_rl_echo_flags.py) stay exact across ranks too."""
     cfg = _cfg(overrides)
     batch = _drifted_batch(batch_factory, seed=5)
     _, ref_grad, ref_metrics = _oracle_grad(batch, "echo", agg, cfg)
     assert ref_metrics["echo/batch_clipped"] == 1.0
-    grad = _run_ranks(batch, "echo", agg, cfg)
+    grad = _run_ranks(run_ranks, batch, "echo", agg, cfg)
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-10)
 
 
-def test_dp_size_makes_ddp_average_exact(batch_factory):
+def test_dp_size_makes_ddp_average_exact(batch_factory, run_ranks):
     """DDP averages rank gradients: with dp_size=world the average is the global gradient."""
     cfg = _cfg({"batch_ratio": "geo"})
     batch = _drifted_batch(batch_factory, seed=11)
     _, ref_grad, _ = _oracle_grad(batch, "echo", "balanced", cfg)
     # Each rank's rows only get that rank's gradient; DDP's average over 2 ranks is grad / 2.
-    grad = _run_ranks(batch, "echo", "balanced", cfg, dp_size=2) / 2
+    grad = _run_ranks(run_ranks, batch, "echo", "balanced", cfg, dp_size=2) / 2
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-10)
 
 

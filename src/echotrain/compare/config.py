@@ -154,7 +154,7 @@ def _train_keys(values: dict[str, Any], where: str) -> dict[str, Any]:
         if k in CELL_KEYS:
             raise ConfigError(f"{where}: {k!r} is set per cell by compare (use seeds: / output_dir: at the top level)")
         if k not in FIELDS:
-            from echotrain.train.config import _suggest
+            from echotrain.train.config.parse import _suggest
 
             raise ConfigError(f"{where}: unknown key {k!r}" + _suggest(k))
     return values

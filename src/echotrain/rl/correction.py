@@ -63,33 +63,40 @@ from echotrain.rl.validation import as_bool_mask, check_finite, check_same_shape
 #: batch; with a correction the loss returns them too, per optimizer step, and the trainer's
 #: whole-batch value is the one written); the others come with each optimizer step's loss when a ``rollout_correction`` is set
 #: (``reduce="mean"``: one value per optimizer step, averaged over the step's optimizer steps).
+_MISMATCH_WHEN = "every step (rollout_log_prob recorded)"
+
+
+def _mismatch(name: str, help: str, **plot: str) -> Metric:
+    """A train/inference mismatch metric: nats, one value per training step from the whole batch."""
+    return declare_metric(name, reduce="step", unit="nats", when=_MISMATCH_WHEN, help=help, **plot)
+
+
+def _corrected(name: str, unit: str, help: str, **plot: str) -> Metric:
+    """A metric of the correction stage: one value per optimizer step, averaged over the step's."""
+    return declare_metric(name, reduce="mean", unit=unit, when="rollout_correction set", help=help, **plot)
+
+
 CORRECTION_METRICS: dict[str, Metric] = {m.name: m for m in (
-    declare_metric("rollout_corr/log_prob_abs_diff", reduce="step", unit="nats", when="every step (rollout_log_prob recorded)",
-                   help="mean |rollout_log_prob - old_log_prob| over valid tokens (train/inference mismatch)"),
-    declare_metric("rollout_corr/kl", reduce="step", unit="nats", when="every step (rollout_log_prob recorded)", panel="Policy drift", label="rollout_corr/kl = KL(rollout || old), k1",
-                   help="k1 KL(mu || pi_old): mean (rollout_log_prob - old_log_prob); verl rollout_corr/kl"),
-    declare_metric("rollout_corr/k3_kl", reduce="step", unit="nats", when="every step (rollout_log_prob recorded)",
-                   help="k3 KL(mu || pi_old): mean (w - 1 - log w), w = pi_old/mu; verl rollout_corr/k3_kl"),
-    declare_metric("rollout_corr/is_mean", reduce="mean", unit="1", when="rollout_correction set",
-                   help="mean correction weight over kept tokens, before batch normalisation"),
-    declare_metric("rollout_corr/is_min", reduce="mean", unit="1", when="rollout_correction set",
-                   help="smallest correction weight on a kept token, before batch normalisation"),
-    declare_metric("rollout_corr/is_max", reduce="mean", unit="1", when="rollout_correction set",
-                   help="largest correction weight on a kept token, before batch normalisation"),
-    declare_metric("rollout_corr/ess", reduce="mean", unit="fraction", when="rollout_correction set", panel="Rollout correction", label="effective sample size",
-                   help="effective sample size (sum w)^2 / (n sum w^2) over kept tokens, in (0, 1]"),
-    declare_metric("rollout_corr/frac_high", reduce="mean", unit="fraction", when="rollout_correction set", panel="Rollout correction", label="frac_high",
-                   help="valid tokens truncated, masked or rejected above the upper threshold"),
-    declare_metric("rollout_corr/frac_low", reduce="mean", unit="fraction", when="rollout_correction set", panel="Rollout correction", label="frac_low",
-                   help="valid tokens truncated, masked or rejected below the lower threshold"),
-    declare_metric("rollout_corr/zero_weight_frac", reduce="mean", unit="fraction", when="rollout_correction set",
-                   help="kept tokens whose correction weight is 0 (masked)"),
-    declare_metric("rollout_corr/rejected_frac", reduce="mean", unit="fraction", when="rollout_correction set",
-                   help="valid tokens removed from the loss by rejection"),
-    declare_metric("rollout_corr/seq_rejected_frac", reduce="mean", unit="fraction", when="rollout_correction set",
-                   help="non-empty sequences with a rejected token"),
-    declare_metric("rollout_corr/batch_norm_factor", reduce="mean", unit="1", when="rollout_correction set",
-                   help="the step's mean weight the weights were divided by (1 without batch normalisation)"),
+    _mismatch("rollout_corr/log_prob_abs_diff",
+              "mean |rollout_log_prob - old_log_prob| over valid tokens (train/inference mismatch)"),
+    _mismatch("rollout_corr/kl", "k1 KL(mu || pi_old): mean (rollout_log_prob - old_log_prob); verl rollout_corr/kl",
+              panel="Policy drift", label="rollout_corr/kl = KL(rollout || old), k1"),
+    _mismatch("rollout_corr/k3_kl", "k3 KL(mu || pi_old): mean (w - 1 - log w), w = pi_old/mu; verl rollout_corr/k3_kl"),
+    _corrected("rollout_corr/is_mean", "1", "mean correction weight over kept tokens, before batch normalisation"),
+    _corrected("rollout_corr/is_min", "1", "smallest correction weight on a kept token, before batch normalisation"),
+    _corrected("rollout_corr/is_max", "1", "largest correction weight on a kept token, before batch normalisation"),
+    _corrected("rollout_corr/ess", "fraction", "effective sample size (sum w)^2 / (n sum w^2) over kept tokens, in (0, 1]",
+               panel="Rollout correction", label="effective sample size"),
+    _corrected("rollout_corr/frac_high", "fraction",
+               "valid tokens truncated, masked or rejected above the upper threshold",
+               panel="Rollout correction", label="frac_high"),
+    _corrected("rollout_corr/frac_low", "fraction", "valid tokens truncated, masked or rejected below the lower threshold",
+               panel="Rollout correction", label="frac_low"),
+    _corrected("rollout_corr/zero_weight_frac", "fraction", "kept tokens whose correction weight is 0 (masked)"),
+    _corrected("rollout_corr/rejected_frac", "fraction", "valid tokens removed from the loss by rejection"),
+    _corrected("rollout_corr/seq_rejected_frac", "fraction", "non-empty sequences with a rejected token"),
+    _corrected("rollout_corr/batch_norm_factor", "1",
+               "the step's mean weight the weights were divided by (1 without batch normalisation)"),
 )}
 
 

@@ -112,12 +112,8 @@ class ReasoningGymTask(IndexedTask):
         else:
             raise ValueError(f"one_shot must be 'auto', None or a (user, assistant) pair, got {one_shot!r}")
 
-    def __len__(self) -> int:
-        return self.size
-
     def __getitem__(self, index: int) -> Example:
-        if not 0 <= index < self.size:
-            raise IndexError(f"index {index} out of range for task {self.name} of size {self.size}")
+        self.check_index(index)
         entry = self.dataset[index]
         return self.chat_example(index, entry["question"], str(entry["answer"]), {"entry": entry})
 

@@ -1,8 +1,9 @@
 """A mixin for tasks that are a fixed sequence of examples (JSONL math sets, multiple-choice
 benchmarks, the testbed): iteration, reproducible sampling and the format check, written once.
 
-A class that defines ``__len__``, ``__getitem__`` (an :class:`~echotrain.tasks.base.Example` per
-index, ``IndexError`` outside ``range(len(self))``) and ``extract`` gets the rest of the
+A class that defines ``__getitem__`` (an :class:`~echotrain.tasks.base.Example` per index,
+``IndexError`` outside ``range(len(self))``, e.g. by :meth:`IndexedTask.check_index`), ``extract``
+and either a ``size`` attribute or its own ``__len__`` gets the rest of the
 :class:`~echotrain.tasks.base.Task` protocol's sequence part from :class:`IndexedTask`.
 """
 
@@ -20,6 +21,16 @@ class IndexedTask:
     name: str
     system: str | None = None
     one_shot: tuple[str, str] | None = None
+
+    def __len__(self) -> int:
+        """The task's ``size`` (a class holding its examples otherwise defines its own)."""
+        return self.size  # type: ignore[attr-defined]
+
+    def check_index(self, index: int) -> None:
+        """Raises:
+        IndexError: ``index`` outside ``range(len(self))``, naming the task and its size."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for task {self.name} of size {len(self)}")
 
     def __iter__(self) -> Iterator[Example]:
         for i in range(len(self)):  # type: ignore[arg-type]

@@ -102,12 +102,8 @@ class TestbedTask(IndexedTask):
             offset += 1_000_003
         self._items = items
 
-    def __len__(self) -> int:
-        return self.size
-
     def __getitem__(self, index: int) -> Example:
-        if not 0 <= index < self.size:
-            raise IndexError(f"index {index} out of range for task testbed of size {self.size}")
+        self.check_index(index)
         expr, answer = self._items[index]
         prompt = prompt_of(expr)
         return Example(messages=prompt, question=prompt, answer=answer, task=self.name, index=index,

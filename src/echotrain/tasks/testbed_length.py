@@ -175,12 +175,8 @@ class LengthTestbedTask(IndexedTask):
             items.append(terms)
         self._items = items
 
-    def __len__(self) -> int:
-        return self.size
-
     def __getitem__(self, index: int) -> Example:
-        if not 0 <= index < self.size:
-            raise IndexError(f"index {index} out of range for task testbed-length of size {self.size}")
+        self.check_index(index)
         terms = self._items[index]
         prompt = prompt_of(terms)
         return Example(messages=prompt, question=prompt, answer=str(sum(terms)), task=self.name, index=index,

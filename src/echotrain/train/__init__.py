@@ -1,6 +1,6 @@
 """echotrain.train: orchestration of RL from verifiable rewards (the math is in echotrain.rl).
 
-- :mod:`~echotrain.train.config`     ``TrainConfig`` (every field documented), presets, validation
+- :mod:`~echotrain.train.config`     ``TrainConfig`` (every field documented), parsing, presets, validation, help
 - :mod:`~echotrain.train.trainer`    ``Trainer``: rollout -> reward -> advantage -> old log-probs -> update
 - :mod:`~echotrain.train.checkpoint` writing atomic checkpoints, keep-last-k, RNG states, resume
 - :mod:`~echotrain.train.metrics`    metrics.jsonl / samples.jsonl / eval.jsonl, summary table

@@ -17,14 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from echotrain.train.config import (
-    ConfigError,
-    _safe_load_file,
-    format_help,
-    load_yaml,
-    parse_overrides,
-    resolve_config,
-)
+from echotrain.train.config import ConfigError, format_help, load_yaml, parse_overrides, resolve_config
+from echotrain.train.config.parse import _safe_load_file
 from echotrain.runtime.precision import AUTOCAST_CHOICES
 
 TRAIN_EPILOG = """\

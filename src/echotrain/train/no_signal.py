@@ -9,7 +9,7 @@ does this on every step, and the run trains nothing while looking normal.
 The trainer records, per step, whether every group of the step had zero reward variance
 (:data:`METRICS`), and warns once in the terminal when the first ``no_signal_steps`` steps an
 invocation runs all did (a run shorter than that: at its last step); the closing summary counts
-such steps. ``no_signal_steps`` is a trainer key (``train/config.py``; 0 = never warn).
+such steps. ``no_signal_steps`` is a trainer key (``train/config/schema.py``; 0 = never warn).
 """
 
 from __future__ import annotations

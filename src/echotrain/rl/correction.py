@@ -66,36 +66,36 @@ from echotrain.rl.validation import as_bool_mask, check_finite, check_same_shape
 _MISMATCH_WHEN = "every step (rollout_log_prob recorded)"
 
 
-def _mismatch(name: str, help: str, **plot: str) -> Metric:
+def _declare_mismatch(name: str, help: str, **plot: str) -> Metric:
     """A train/inference mismatch metric: nats, one value per training step from the whole batch."""
     return declare_metric(name, reduce="step", unit="nats", when=_MISMATCH_WHEN, help=help, **plot)
 
 
-def _corrected(name: str, unit: str, help: str, **plot: str) -> Metric:
+def _declare_corrected(name: str, unit: str, help: str, **plot: str) -> Metric:
     """A metric of the correction stage: one value per optimizer step, averaged over the step's."""
     return declare_metric(name, reduce="mean", unit=unit, when="rollout_correction set", help=help, **plot)
 
 
 CORRECTION_METRICS: dict[str, Metric] = {m.name: m for m in (
-    _mismatch("rollout_corr/log_prob_abs_diff",
+    _declare_mismatch("rollout_corr/log_prob_abs_diff",
               "mean |rollout_log_prob - old_log_prob| over valid tokens (train/inference mismatch)"),
-    _mismatch("rollout_corr/kl", "k1 KL(mu || pi_old): mean (rollout_log_prob - old_log_prob); verl rollout_corr/kl",
+    _declare_mismatch("rollout_corr/kl", "k1 KL(mu || pi_old): mean (rollout_log_prob - old_log_prob); verl rollout_corr/kl",
               panel="Policy drift", label="rollout_corr/kl = KL(rollout || old), k1"),
-    _mismatch("rollout_corr/k3_kl", "k3 KL(mu || pi_old): mean (w - 1 - log w), w = pi_old/mu; verl rollout_corr/k3_kl"),
-    _corrected("rollout_corr/is_mean", "1", "mean correction weight over kept tokens, before batch normalisation"),
-    _corrected("rollout_corr/is_min", "1", "smallest correction weight on a kept token, before batch normalisation"),
-    _corrected("rollout_corr/is_max", "1", "largest correction weight on a kept token, before batch normalisation"),
-    _corrected("rollout_corr/ess", "fraction", "effective sample size (sum w)^2 / (n sum w^2) over kept tokens, in (0, 1]",
+    _declare_mismatch("rollout_corr/k3_kl", "k3 KL(mu || pi_old): mean (w - 1 - log w), w = pi_old/mu; verl rollout_corr/k3_kl"),
+    _declare_corrected("rollout_corr/is_mean", "1", "mean correction weight over kept tokens, before batch normalisation"),
+    _declare_corrected("rollout_corr/is_min", "1", "smallest correction weight on a kept token, before batch normalisation"),
+    _declare_corrected("rollout_corr/is_max", "1", "largest correction weight on a kept token, before batch normalisation"),
+    _declare_corrected("rollout_corr/ess", "fraction", "effective sample size (sum w)^2 / (n sum w^2) over kept tokens, in (0, 1]",
                panel="Rollout correction", label="effective sample size"),
-    _corrected("rollout_corr/frac_high", "fraction",
+    _declare_corrected("rollout_corr/frac_high", "fraction",
                "valid tokens truncated, masked or rejected above the upper threshold",
                panel="Rollout correction", label="frac_high"),
-    _corrected("rollout_corr/frac_low", "fraction", "valid tokens truncated, masked or rejected below the lower threshold",
+    _declare_corrected("rollout_corr/frac_low", "fraction", "valid tokens truncated, masked or rejected below the lower threshold",
                panel="Rollout correction", label="frac_low"),
-    _corrected("rollout_corr/zero_weight_frac", "fraction", "kept tokens whose correction weight is 0 (masked)"),
-    _corrected("rollout_corr/rejected_frac", "fraction", "valid tokens removed from the loss by rejection"),
-    _corrected("rollout_corr/seq_rejected_frac", "fraction", "non-empty sequences with a rejected token"),
-    _corrected("rollout_corr/batch_norm_factor", "1",
+    _declare_corrected("rollout_corr/zero_weight_frac", "fraction", "kept tokens whose correction weight is 0 (masked)"),
+    _declare_corrected("rollout_corr/rejected_frac", "fraction", "valid tokens removed from the loss by rejection"),
+    _declare_corrected("rollout_corr/seq_rejected_frac", "fraction", "non-empty sequences with a rejected token"),
+    _declare_corrected("rollout_corr/batch_norm_factor", "1",
                "the step's mean weight the weights were divided by (1 without batch normalisation)"),
 )}
 

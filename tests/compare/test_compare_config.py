@@ -94,7 +94,8 @@ def test_cli_dry_run_and_errors(tmp_path, capsys):
 SHIPPED = sorted(Path(__file__).resolve().parents[2].glob("configs/compare/*.yaml"))
 #: per shipped config: an arm selection that keeps its baseline
 SELECTIONS = {"testbed": "grpo,echo", "smollm": "grpo,echo", "balanced_testbed": "token-mean,balanced",
-              "echo_band": "geo", "testbed_length": "grpo,echo"}
+              "echo_band": "geo", "testbed_length": "grpo,echo", "balanced_length": "token_mean,balanced",
+              "echo_choices_length": "echo,echo_pessimistic", "staleness_length": "grpo_nokl,echo"}
 
 
 def test_every_shipped_config_is_covered():
@@ -116,6 +117,7 @@ def test_shipped_configs_validate_whole_and_under_arms_selection(path, tmp_path,
     cells = expand_cells(load_spec(path, [f"arms={sel}"]))
     labels = {c.arm for c in cells}
     assert all(c["arm"] in labels and c["baseline"] in labels for c in kept)
+    assert all(c[k] in labels for c in kept for k in ("arm_ref", "baseline_ref") if k in c)
     assert sum(line.startswith("[") for line in captured.out.splitlines()) == len(cells)
     for d in dropped:  # each dropped claim names an unselected arm, and the command said so
         assert "not selected" in d["reason"]

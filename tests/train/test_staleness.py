@@ -189,6 +189,30 @@ def test_coupled_old_log_prob_is_the_samplers(build_trainer, tiny_tokenizer, mak
         float(datas[4].batch.rollout_entropy[datas[4].batch.response_mask.bool()].mean()), rel=1e-5)
 
 
+def test_coupled_echo_batch_ratio_sees_the_drift_since_sampling(build_trainer):
+    """recompute_old_log_prob=false with ECHO: the first mini-batch is not on-policy (old_log_prob
+    is the sampler's, two steps old), so its batch ratio R is computed from the current weights'
+    log-probs, not copied from old_log_prob (which would make it exactly 1). Recomputed and
+    synchronous, the first mini-batch's R is exactly 1."""
+    def first_mini_batch_ratios(trainer):
+        seen, inner = [], trainer.update_mini_batch
+
+        def update(data, rows, on_policy=False, fill_old=False):
+            out = inner(data, rows, on_policy=on_policy, fill_old=fill_old)
+            seen.append(out["echo/R_batch"])
+            return out
+
+        trainer.update_mini_batch = update
+        trainer.train()
+        return seen[::2]  # num_mini_batches=2: the first of each step
+
+    coupled = first_mini_batch_ratios(build_trainer(BASE, "c", staleness=2, recompute_old_log_prob=False,
+                                                    preset="echo"))
+    assert all(abs(r - 1) > 1e-5 for r in coupled[2:])  # steps 3, 4: sampled by the weights of step t - 2
+    synchronous = first_mini_batch_ratios(build_trainer(BASE, "s", preset="echo"))
+    assert synchronous == [1.0] * 4
+
+
 def test_coupled_without_lag_matches_the_recomputed_run_closely(run_trainer):
     """staleness=0: the sampler's log-probs equal the recomputed ones up to KV-cache rounding, so
     the coupled run follows the recomputed one (same rollouts at step 1, nearly the same update)."""

@@ -199,3 +199,57 @@ def test_a_stalled_worker_times_out_with_a_message(tmp_path, monkeypatch):
 def test_bad_async_settings_are_refused(tokens, message, capsys):
     assert main(["train", "async_rollouts=true", *tokens]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_worker_that_raises_ends_the_run_with_its_traceback(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the worker imports async_helpers too
+    from async_helpers import RaisingReward
+
+    from echotrain.tasks import get_task
+    from echotrain.train.async_rollouts import RolloutWorkerError
+    from echotrain.train.trainer import Trainer
+
+    cfg = resolve_config(overrides={**_over(RUN), "steps": 2, "output_dir": str(tmp_path / "r")})
+    trainer = Trainer(cfg, task=get_task("testbed"), reward_fn=RaisingReward())
+    with pytest.raises(RolloutWorkerError, match="raised an exception") as info:
+        trainer.train()
+    assert "ValueError: the reward function exploded on purpose" in str(info.value)  # its traceback
+    assert "Traceback (most recent call last)" in str(info.value) and trainer.rollouts.proc is None
+
+
+def test_publish_copies_the_weights_and_raises_the_version_under_the_lock(monkeypatch):
+    """The worker copies the buffer under the same lock, so it never reads half-written weights
+    or a version that does not match them: both writes happen while the lock is held."""
+    import echotrain.train.async_rollouts as mod
+
+    class SpyLock:
+        held = False
+
+        def __enter__(self):
+            self.held = True
+
+        def __exit__(self, *exc):
+            self.held = False
+
+    lock = SpyLock()
+
+    class Version:
+        _v = 0
+
+        @property
+        def value(self):
+            return self._v
+
+        @value.setter
+        def value(self, v):
+            assert lock.held, "version raised outside the lock"
+            self._v = v
+
+    copies, real_copy = [], mod._copy_into
+    monkeypatch.setattr(mod, "_copy_into", lambda dst, src: (copies.append(lock.held), real_copy(dst, src)))
+    ar = mod.AsyncRollouts(spec=None, model=None, prompts=None, regenerate=lambda: None, max_staleness=1)
+    ar.lock, ar.version = lock, Version()
+    ar._mine, ar._shared = [torch.arange(3.0), torch.ones(2, 2)], [torch.zeros(3), torch.zeros(2, 2)]
+    ar.publish(4)
+    assert copies == [True] and ar.version.value == 4 and ar.version_now == 4 and not lock.held
+    assert torch.equal(ar._shared[0], torch.arange(3.0)) and torch.equal(ar._shared[1], torch.ones(2, 2))

@@ -253,3 +253,19 @@ def test_publish_copies_the_weights_and_raises_the_version_under_the_lock(monkey
     ar.publish(4)
     assert copies == [True] and ar.version.value == 4 and ar.version_now == 4 and not lock.held
     assert torch.equal(ar._shared[0], torch.arange(3.0)) and torch.equal(ar._shared[1], torch.ones(2, 2))
+
+
+def test_a_batch_is_stamped_with_the_version_that_sampled_it_not_the_one_at_its_end(tmp_path, monkeypatch):
+    """The worker's second batch is sampled by version 0 (taken before the learner's first step
+    ends), and its scoring sleeps 1.5 s, during which the learner publishes version 1: the batch
+    is still version 0, so step 2 (learner version 1) trains on it at staleness 1."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the worker imports async_helpers too
+    from async_helpers import SlowReward
+
+    from echotrain.tasks import get_task
+    from echotrain.train.trainer import Trainer
+
+    cfg = resolve_config(overrides={**_over(RUN), "steps": 2, "max_staleness": 1, "output_dir": str(tmp_path / "v")})
+    task = get_task("testbed")
+    recs = Trainer(cfg, task=task, reward_fn=SlowReward(task, sleep_s=1.5)).train()
+    assert [r["staleness/max"] for r in recs] == [0, 1]

@@ -269,3 +269,55 @@ def test_a_batch_is_stamped_with_the_version_that_sampled_it_not_the_one_at_its_
     task = get_task("testbed")
     recs = Trainer(cfg, task=task, reward_fn=SlowReward(task, sleep_s=1.5)).train()
     assert [r["staleness/max"] for r in recs] == [0, 1]
+
+
+def test_the_regeneration_stream_position_is_checkpointed_and_restored():
+    from echotrain.train.async_rollouts import AsyncRollouts
+    from echotrain.train.collect import PromptStream
+
+    def rollouts(draws):
+        regen = PromptStream(None, 0)
+        regen.draws = draws
+        return AsyncRollouts(spec=None, model=None, prompts=PromptStream(None, 0), regenerate=lambda: None,
+                             max_staleness=3, stale="regenerate", regen_prompts=regen)
+
+    state = rollouts(11).state_dict()
+    assert state == {"mode": "async", "max_staleness": 3, "regen_draws": 11}
+    resumed = rollouts(0)
+    resumed.load_state_dict(state)
+    assert resumed.regen_prompts.draws == 11
+    resumed.load_state_dict({"queue": [], "staleness": 2})  # a fixed-lag checkpoint: the stream starts fresh
+    assert resumed.regen_prompts.draws == 11
+
+
+def test_learner_wait_frac_is_the_wait_over_the_whole_step():
+    """Two takes of 0.1 s each (the first batch too old, dropped) in a step of 2 s: 0.2 / 2."""
+    import queue
+
+    from echotrain.train.async_rollouts import AsyncRollouts, _encode
+    from echotrain.train.collect import PromptStream
+
+    class SlowQueue(queue.Queue):
+        def get(self, block=True, timeout=None):
+            time.sleep(0.1)
+            return super().get(block, timeout)
+
+    def batch(version):
+        from echotrain.runtime.rollout import RolloutBatch
+        from echotrain.train.step import StepData
+
+        z = torch.zeros(2, 3, dtype=torch.long)
+        b = RolloutBatch(prompt_ids=z, prompt_mask=z + 1, response_ids=z, response_mask=torch.ones(2, 3),
+                         group_index=torch.zeros(2, dtype=torch.long), truncated=torch.zeros(2, dtype=torch.bool))
+        d = StepData(batch=b, rewards=torch.zeros(2), correct=torch.zeros(2), format_ok=torch.ones(2, dtype=torch.bool),
+                     examples=[None] * 2, texts=[""] * 2)
+        d.rollout_version = torch.full((2,), version, dtype=torch.long)
+        return d
+
+    ar = AsyncRollouts(spec=None, model=None, prompts=PromptStream(None, 0), regenerate=lambda: None, max_staleness=1)
+    ar.proc, ar.queue = _Alive(), SlowQueue()
+    for v in (2, 3):
+        ar.queue.put(("batch", _encode(batch(v)), 1, 1.0, 0.0, 0))
+    m = ar.step_metrics(5, ar.rollouts_for(5), step_seconds=2.0)
+    assert m["async/dropped"] == 1
+    assert 0.2 / 2 <= m["async/learner_wait_frac"] < 0.2 / 2 + 0.05

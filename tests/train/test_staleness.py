@@ -223,6 +223,22 @@ def test_coupled_without_lag_matches_the_recomputed_run_closely(run_trainer):
     assert coupled[0]["grad_norm"] == pytest.approx(recomputed[0]["grad_norm"], rel=1e-3)
 
 
+def test_coupled_without_the_samplers_entropy_is_a_clear_error(build_trainer):
+    """A rollout batch that does not carry the sampler's entropy (a generate that did not record
+    it) cannot train coupled: the step names the setting instead of failing on None."""
+    trainer = build_trainer(BASE, steps=1, recompute_old_log_prob=False)
+    inner = trainer.rollouts.rollouts_for
+
+    def without_entropy(step):
+        data = inner(step)
+        data.batch.rollout_entropy = None
+        return data
+
+    trainer.rollouts.rollouts_for = without_entropy
+    with pytest.raises(RuntimeError, match="recompute_old_log_prob=false needs the sampler's log-probs and entropy"):
+        trainer.train()
+
+
 def test_coupled_with_a_correction_is_refused(capsys):
     from echotrain.cli import main
 

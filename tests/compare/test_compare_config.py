@@ -247,3 +247,15 @@ def test_a_difference_claim_needs_both_references(tmp_path, capsys):
     path.write_text(__import__("yaml").safe_dump(spec))
     assert main(["compare", str(path), "--dry-run"]) == 2
     assert "verdict[0].baseline_ref='c' is not valid" in capsys.readouterr().err
+
+
+def test_a_difference_claim_whose_reference_arm_is_not_selected_is_dropped(tmp_path):
+    """arms=a,b keeps a claim on a vs b, but drops (a - c) vs (b - d): c and d are not run."""
+    arms = {k: {"preset": "grpo"} for k in ("a", "b", "c", "d")}
+    claims = [{"arm": "a", "baseline": "b"}, {"claim": "dd", "arm": "a", "arm_ref": "c", "baseline": "b",
+                                               "baseline_ref": "d"}]
+    s = spec(tmp_path, ["arms=a,b"], arms=arms, baseline="a", verdict=claims)
+    assert [c["arm"] for c in s.verdict] == ["a"] and "arm_ref" not in s.verdict[0]
+    assert s.dropped_verdicts == [{"claim": "dd", "reason": "arm(s) c, d not selected"}]
+    whole = spec(tmp_path, arms=arms, baseline="a", verdict=claims)  # all arms: both claims stay
+    assert [c.get("arm_ref") for c in whole.verdict] == [None, "c"] and whole.dropped_verdicts == []

@@ -266,3 +266,24 @@ def test_difference_of_differences_claim(tmp_path):
     write_report([root], plots=False)
     v = json.loads((root / "report" / "summary.json").read_text())["verdict"][0]
     assert v["result"] == "not run (grpo_k0 missing)"
+
+
+def test_difference_of_differences_pairs_each_arm_with_its_own_reference(tmp_path):
+    """Unequal references and a seed missing from one: per seed (e8 - e0) - (g8 - g0) in AUC
+    units 5/6 of x for (0, x, x, x), only over the seeds all four arms have.
+    e0: x = .6, .7 (no seed 2); e8: .5, .5, .5; g0: .3, .3, .3; g8: .1, .2, .3
+    -> e8 - e0 = -.1, -.2; g8 - g0 = -.2, -.1; diffs (5/6)(+.1, -.1) on seeds 0, 1."""
+    root = tmp_path / "cmp"
+    xs = {"echo_k0": (0.6, 0.7), "echo_k8": (0.5, 0.5, 0.5), "grpo_k0": (0.3, 0.3, 0.3), "grpo_k8": (0.1, 0.2, 0.3)}
+    for arm, per_seed in xs.items():
+        for seed, x in enumerate(per_seed):
+            make_run(root, arm, seed, (0.0, x, x, x))
+    claim = {"claim": "dd", "arm": "echo_k8", "arm_ref": "echo_k0", "baseline": "grpo_k8", "baseline_ref": "grpo_k0",
+             "statistic": "auc", "direction": "greater", "margin": 0.0}
+    spec = {"name": "t", "baseline": "grpo_k0", "arms": {a: {} for a in xs}, "verdict": [claim]}
+    (root / "compare.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    write_report([root], plots=False)
+    comp = json.loads((root / "report" / "summary.json").read_text())["verdict"][0]["comparison"]
+    assert comp["n"] == 2 and comp["seeds"] == [0, 1]
+    assert comp["diffs"] == pytest.approx([5 / 60, -5 / 60])
+    assert comp["arm_mean"] == pytest.approx(5 / 6 * -0.15) and comp["base_mean"] == pytest.approx(5 / 6 * -0.15)

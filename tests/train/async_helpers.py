@@ -19,3 +19,10 @@ class SlowReward:
         if self.calls == 2:
             time.sleep(self.sleep_s)
         return self.inner(completions, examples)
+
+
+class RaisingReward:
+    """A reward function that raises on its first call (in the worker process)."""
+
+    def __call__(self, completions, examples):
+        raise ValueError("the reward function exploded on purpose")

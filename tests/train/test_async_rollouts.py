@@ -165,7 +165,9 @@ def test_killing_the_worker_ends_the_run_with_its_name_and_resume_continues(tmp_
     assert time.perf_counter() - t0 < 60
     err = capsys.readouterr().err
     assert "rollout worker process (echotrain-rollout-worker, pid" in err and "died" in err and "--resume" in err
-    assert latest_checkpoint(run).name == "step_00000002.pt"  # the last completed step
+    # the last completed step: 2, or 3 when a batch was already queued at the kill
+    done = len(read_jsonl(run / "metrics.jsonl"))
+    assert done in (2, 3) and latest_checkpoint(run).name == f"step_{done:08d}.pt"
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", real_train_step)
     assert main(["train", "--resume", str(run)]) == 0
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
@@ -199,3 +201,125 @@ def test_a_stalled_worker_times_out_with_a_message(tmp_path, monkeypatch):
 def test_bad_async_settings_are_refused(tokens, message, capsys):
     assert main(["train", "async_rollouts=true", *tokens]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_worker_that_raises_ends_the_run_with_its_traceback(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the worker imports async_helpers too
+    from async_helpers import RaisingReward
+
+    from echotrain.tasks import get_task
+    from echotrain.train.async_rollouts import RolloutWorkerError
+    from echotrain.train.trainer import Trainer
+
+    cfg = resolve_config(overrides={**_over(RUN), "steps": 2, "output_dir": str(tmp_path / "r")})
+    trainer = Trainer(cfg, task=get_task("testbed"), reward_fn=RaisingReward())
+    with pytest.raises(RolloutWorkerError, match="raised an exception") as info:
+        trainer.train()
+    assert "ValueError: the reward function exploded on purpose" in str(info.value)  # its traceback
+    assert "Traceback (most recent call last)" in str(info.value) and trainer.rollouts.proc is None
+
+
+def test_publish_copies_the_weights_and_raises_the_version_under_the_lock(monkeypatch):
+    """The worker copies the buffer under the same lock, so it never reads half-written weights
+    or a version that does not match them: both writes happen while the lock is held."""
+    import echotrain.train.async_rollouts as mod
+
+    class SpyLock:
+        held = False
+
+        def __enter__(self):
+            self.held = True
+
+        def __exit__(self, *exc):
+            self.held = False
+
+    lock = SpyLock()
+
+    class Version:
+        _v = 0
+
+        @property
+        def value(self):
+            return self._v
+
+        @value.setter
+        def value(self, v):
+            assert lock.held, "version raised outside the lock"
+            self._v = v
+
+    copies, real_copy = [], mod._copy_into
+    monkeypatch.setattr(mod, "_copy_into", lambda dst, src: (copies.append(lock.held), real_copy(dst, src)))
+    ar = mod.AsyncRollouts(spec=None, model=None, prompts=None, regenerate=lambda: None, max_staleness=1)
+    ar.lock, ar.version = lock, Version()
+    ar._mine, ar._shared = [torch.arange(3.0), torch.ones(2, 2)], [torch.zeros(3), torch.zeros(2, 2)]
+    ar.publish(4)
+    assert copies == [True] and ar.version.value == 4 and ar.version_now == 4 and not lock.held
+    assert torch.equal(ar._shared[0], torch.arange(3.0)) and torch.equal(ar._shared[1], torch.ones(2, 2))
+
+
+def test_a_batch_is_stamped_with_the_version_that_sampled_it_not_the_one_at_its_end(tmp_path, monkeypatch):
+    """The worker's second batch is sampled by version 0 (taken before the learner's first step
+    ends), and its scoring sleeps 1.5 s, during which the learner publishes version 1: the batch
+    is still version 0, so step 2 (learner version 1) trains on it at staleness 1."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the worker imports async_helpers too
+    from async_helpers import SlowReward
+
+    from echotrain.tasks import get_task
+    from echotrain.train.trainer import Trainer
+
+    cfg = resolve_config(overrides={**_over(RUN), "steps": 2, "max_staleness": 1, "output_dir": str(tmp_path / "v")})
+    task = get_task("testbed")
+    recs = Trainer(cfg, task=task, reward_fn=SlowReward(task, sleep_s=1.5)).train()
+    assert [r["staleness/max"] for r in recs] == [0, 1]
+
+
+def test_the_regeneration_stream_position_is_checkpointed_and_restored():
+    from echotrain.train.async_rollouts import AsyncRollouts
+    from echotrain.train.collect import PromptStream
+
+    def rollouts(draws):
+        regen = PromptStream(None, 0)
+        regen.draws = draws
+        return AsyncRollouts(spec=None, model=None, prompts=PromptStream(None, 0), regenerate=lambda: None,
+                             max_staleness=3, stale="regenerate", regen_prompts=regen)
+
+    state = rollouts(11).state_dict()
+    assert state == {"mode": "async", "max_staleness": 3, "regen_draws": 11}
+    resumed = rollouts(0)
+    resumed.load_state_dict(state)
+    assert resumed.regen_prompts.draws == 11
+    resumed.load_state_dict({"queue": [], "staleness": 2})  # a fixed-lag checkpoint: the stream starts fresh
+    assert resumed.regen_prompts.draws == 11
+
+
+def test_learner_wait_frac_is_the_wait_over_the_whole_step():
+    """Two takes of 0.1 s each (the first batch too old, dropped) in a step of 2 s: 0.2 / 2."""
+    import queue
+
+    from echotrain.train.async_rollouts import AsyncRollouts, _encode
+    from echotrain.train.collect import PromptStream
+
+    class SlowQueue(queue.Queue):
+        def get(self, block=True, timeout=None):
+            time.sleep(0.1)
+            return super().get(block, timeout)
+
+    def batch(version):
+        from echotrain.runtime.rollout import RolloutBatch
+        from echotrain.train.step import StepData
+
+        z = torch.zeros(2, 3, dtype=torch.long)
+        b = RolloutBatch(prompt_ids=z, prompt_mask=z + 1, response_ids=z, response_mask=torch.ones(2, 3),
+                         group_index=torch.zeros(2, dtype=torch.long), truncated=torch.zeros(2, dtype=torch.bool))
+        d = StepData(batch=b, rewards=torch.zeros(2), correct=torch.zeros(2), format_ok=torch.ones(2, dtype=torch.bool),
+                     examples=[None] * 2, texts=[""] * 2)
+        d.rollout_version = torch.full((2,), version, dtype=torch.long)
+        return d
+
+    ar = AsyncRollouts(spec=None, model=None, prompts=PromptStream(None, 0), regenerate=lambda: None, max_staleness=1)
+    ar.proc, ar.queue = _Alive(), SlowQueue()
+    for v in (2, 3):
+        ar.queue.put(("batch", _encode(batch(v)), 1, 1.0, 0.0, 0))
+    m = ar.step_metrics(5, ar.rollouts_for(5), step_seconds=2.0)
+    assert m["async/dropped"] == 1
+    assert 0.2 / 2 <= m["async/learner_wait_frac"] < 0.2 / 2 + 0.05

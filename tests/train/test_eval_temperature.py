@@ -28,5 +28,24 @@ def test_sampled_evaluation_uses_the_same_draws_every_time(tmp_path):
 
 
 def test_negative_eval_temperature_is_refused(capsys):
-    assert main(["train", "eval_temperature=-1"]) == 2
+    # (tiny settings: were the check missing, the run would be one testbed step, not the default job)
+    assert main(["train", *RUN, "eval_temperature=-1"]) == 2
     assert "eval_temperature=-1.0: must be >= 0 (0 = greedy)" in capsys.readouterr().err
+
+
+def test_sampled_evaluation_does_not_change_the_training_run(tmp_path):
+    """The evaluation's sampling draws come from a forked RNG: training with a sampled evaluation
+    after every step is the run without evaluation, record for record."""
+    from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES, read_jsonl
+
+    base = [t for t in RUN if not t.startswith(("steps=", "eval_prompts="))] + ["steps=3", "lr=1e-2"]
+    assert main(["train", *base, "eval_prompts=8", "eval_every=1", "eval_temperature=1.0",
+                 f"output_dir={tmp_path / 'e'}"]) == 0
+    assert main(["train", *base, "eval_prompts=0", f"output_dir={tmp_path / 'n'}"]) == 0
+
+    def train_records(run):
+        return [{k: v for k, v in r.items() if not k.startswith(NONDETERMINISTIC_PREFIXES + ("eval/",))}
+                for r in read_jsonl(run / "metrics.jsonl")]
+
+    with_eval, without = train_records(tmp_path / "e"), train_records(tmp_path / "n")
+    assert len(with_eval) == 3 and with_eval == without

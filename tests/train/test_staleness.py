@@ -189,6 +189,30 @@ def test_coupled_old_log_prob_is_the_samplers(build_trainer, tiny_tokenizer, mak
         float(datas[4].batch.rollout_entropy[datas[4].batch.response_mask.bool()].mean()), rel=1e-5)
 
 
+def test_coupled_echo_batch_ratio_sees_the_drift_since_sampling(build_trainer):
+    """recompute_old_log_prob=false with ECHO: the first mini-batch is not on-policy (old_log_prob
+    is the sampler's, two steps old), so its batch ratio R is computed from the current weights'
+    log-probs, not copied from old_log_prob (which would make it exactly 1). Recomputed and
+    synchronous, the first mini-batch's R is exactly 1."""
+    def first_mini_batch_ratios(trainer):
+        seen, inner = [], trainer.update_mini_batch
+
+        def update(data, rows, on_policy=False, fill_old=False):
+            out = inner(data, rows, on_policy=on_policy, fill_old=fill_old)
+            seen.append(out["echo/R_batch"])
+            return out
+
+        trainer.update_mini_batch = update
+        trainer.train()
+        return seen[::2]  # num_mini_batches=2: the first of each step
+
+    coupled = first_mini_batch_ratios(build_trainer(BASE, "c", staleness=2, recompute_old_log_prob=False,
+                                                    preset="echo"))
+    assert all(abs(r - 1) > 1e-5 for r in coupled[2:])  # steps 3, 4: sampled by the weights of step t - 2
+    synchronous = first_mini_batch_ratios(build_trainer(BASE, "s", preset="echo"))
+    assert synchronous == [1.0] * 4
+
+
 def test_coupled_without_lag_matches_the_recomputed_run_closely(run_trainer):
     """staleness=0: the sampler's log-probs equal the recomputed ones up to KV-cache rounding, so
     the coupled run follows the recomputed one (same rollouts at step 1, nearly the same update)."""
@@ -197,6 +221,22 @@ def test_coupled_without_lag_matches_the_recomputed_run_closely(run_trainer):
     assert coupled[0]["reward/mean"] == recomputed[0]["reward/mean"]
     assert coupled[0]["entropy"] == pytest.approx(recomputed[0]["entropy"], abs=1e-4)
     assert coupled[0]["grad_norm"] == pytest.approx(recomputed[0]["grad_norm"], rel=1e-3)
+
+
+def test_coupled_without_the_samplers_entropy_is_a_clear_error(build_trainer):
+    """A rollout batch that does not carry the sampler's entropy (a generate that did not record
+    it) cannot train coupled: the step names the setting instead of failing on None."""
+    trainer = build_trainer(BASE, steps=1, recompute_old_log_prob=False)
+    inner = trainer.rollouts.rollouts_for
+
+    def without_entropy(step):
+        data = inner(step)
+        data.batch.rollout_entropy = None
+        return data
+
+    trainer.rollouts.rollouts_for = without_entropy
+    with pytest.raises(RuntimeError, match="recompute_old_log_prob=false needs the sampler's log-probs and entropy"):
+        trainer.train()
 
 
 def test_coupled_with_a_correction_is_refused(capsys):

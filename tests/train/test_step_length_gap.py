@@ -49,3 +49,13 @@ def test_gaps_are_not_written_without_right_and_wrong_answers():
     # right and wrong answers, but never in one group: the pooled gap only
     r = _record(_data([3, 5, 7, 9], [1, 1, 0, 0], [0, 0, 1, 1]))
     assert r["response_length/gap"] == pytest.approx(4 - 8) and "response_length/within_group_gap" not in r
+
+
+def test_gaps_split_by_correctness_not_by_reward():
+    """Shaped rewards (a format bonus on wrong answers, an overlong penalty on right ones) do not
+    move a response between the correct and the wrong side: the split is ``correct``."""
+    data = _data([10, 20, 4, 6], [1, 1, 0, 0], [0, 0, 0, 0])
+    data.rewards = torch.tensor([0.8, 0.9, 0.1, 0.1])  # every reward > 0, none >= 1
+    r = _record(data)
+    assert r["response_length/gap"] == pytest.approx(15 - 5)
+    assert r["response_length/within_group_gap"] == pytest.approx(15 - 5)

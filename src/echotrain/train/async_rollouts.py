@@ -329,6 +329,9 @@ class AsyncRollouts:
                 break
             if self.stale == "drop":
                 dropped += 1
+                if time.perf_counter() - t0 > self.timeout_s:  # never a loop that drops forever
+                    raise self._died(f"sent only batches older than max_staleness={self.max_staleness} for "
+                                     f"{time.perf_counter() - t0:.0f} s (async_timeout_s={self.timeout_s:g})")
                 continue
             regenerated += 1
             data = self.regenerate()

@@ -108,6 +108,36 @@ class _Alive:
         return True
 
 
+def _hand_batch(version, n=2):
+    """A queued StepData of ``n`` rows sampled by ``version`` (its rewards say the version)."""
+    from echotrain.runtime.rollout import RolloutBatch
+    from echotrain.train.step import StepData
+
+    z = torch.zeros(n, 3, dtype=torch.long)
+    b = RolloutBatch(prompt_ids=z, prompt_mask=z + 1, response_ids=z, response_mask=torch.ones(n, 3),
+                     group_index=torch.zeros(n, dtype=torch.long), truncated=torch.zeros(n, dtype=torch.bool))
+    d = StepData(batch=b, rewards=torch.full((n,), float(version)), correct=torch.zeros(n),
+                 format_ok=torch.ones(n, dtype=torch.bool), examples=[None] * n, texts=[""] * n)
+    d.rollout_version = torch.full((n,), version, dtype=torch.long)
+    return d
+
+
+def test_a_learner_that_only_gets_stale_batches_stops_after_the_timeout():
+    import queue
+
+    from echotrain.train.async_rollouts import AsyncRollouts, RolloutWorkerError, _encode
+    from echotrain.train.collect import PromptStream
+
+    ar = AsyncRollouts(spec=None, model=None, prompts=PromptStream(None, 0), regenerate=lambda: None,
+                       max_staleness=1, timeout_s=1e-6)
+    ar.proc, ar.queue = _Alive(), queue.Queue()
+    for _ in range(3):
+        ar.queue.put(("batch", _encode(_hand_batch(0)), 1, 1.0, 0.0, 0))
+    with pytest.raises(RolloutWorkerError, match="sent only batches older than max_staleness=1"):
+        ar.rollouts_for(10)
+    assert ar.queue.qsize() == 2  # it stopped after the first drop past the timeout
+
+
 @pytest.mark.parametrize("stale", ["drop", "regenerate"])
 def test_the_learner_drops_or_regenerates_a_batch_older_than_max_staleness(stale):
     """The learner's side alone, on a hand-filled queue: at step 5 (version 4) with k = 1, a batch
@@ -117,17 +147,7 @@ def test_the_learner_drops_or_regenerates_a_batch_older_than_max_staleness(stale
     from echotrain.train.async_rollouts import AsyncRollouts, _encode
     from echotrain.train.collect import PromptStream
 
-    def batch(version, n=2):
-        from echotrain.runtime.rollout import RolloutBatch
-        from echotrain.train.step import StepData
-
-        z = torch.zeros(n, 3, dtype=torch.long)
-        b = RolloutBatch(prompt_ids=z, prompt_mask=z + 1, response_ids=z, response_mask=torch.ones(n, 3),
-                         group_index=torch.zeros(n, dtype=torch.long), truncated=torch.zeros(n, dtype=torch.bool))
-        d = StepData(batch=b, rewards=torch.full((n,), float(version)), correct=torch.zeros(n),
-                     format_ok=torch.ones(n, dtype=torch.bool), examples=[None] * n, texts=[""] * n)
-        d.rollout_version = torch.full((n,), version, dtype=torch.long)
-        return d
+    batch = _hand_batch
 
     prompts = PromptStream(None, 0)
     ar = AsyncRollouts(spec=None, model=None, prompts=prompts, regenerate=lambda: batch(99), max_staleness=1,

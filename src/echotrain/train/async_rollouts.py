@@ -160,12 +160,13 @@ def _put(q: Any, item: Any, stop: Any, fresh: Callable[[], bool]) -> tuple[float
     return time.perf_counter() - t0, False
 
 
-def _qsize(q: Any) -> int:
-    """``q.qsize()``, or 0 where the platform does not count (macOS)."""
+def _qsize(q: Any, unknown: int = 0) -> int:
+    """``q.qsize()``, or ``unknown`` where the platform cannot count a queue (macOS raises
+    NotImplementedError)."""
     try:
         return int(q.qsize())
     except NotImplementedError:
-        return 0
+        return unknown
 
 
 def worker_main(spec: WorkerSpec, version: Any, lock: Any, q: Any, stop: Any) -> None:
@@ -338,18 +339,12 @@ class AsyncRollouts:
             data.rollout_version = torch.full((len(data),), step - 1, dtype=torch.long)
             break
         total = max(time.perf_counter() - t0, 1e-9)
-        self._step_info = {"async/queue_depth": float(self._qsize()), "async/dropped": float(dropped),
+        self._step_info = {"async/queue_depth": float(_qsize(self.queue, unknown=-1)), "async/dropped": float(dropped),
                            "async/regenerated": float(regenerated), "async/worker_discarded": float(discarded),
                            "_waited": waited,
                            "async/worker_wait_frac": worker_waited / max(worker_waited + busy, 1e-9)}
         self._t_take = total
         return data
-
-    def _qsize(self) -> int:
-        try:
-            return int(self.queue.qsize())
-        except NotImplementedError:  # macOS
-            return -1
 
     def after_step(self, step: int) -> None:
         """Publish the weights after step ``step`` (version ``step``) to the worker."""

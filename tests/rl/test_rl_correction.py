@@ -94,6 +94,8 @@ def test_token_is_seq_is_and_masks_by_hand():
     assert m["rollout_corr/log_prob_abs_diff"] == pytest.approx(sum(map(abs, d)) / 3)
     assert m["rollout_corr/kl"] == pytest.approx(sum(d) / 3)
     assert m["rollout_corr/k3_kl"] == pytest.approx(sum(math.exp(-x) - 1 + x for x in d) / 3)
+    # behaviour ESS of the untruncated weights 3, 0.5, 1 (the token_is weights above are truncated at 2)
+    assert m["rollout_corr/behaviour_ess"] == pytest.approx(4.5 ** 2 / (3 * (9 + 0.25 + 1)))
     assert set(m) == set(CORRECTION_METRICS)
 
 
@@ -318,6 +320,10 @@ def test_parse_and_mismatch_helpers():
     assert m["rollout_corr/log_prob_abs_diff"] == pytest.approx(0.25)
     assert m["rollout_corr/kl"] == pytest.approx(-0.25)
     assert m["rollout_corr/k3_kl"] == pytest.approx((math.exp(0.5) - 1 - 0.5) / 2)
+    w = [math.exp(0.5), 1.0]  # pi_old / mu on the two valid tokens; the masked third is ignored
+    assert m["rollout_corr/behaviour_ess"] == pytest.approx(sum(w) ** 2 / (2 * sum(x * x for x in w)))
+    assert rollout_mismatch_metrics(old, old, torch.tensor([[1, 1, 0]]))["rollout_corr/behaviour_ess"] == 1.0
+    assert rollout_mismatch_metrics(old, roll, torch.zeros(1, 3))["rollout_corr/behaviour_ess"] == 1.0
 
 
 @pytest.mark.parametrize("settings", [

@@ -162,9 +162,25 @@ def test_rollouts_of_step_t_come_from_the_weights_of_step_t_minus_2(build_traine
         assert r["staleness/min"] == r["staleness/max"] == 2
         expected_kl = float((data.rollout_log_prob.double() - data.old_log_prob.double())[mask].mean())
         assert r["rollout_corr/kl"] == pytest.approx(expected_kl, rel=1e-6)
+        w = (data.old_log_prob.double() - data.rollout_log_prob.double())[mask].exp()
+        assert r["rollout_corr/behaviour_ess"] == pytest.approx(float(w.sum() ** 2 / (w.numel() * (w * w).sum())), rel=1e-6)
+        assert r["rollout_corr/behaviour_ess"] < 1.0
     assert [r["staleness/mean"] for r in records] == [0, 1, 2, 2]
     # step 1: sampler = learner (generation's incremental forward vs the full one: rounding only)
     assert abs(records[0]["rollout_corr/kl"]) < 1e-6
+    assert records[0]["rollout_corr/behaviour_ess"] == pytest.approx(1.0, abs=1e-9)
+
+
+def test_kl_of_the_behaviour_policy_to_the_current_weights(build_trainer):
+    """rollout_corr/kl_current = mean(rollout_log_prob - log_prob) at each update's forward: with one
+    mini-batch the update runs at the weights that computed old_log_prob, so it equals the step's
+    KL(behaviour || old); with two, the second mini-batch adds the first update's drift."""
+    one = build_trainer(BASE, "one", staleness=2, num_mini_batches=1).train()
+    for r in one[1:]:
+        assert r["rollout_corr/kl"] != 0
+        assert r["rollout_corr/kl_current"] == pytest.approx(r["rollout_corr/kl"], rel=1e-4, abs=1e-7)
+    two = build_trainer(BASE, "two", staleness=2).train()
+    assert any(abs(r["rollout_corr/kl_current"] - r["rollout_corr/kl"]) > 1e-4 for r in two[1:])
 
 
 def test_coupled_old_log_prob_is_the_samplers(build_trainer, tiny_tokenizer, make_tiny_model):
@@ -183,6 +199,7 @@ def test_coupled_old_log_prob_is_the_samplers(build_trainer, tiny_tokenizer, mak
         learner = _log_probs(probe, weights[t], data.batch)
         assert (learner - sampler)[mask].abs().max() > 1e-3
         assert records[t - 1]["rollout_corr/kl"] == 0.0  # behaviour = old by construction
+        assert records[t - 1]["rollout_corr/behaviour_ess"] == 1.0
         # the first update's ratio is against the sampler: ppo_kl = mean(old - current) over its rows is the drift
         assert abs(records[t - 1]["ppo_kl"]) > 1e-6
     assert records[-1]["entropy"] == pytest.approx(

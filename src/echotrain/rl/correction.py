@@ -82,6 +82,10 @@ CORRECTION_METRICS: dict[str, Metric] = {m.name: m for m in (
     _declare_mismatch("rollout_corr/kl", "k1 KL(mu || pi_old): mean (rollout_log_prob - old_log_prob); verl rollout_corr/kl",
               panel="Policy drift", label="rollout_corr/kl = KL(rollout || old), k1"),
     _declare_mismatch("rollout_corr/k3_kl", "k3 KL(mu || pi_old): mean (w - 1 - log w), w = pi_old/mu; verl rollout_corr/k3_kl"),
+    declare_metric("rollout_corr/behaviour_ess", reduce="step", unit="fraction", when=_MISMATCH_WHEN,
+                   help="effective sample size (sum w)^2 / (n sum w^2) of the untruncated behaviour weights "
+                        "w = pi_old/mu over valid tokens, in (0, 1]; 1 on-policy, whether or not a correction is set",
+                   panel="Rollout correction", label="behaviour ESS (untruncated)"),
     _declare_corrected("rollout_corr/is_mean", "1", "mean correction weight over kept tokens, before batch normalisation"),
     _declare_corrected("rollout_corr/is_min", "1", "smallest correction weight on a kept token, before batch normalisation"),
     _declare_corrected("rollout_corr/is_max", "1", "largest correction weight on a kept token, before batch normalisation"),
@@ -352,7 +356,7 @@ def normalization_level(names: Sequence[str]) -> str:
 
 #: Layout of the step's correction sums (one float64 vector, all-reduced with SUM).
 _SUMS = ("n_valid", "n_kept", "sum_w", "sum_w2", "n_high", "n_low", "n_zero", "n_rejected", "n_seq_valid",
-         "n_seq_rejected", "seq_sum_w", "n_seq_kept", "sum_k1", "sum_k3", "sum_abs")
+         "n_seq_rejected", "seq_sum_w", "n_seq_kept", "sum_k1", "sum_k3", "sum_abs", "sum_wr", "sum_wr2")
 NUM_SUMS = len(_SUMS)
 
 
@@ -368,10 +372,11 @@ def local_sums(x: CorrectionInputs, raw: RawCorrection) -> tuple[torch.Tensor, t
     diff = -torch.where(mask, x.old_log_prob.to(torch.float64) - x.rollout_log_prob.to(torch.float64), 0)  # log mu/pi_old
     lr = x.log_ratio
     k3 = torch.where(mask, torch.expm1(lr) - lr, 0)
+    wr = torch.where(mask, torch.exp(lr), 0)  # untruncated pi_old / mu, for the behaviour ESS
     sums = torch.stack([
         f(mask), f(keep), f(w), f(w * w), f(raw.high), f(raw.low), f(keep & (raw.weights == 0)), f(mask & ~keep),
         f(valid_seq), f(valid_seq & (kept_len < lengths)), f(torch.where(kept_seq, seq_w, 0.0)), f(kept_seq),
-        f(diff), f(k3), f(diff.abs())])
+        f(diff), f(k3), f(diff.abs()), f(wr), f(wr * wr)])
     neg = torch.tensor(float("-inf"), dtype=torch.float64, device=w.device)
     wmax = torch.where(keep, raw.weights, neg).max() if keep.any() else neg
     wmin = torch.where(keep, -raw.weights, neg).max() if keep.any() else neg
@@ -410,21 +415,26 @@ def finish(names: tuple[str, ...], sums: torch.Tensor, maxes: torch.Tensor, cfg:
         "rollout_corr/rejected_frac": s["n_rejected"] / n_valid,
         "rollout_corr/seq_rejected_frac": s["n_seq_rejected"] / max(s["n_seq_valid"], 1.0),
         "rollout_corr/batch_norm_factor": factor,
-        **_mismatch(s["sum_k1"], s["sum_k3"], s["sum_abs"], s["n_valid"]),
+        **_mismatch(s["sum_k1"], s["sum_k3"], s["sum_abs"], s["sum_wr"], s["sum_wr2"], s["n_valid"]),
     }
     return CorrectionStats(names=tuple(names), norm_factor=factor, metrics=metrics)
 
 
-def _mismatch(sum_k1: float, sum_k3: float, sum_abs: float, n: float) -> dict[str, float]:
+def _mismatch(sum_k1: float, sum_k3: float, sum_abs: float, sum_w: float, sum_w2: float, n: float) -> dict[str, float]:
+    """The mismatch metrics from their sums over the valid tokens (``n`` of them; 0 / ESS 1 if none)."""
+    ess = sum_w ** 2 / (n * sum_w2) if n > 0 and sum_w2 > 0 else 1.0
     n = max(n, 1.0)
-    return {"rollout_corr/log_prob_abs_diff": sum_abs / n, "rollout_corr/kl": sum_k1 / n, "rollout_corr/k3_kl": sum_k3 / n}
+    return {"rollout_corr/log_prob_abs_diff": sum_abs / n, "rollout_corr/kl": sum_k1 / n, "rollout_corr/k3_kl": sum_k3 / n,
+            "rollout_corr/behaviour_ess": ess}
 
 
 def rollout_mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                              log_ratio_clamp: float = 20.0) -> dict[str, float]:
     """The train/inference mismatch of a step: ``rollout_corr/log_prob_abs_diff`` (mean |mu - pi_old|
     log-prob gap), ``rollout_corr/kl`` (k1) and ``rollout_corr/k3_kl`` (k3) estimates of
-    KL(mu || pi_old) per token, over the valid tokens of ``(B, T)`` inputs (0 if none).
+    KL(mu || pi_old) per token, over the valid tokens of ``(B, T)`` inputs (0 if none), and
+    ``rollout_corr/behaviour_ess``: the effective sample size (sum w)^2 / (n sum w^2) of the
+    untruncated weights w = pi_old / mu (Kong 1992; Owen 2013, Eq. 9.13), 1 if no valid token.
 
     Raises:
         ValueError: shapes differ; NaN/Inf at valid tokens.
@@ -436,7 +446,9 @@ def rollout_mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch
     d = torch.where(mask, rollout_log_prob.detach().to(torch.float64) - old_log_prob.detach().to(torch.float64), 0)
     lr = (-d).clamp(-log_ratio_clamp, log_ratio_clamp)
     k3 = torch.where(mask, torch.expm1(lr) - lr, 0)
-    return _mismatch(float(d.sum()), float(k3.sum()), float(d.abs().sum()), float(mask.sum()))
+    w = torch.where(mask, torch.exp(lr), 0)
+    return _mismatch(float(d.sum()), float(k3.sum()), float(d.abs().sum()), float(w.sum()), float((w * w).sum()),
+                     float(mask.sum()))
 
 
 def compute_correction_stats(batches: Sequence[tuple[CorrectionInputs, RawCorrection]], cfg: PolicyLossConfig,

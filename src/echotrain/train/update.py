@@ -36,6 +36,11 @@ KL_REF = declare_metric("kl/ref", reduce="token_mean", unit="nats per token", wh
 GRAD_NORM = declare_metric("grad_norm", reduce="mean", unit="global L2 norm", summary=True,
                            help="global gradient norm before clipping", label="before clipping",
                            panel="Gradient norm")
+KL_BEHAVIOUR_CURRENT = declare_metric(
+    "rollout_corr/kl_current", reduce="token_mean", unit="nats per token", when="every step (rollout_log_prob recorded)",
+    help="k1 KL(mu || pi_theta): mean (rollout_log_prob - log_prob) over the loss's tokens at each update's forward "
+         "(the behaviour policy against the weights being updated; = rollout_corr/kl + the drift since pi_old)",
+    label="KL(rollout || current), k1", panel="Policy drift")
 LR = declare_metric("lr", reduce="last", unit="learning rate", help="learning rate of the last optimizer step")
 SAM_ACTIVE = declare_metric("sam/active", reduce="mean", unit="fraction of updates", when="optimizer=sam/late_sam",
                             help="share of the step's optimizer updates that were SAM steps")
@@ -227,6 +232,9 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
                 mask, cfg.loss_agg_mode, loss_config, group_index=group_index, step=stats, **extra)
             if stats.correction is not None:
                 m = {**m, **corrected.metrics}
+            if mb.rollout_log_prob is not None:
+                d = torch.where(mask.bool(), mb.rollout_log_prob.to(log_prob.device) - log_prob.detach(), 0)
+                m = {**m, KL_BEHAVIOUR_CURRENT.name: float(d.sum() / mask.sum().clamp(min=1))}
             if mb.ref_log_prob is not None:  # kl_coef > 0 (a reference copy, or LoRA adapters off)
                 kl_mat = kl_penalty(log_prob, mb.ref_log_prob.to(log_prob.device), cfg.kl_penalty)
                 # aggregated exactly like the policy loss, with the step's normalisers

@@ -12,6 +12,8 @@ every other key of the command is kept as written):
   ``output_dir`` in a temporary folder (``prompts_per_step`` at least the resolved
   ``num_mini_batches``, read with ``--print-config``).
 - ``eval``: 2 prompts of at most 4 new tokens, one thread (``runs/<run>``: a tiny testbed run).
+- ``compare select CONFIG``: on a screening report written here (every claim pointing its
+  way, the first one best), it must print a confirmation command.
 - ``compare CONFIG``: the grid is validated with ``--dry-run`` (every cell's config and the
   model preflight, no run); ``--cell I`` runs that cell (1 step, tiny sizes, a subprocess as a
   scheduler would). The whole grid with ``seeds=1`` and its ``compare report`` run in
@@ -24,6 +26,7 @@ its converted cache.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -180,6 +183,13 @@ def tiny_argv(argv: list[str], out: Path, run: Path | None, capsys) -> list[str]
         return [*base, "steps=1", *_tiny_train(max(2, mini)), f"output_dir={out}"]
     if argv[0] == "eval":
         return [str(run) if a == "runs/<run>" else a for a in argv] + TINY_EVAL
+    if argv[:2] == ["compare", "select"]:  # a screening report of the file's claims, each pointing its way
+        claims = yaml.safe_load((Path.cwd() / argv[2]).read_text())["verdict"]
+        rows = [dict(c, p=0.01 * (i + 1), comparison={"n": 5, "diff_mean": 0.01 if c.get("direction") != "less" else -0.01})
+                for i, c in enumerate(claims)]
+        (out / "report").mkdir(parents=True)
+        (out / "report" / "summary.json").write_text(json.dumps({"verdict": [], "exploration": {"verdict": rows}}))
+        return [*_without(argv, "output_dir"), f"output_dir={out}"]
     if argv[0] == "compare" and argv[1] != "report":
         base = _drop_option(_drop_option(_without(argv, "output_dir", "seeds"), "--jobs"), "--nice")
         given = {a.split("=", 1)[0] for a in base if "=" in a}
@@ -213,6 +223,8 @@ def test_documented_command(argv, in_workdir, testbed_run, tmp_path, capsys):
     assert "huggingface.co" not in text and "Traceback" not in text
     if cmd[0] == "train":
         assert (tmp_path / "out" / "metrics.jsonl").read_text().count("\n") == 1
+    if cmd[:2] == ["compare", "select"]:
+        assert "phase=confirmation" in text
     if cmd[0] == "compare" and "--cell" in cmd:
         cells = list((tmp_path / "out" / "cells").glob("*/metrics.jsonl"))
         assert len(cells) == 1 and cells[0].read_text().count("\n") == 1

@@ -42,6 +42,8 @@ NOT_RUN_COMMANDS = {
     "echotrain compare configs/compare/echo_band.yaml": "tests/test_documented_commands.py (--dry-run)",
     "echotrain compare configs/compare/testbed.yaml --cell": "tests/test_documented_commands.py (one tiny cell)",
     "echotrain compare report runs/compare/testbed": "tests/test_documented_commands.py (after the slow grid)",
+    "echotrain compare select configs/compare/": "needs the study's screening report; tests/test_documented_commands.py "
+                                                 "runs it on one written there",
     "echotrain compare restate docs/experiments": "reads the committed summaries relative to the repository root "
                                                   "(this test runs in a scratch folder); tests/compare/test_restate.py "
                                                   "runs it through the CLI on every committed study",

@@ -4,6 +4,7 @@
                       [--dry-run] [--cell I] [--no-report]
     echotrain compare report DIR... [--out DIR] [--baseline ARM] [--metric KEY] [--threshold X]
     echotrain compare restate SUMMARY.json...   (a written report's verdicts under the current rule)
+    echotrain compare select CONFIG.yaml [key=value ...]   (the pre-registered claims to confirm)
 
 Every cell is validated (like ``echotrain train``) before any runs; configuration errors exit
 with status 2. ``--cell I`` runs only cell I (for a scheduler's job array); ``--dry-run`` lists the
@@ -22,7 +23,8 @@ EPILOG = """\
 CONFIG.yaml: name, output_dir, seeds (N or [list]: exploration), confirm_seeds (N or [list]: the
 seeds verdicts use), baseline, base {TrainConfig keys}, arms {name: {preset: ..., key: value}},
 optional sweep {name, keys, values}, report {metric, threshold, stability, max_step, rule
-(paired_t | bca), correction (holm | none), alpha, power}, verdict [claims], suite {name, args}
+(paired_t | bca), correction (holm | none), alpha, power}, verdict [claims], suite {name, args},
+selection {p_max, claims, fallback} (what 'select' sends on to the confirmation seeds)
 (see echotrain.compare.config and configs/compare/*.yaml). key=value: seeds=, confirm_seeds=,
 output_dir=, name=, baseline=, arms=a,b (subset; claims naming other arms are dropped, with a
 note), phase=exploration|confirmation|all (which seeds' cells run), verdict=none (skip every
@@ -35,8 +37,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``echotrain compare`` to ``parser``."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
-    parser.add_argument("config", metavar="CONFIG.yaml|report|restate", help="comparison file, 'report' to "
-                        "aggregate DIRs, or 'restate' to re-judge the claims of written summary.json files")
+    parser.add_argument("config", metavar="CONFIG.yaml|report|restate|select", help="comparison file, 'report' to "
+                        "aggregate DIRs, 'restate' to re-judge the claims of written summary.json files, or 'select' "
+                        "to apply a comparison file's pre-registered selection to its screening report")
     parser.add_argument("rest", nargs="*", metavar="key=value|DIR|SUMMARY.json",
                         help="overrides (run), directories (report) or summary.json files (restate)")
     parser.add_argument("--jobs", type=int, default=1, help="cells run at a time locally (default 1)")
@@ -64,6 +67,42 @@ def _sigterm(_signum, _frame):  # let run_cells stop its children
     raise KeyboardInterrupt
 
 
+def _select(rest: list[str]) -> int:
+    """``echotrain compare select CONFIG.yaml [key=value ...]``: rank the screening's claims as the
+    file's ``selection`` says (:mod:`echotrain.compare.select`), print the ranking to stderr and the
+    confirmation command to stdout. Exit 2 on a bad file or a missing screening report."""
+    from echotrain.compare.config import load_spec
+    from echotrain.compare.select import confirmation_command, exploration_rows, rank_claims, select_claims
+
+    if not rest or "=" in rest[0]:
+        print("echotrain compare select: error: give the comparison file (CONFIG.yaml [key=value ...])", file=sys.stderr)
+        return 2
+    config, tokens = rest[0], [t for t in rest[1:] if t.split("=", 1)[0] not in ("phase", "arms", "baseline")]
+    try:
+        spec = load_spec(config, tokens)
+        summary = spec.output_dir / "report" / "summary.json"
+        rows = exploration_rows(summary)
+        chosen, fallback = select_claims(rows, **spec.selection)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"echotrain compare select: error: {exc}", file=sys.stderr)
+        return 2
+    rule = spec.selection
+    print(f"echotrain compare select: {summary}: rule p < {rule['p_max']} in the claimed direction, "
+          f"best {rule['claims']} by exploration p", file=sys.stderr)
+    for i, r in enumerate(rank_claims(rows), 1):
+        c = r["comparison"]
+        print(f"  {i}. p {r['p']:.3g}  diff {c['diff_mean']:+.4g} (n {c['n']})  {r['claim']}", file=sys.stderr)
+    why = f"no claim had p < {rule['p_max']} in its direction: the file's first claim" if fallback else "chosen"
+    for r in chosen:
+        print(f"  {why}: {r['claim']}", file=sys.stderr)
+    if not chosen:
+        print(f"  no claim had p < {rule['p_max']} in its direction and the file's fallback is none: "
+              "nothing to confirm", file=sys.stderr)
+        return 0
+    print(confirmation_command(config, chosen, spec.baseline, tokens))
+    return 0
+
+
 def run_compare(args: argparse.Namespace) -> int:
     """Entry point of ``echotrain compare``."""
     from echotrain.compare.report import write_report
@@ -87,6 +126,8 @@ def run_compare(args: argparse.Namespace) -> int:
             return 2
         print("\n".join(tables), end="")
         return 0
+    if args.config == "select":
+        return _select(args.rest)
     if args.config == "report":
         if not args.rest:
             print("echotrain compare report: error: give one or more run or comparison directories", file=sys.stderr)

@@ -38,6 +38,8 @@ A comparison file (``configs/compare/*.yaml``) is a mapping::
         baseline: grpo_k8
         baseline_ref: grpo_k0
     suite: {name: math, limit: 20}      # optional: an eval suite after each cell (skipped if absent)
+    selection: {p_max: 0.2, claims: 1, fallback: first}  # optional: which claims the screening sends on to the
+                                        # confirmation seeds (echotrain compare select; defaults shown)
 
 Selecting arms on the command line (``arms=a,b``) drops the claims that name an unselected arm
 (listed in ``CompareSpec.dropped_verdicts``, printed by ``echotrain compare`` and shown in the
@@ -61,11 +63,12 @@ from typing import Any
 
 import yaml
 
+from echotrain.compare.select import check_selection
 from echotrain.compare.stats import ALPHA, BCA_MIN_N, CLAIM_DIRECTIONS, CORRECTIONS, POWER, RULES
 from echotrain.train.config import FIELDS, ConfigError, TrainConfig, resolve_config
 
 TOP_KEYS = ("name", "output_dir", "seeds", "confirm_seeds", "baseline", "base", "arms", "sweep", "report", "verdict",
-            "suite", "description", "command", "dropped_verdicts")
+            "suite", "selection", "description", "command", "dropped_verdicts")
 # description, command, dropped_verdicts: informational (the report shows them; compare writes the last two)
 REPORT_KEYS = ("metric", "threshold", "stability", "max_step", "rule", "correction", "alpha", "power")
 #: report keys of the verdict rule: default, valid values (see echotrain.compare.stats)
@@ -114,6 +117,7 @@ class CompareSpec:
     confirm_seeds: list[int] = field(default_factory=list)  # the seeds verdicts use, when given
     dropped_verdicts: list[dict[str, Any]] = field(default_factory=list)  # {"claim", "reason"}
     phase: str = "all"  # the seeds whose cells run: all | exploration | confirmation
+    selection: dict[str, Any] = field(default_factory=dict)  # echotrain.compare.select's rule (p_max, claims)
 
     def all_seeds(self) -> list[int]:
         """Exploration seeds, then confirmation seeds (the order cells run in)."""
@@ -334,11 +338,15 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
     if verdict and not verdict_none and report["rule"] == "bca" and len(judged) < BCA_MIN_N:
         raise ConfigError(f"report.rule=bca needs >= {BCA_MIN_N} {'confirmation ' if confirm else ''}seeds, "
                           f"got {len(judged)}: its interval under-covers at few seeds (use rule: paired_t)")
+    try:
+        selection = check_selection(data.get("selection"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     spec = CompareSpec(name=name, output_dir=Path(str(data.get("output_dir") or f"runs/compare/{name}")),
                        seeds=seeds, confirm_seeds=confirm, phase=phase, baseline=str(baseline) if baseline else None,
                        base=_train_keys(_mapping(data.get("base"), "base"), "base"), arms=arms, sweep=sweep,
                        report=report, verdict=[], suite=_mapping(data.get("suite"), "suite") or None,
-                       overrides=train_over, raw=data)
+                       overrides=train_over, raw=data, selection=selection)
     labels = spec.arm_labels()
     file_labels = [arm_label(a, sweep["name"], v) for a in all_arms for v in sweep["values"]] if sweep else all_arms
     if spec.baseline is not None and spec.baseline not in labels:

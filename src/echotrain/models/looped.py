@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from echotrain.roofline.counts import TransformerShape
 
 RESIDUAL_SCALINGS = ("1/N", "1/sqrt(N)", "none")
 
@@ -352,15 +355,26 @@ class LoopedTransformer(nn.Module):
 
         Forward: N * sum_l (2 * P_l + 4 * seq_len * d) + 2 * d * V, where P_l is the number of
         weights in layer l's matrices and 4 * seq_len * d is QK^T plus AV over the full context
-        (the convention of Kaplan et al. 2020 and PaLM's appendix B, which ignore causal savings).
-        Training counts the backward pass as twice the forward: 3x. Norms, GELU and softmax are
-        left out.
+        (the convention of Kaplan et al. 2020 and PaLM's appendix B, which ignore causal savings;
+        the run's utilisation figures count the causal pairs instead). Training counts the
+        backward pass as twice the forward: 3x. Norms, GELU and softmax are left out. The count
+        is :func:`echotrain.roofline.counts.forward_flops` of this model's shape with
+        ``seq_len ** 2`` (query, key) pairs (:meth:`transformer_shape`).
         """
-        cfg = self.config
-        matrix_weights = sum(p.numel() for p in self.layers.parameters() if p.dim() >= 2)
-        per_loop = 2 * matrix_weights + 4 * seq_len * cfg.d_model * cfg.n_layers
-        forward = cfg.n_loops * per_loop + 2 * cfg.d_model * cfg.vocab_size
-        return 3 * forward if training else forward
+        from echotrain.roofline.counts import forward_flops, train_flops
+
+        forward = forward_flops(self.transformer_shape(), seq_len, seq_len * seq_len, seq_len) // seq_len
+        return train_flops(forward) if training else forward
+
+    def transformer_shape(self) -> "TransformerShape":
+        """The dimensions the FLOP and decode-byte counts of :mod:`echotrain.roofline.counts` read:
+        ``n_layers x n_loops`` layer applications, GELU MLP (2 matrices), multi-head attention."""
+        from echotrain.roofline.counts import TransformerShape
+
+        c = self.config
+        return TransformerShape(n_layers=c.n_layers * c.n_loops, d_model=c.d_model, n_heads=c.n_heads,
+                                n_kv_heads=c.n_heads, d_head=c.d_model // c.n_heads, d_ff=c.mlp_ratio * c.d_model,
+                                vocab_size=c.vocab_size, gated_mlp=False)
 
     # -------------------------------------------------------------- generation
 

@@ -24,20 +24,18 @@ class UnsupportedModel(ValueError):
 
 
 def shape_of(model: Any) -> TransformerShape:
-    """The shape of ``model`` (a peft wrapper is looked through to its base model).
+    """The shape of ``model`` (a peft wrapper is looked through to its base model): the model's own
+    ``transformer_shape()`` where it has one (echotrain's looped transformer), else read from a
+    Llama-style Hugging Face config.
 
     Raises:
         UnsupportedModel: not a Llama-style HF model nor a looped transformer (names what it is).
     """
-    from echotrain.models.looped import LoopedTransformer
-
     get_base = getattr(model, "get_base_model", None)
     base = get_base() if callable(get_base) else model
-    if isinstance(base, LoopedTransformer):
-        c = base.config
-        return TransformerShape(n_layers=c.n_layers * c.n_loops, d_model=c.d_model, n_heads=c.n_heads,
-                                n_kv_heads=c.n_heads, d_head=c.d_model // c.n_heads, d_ff=c.mlp_ratio * c.d_model,
-                                vocab_size=c.vocab_size, gated_mlp=False)
+    own = getattr(base, "transformer_shape", None)
+    if callable(own):  # echotrain's LoopedTransformer states its own shape
+        return own()
     config = getattr(base, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in LLAMA_STYLE:

@@ -59,3 +59,17 @@ def test_with_policy_loss_fields_refuses_a_restated_setting_or_a_missing_anchor(
         @with_policy_loss_fields(after="nope")
         class NoAnchor:
             a: int = 1
+
+
+def test_policy_loss_config_is_hashable_and_equal_configs_hash_equally():
+    from echotrain.rl.config import LOSS_SETTINGS, PolicyLossConfig, loss_setting
+
+    with LOSS_SETTINGS.restoring():
+        LOSS_SETTINGS.register("t_scale")(loss_setting(1.0, "a test setting"))
+        LOSS_SETTINGS.register("t_list")(loss_setting([1], "a list-valued test setting"))
+        a = PolicyLossConfig(loss_options={"t_scale": 0.5, "t_list": [1, 2]})
+        b = PolicyLossConfig(loss_options={"t_list": [1, 2], "t_scale": 0.5})  # other insertion order
+        c = PolicyLossConfig(loss_options={"t_scale": 0.25})
+        assert a == b and hash(a) == hash(b)
+        assert len({a, b, c, PolicyLossConfig(), PolicyLossConfig()}) == 3
+        assert hash(PolicyLossConfig(clip_ratio_high=0.28)) != hash(PolicyLossConfig())

@@ -165,6 +165,17 @@ def _check_loss_options(v: Any) -> str | None:
     return None
 
 
+def _frozen(value: Any) -> Any:
+    """A hashable stand-in for ``value``: mappings as sorted item tuples, lists and sets as tuples."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(map(repr, value)))
+    return value
+
+
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """Configuration of the policy losses in :data:`echotrain.rl.POLICY_LOSSES`.
@@ -318,6 +329,11 @@ class PolicyLossConfig:
         0.1, "offpolicy_mask (DeepSeek-V3.2 off-policy sequence masking, arXiv 2512.02556): a negative-advantage "
         "sequence whose mean token KL estimate (1/|o|) sum log(pi_rollout/pi_old) exceeds delta gets weight 0. "
         "No published value; 0.1 is ours.", _eps())
+
+    def __hash__(self) -> int:
+        """Equal configs hash equally (usable as a cache key or set member): ``loss_options``, a
+        mapping, is hashed as its sorted items (lists as tuples)."""
+        return hash(tuple((f.name, _frozen(getattr(self, f.name))) for f in dataclasses.fields(self)))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -12,8 +12,8 @@ every other key of the command is kept as written):
   ``output_dir`` in a temporary folder (``prompts_per_step`` at least the resolved
   ``num_mini_batches``, read with ``--print-config``).
 - ``eval``: 2 prompts of at most 4 new tokens, one thread (``runs/<run>``: a tiny testbed run).
-- ``compare select CONFIG``: on a screening report written here (every claim pointing its
-  way, the first one best), it must print a confirmation command.
+- ``compare select CONFIG``: on a screening report written here (random per-seed numbers of
+  every arm), it must print a confirmation command or say there is nothing to confirm.
 - ``compare CONFIG``: the grid is validated with ``--dry-run`` (every cell's config and the
   model preflight, no run); ``--cell I`` runs that cell (1 step, tiny sizes, a subprocess as a
   scheduler would). The whole grid with ``seeds=1`` and its ``compare report`` run in
@@ -183,12 +183,16 @@ def tiny_argv(argv: list[str], out: Path, run: Path | None, capsys) -> list[str]
         return [*base, "steps=1", *_tiny_train(max(2, mini)), f"output_dir={out}"]
     if argv[0] == "eval":
         return [str(run) if a == "runs/<run>" else a for a in argv] + TINY_EVAL
-    if argv[:2] == ["compare", "select"]:  # a screening report of the file's claims, each pointing its way
-        claims = yaml.safe_load((Path.cwd() / argv[2]).read_text())["verdict"]
-        rows = [dict(c, p=0.01 * (i + 1), comparison={"n": 5, "diff_mean": 0.01 if c.get("direction") != "less" else -0.01})
-                for i, c in enumerate(claims)]
+    if argv[:2] == ["compare", "select"]:  # a screening report: per-seed numbers of every arm
+        import random
+
+        from echotrain.compare.config import load_spec
+
+        spec, rng = load_spec(Path.cwd() / argv[2]), random.Random(0)
+        runs = [{"arm": lab, "seed": seed, "auc": rng.random(), "final": rng.random(), "any_flag": rng.randint(0, 1)}
+                for lab in spec.arm_labels() for seed in spec.seeds]
         (out / "report").mkdir(parents=True)
-        (out / "report" / "summary.json").write_text(json.dumps({"verdict": [], "exploration": {"verdict": rows}}))
+        (out / "report" / "summary.json").write_text(json.dumps({"runs": runs, "verdict": []}))
         return [*_without(argv, "output_dir"), f"output_dir={out}"]
     if argv[0] == "compare" and argv[1] != "report":
         base = _drop_option(_drop_option(_without(argv, "output_dir", "seeds"), "--jobs"), "--nice")
@@ -224,7 +228,7 @@ def test_documented_command(argv, in_workdir, testbed_run, tmp_path, capsys):
     if cmd[0] == "train":
         assert (tmp_path / "out" / "metrics.jsonl").read_text().count("\n") == 1
     if cmd[:2] == ["compare", "select"]:
-        assert "phase=confirmation" in text
+        assert "phase=confirmation" in text or "nothing to confirm" in text
     if cmd[0] == "compare" and "--cell" in cmd:
         cells = list((tmp_path / "out" / "cells").glob("*/metrics.jsonl"))
         assert len(cells) == 1 and cells[0].read_text().count("\n") == 1

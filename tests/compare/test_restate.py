@@ -66,3 +66,19 @@ def test_restate_errors(tmp_path, capsys):
     assert "not a comparison report summary" in capsys.readouterr().err
     assert main(["compare", "restate"]) == 2
     assert main(["compare", "restate", str(tmp_path / "none.json")]) == 2
+
+
+def test_restate_keeps_a_difference_of_differences(tmp_path):
+    """A claim with arm_ref / baseline_ref is re-judged on (a8 - a0) - (b8 - b0) per seed, not on a8 - b8."""
+    seeds = [10, 11, 12]
+    auc = {"a8": [0.30, 0.31, 0.33], "a0": [0.20, 0.20, 0.21], "b8": [0.10, 0.12, 0.11], "b0": [0.05, 0.06, 0.04]}
+    runs = [{"arm": arm, "seed": s, "auc": v[i]} for arm, v in auc.items() for i, s in enumerate(seeds)]
+    claim = {"claim": "a gains more", "arm": "a8", "arm_ref": "a0", "baseline": "b8", "baseline_ref": "b0",
+             "statistic": "auc", "direction": "greater", "margin": 0.0, "result": "inconclusive"}
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"runs": runs, "verdict": [claim], "baseline": "b0",
+                                "verdict_rule": {"phase": "confirmation", "seeds": seeds}}))
+    row = restate(path)[0]
+    did = [(a8 - a0) - (b8 - b0) for a8, a0, b8, b0 in zip(auc["a8"], auc["a0"], auc["b8"], auc["b0"])]
+    assert row["comparison"]["n"] == 3
+    assert row["comparison"]["diff_mean"] == pytest.approx(sum(did) / 3)  # 0.0433, not a8 - b8 = 0.203

@@ -66,26 +66,39 @@ def test_bad_selection_is_refused(bad, match):
     assert check_selection(None) == {"p_max": 0.2, "claims": 1, "fallback": "first"}
 
 
-def _summary(out: Path, rows):
+def _summary(out: Path, runs, verdict=()):
     (out / "report").mkdir(parents=True)
-    (out / "report" / "summary.json").write_text(json.dumps({"verdict": [], "exploration": {"verdict": rows}}))
+    (out / "report" / "summary.json").write_text(json.dumps({"runs": runs, "verdict": list(verdict)}))
+
+
+def _runs(labels, seeds, auc):
+    """Per-seed statistics as a report writes them: ``auc(label, seed)``, final = auc, no flags."""
+    return [{"arm": lab, "seed": s, "auc": auc(lab, s), "final": auc(lab, s), "any_flag": 0}
+            for lab in labels for s in seeds]
 
 
 def test_select_through_the_cli_on_a_shipped_study(tmp_path, capsys):
-    """The shipped study (a) file, a screening report with its claims: the command printed is the
-    one its pre-registered rule gives, and compare accepts it (validated, cells listed)."""
+    """The shipped study (a) file and a screening's per-seed numbers in which only ECHO vs CISPO
+    (claim 5) points the claimed way clearly: the command printed is the one its pre-registered
+    rule gives, and compare accepts it (validated, cells listed)."""
     path = SHIPPED / "staleness_length.yaml"
     raw = yaml.safe_load(path.read_text())
+    spec = load_spec(path)
     out = tmp_path / "cmp"
-    # every claim points the claimed way; claim 5 has the smallest p, claim 2 the next
-    rows = [dict(c, p=0.5 - 0.01 * i, comparison={"n": 5, "diff_mean": 0.01 if c["direction"] == "greater" else -0.01})
-            for i, c in enumerate(raw["verdict"])]
-    rows[4]["p"], rows[1]["p"] = 0.023, 0.15
-    _summary(out, rows)
-    assert main(["compare", "select", str(path), f"output_dir={out}"]) == 0
+    noise = [0.004, -0.003, 0.001, -0.002, 0.0]
+
+    def auc(label, seed):  # cispo loses 0.05 from k 0 to 8 (+- noise), every other arm 0.01
+        i = raw["seeds"].index(seed) if seed in raw["seeds"] else 0
+        lost = 0.05 + noise[i] if label == "cispo[staleness=8]" else 0.01 if label.endswith("=8]") else 0.0
+        return 0.2 - lost + 0.001 * i
+
+    # a confirmation report's summary: its own 'verdict' holds only the selected arms' claim, and
+    # the confirmation seeds' runs are there too; select reads the exploration seeds of every claim
+    _summary(out, _runs(spec.arm_labels(), raw["seeds"] + raw["confirm_seeds"], auc), verdict=[{"claim": "x"}])
+    assert main(["compare", "select", str(path), f"output_dir={out}", "arms=echo", "verdict=none"]) == 0
     captured = capsys.readouterr()
     assert "chosen: 5. ECHO loses less than CISPO" in captured.err
-    assert "1. p 0.023" in captured.err and "2. p 0.15" in captured.err
+    assert "1. p " in captured.err and "(n 5)  5. ECHO loses less than CISPO" in captured.err
     cmd = shlex.split(captured.out.strip())
     assert cmd == ["echotrain", "compare", str(path), f"output_dir={out}", "phase=confirmation", "arms=echo,cispo",
                    "baseline=cispo[staleness=0]"]
@@ -98,7 +111,8 @@ def test_select_on_nothing_to_confirm_and_bad_input(tmp_path, capsys):
     path = SHIPPED / "echo_choices_length.yaml"  # fallback: none
     out = tmp_path / "cmp"
     raw = yaml.safe_load(path.read_text())
-    _summary(out, [dict(c, p=0.6, comparison={"n": 5, "diff_mean": 0.01}) for c in raw["verdict"]])
+    flat = _runs(load_spec(path).arm_labels(), raw["seeds"], lambda lab, s: 0.2 + 0.001 * s)  # no differences
+    _summary(out, flat)
     assert main(["compare", "select", str(path), f"output_dir={out}"]) == 0
     captured = capsys.readouterr()
     assert captured.out == "" and "nothing to confirm" in captured.err
@@ -109,3 +123,7 @@ def test_select_on_nothing_to_confirm_and_bad_input(tmp_path, capsys):
     bad.write_text(yaml.safe_dump({**raw, "selection": {"p_max": 2}}))
     assert main(["compare", "select", str(bad)]) == 2
     assert "selection.p_max=2" in capsys.readouterr().err
+    single = tmp_path / "single.yaml"
+    single.write_text(yaml.safe_dump({k: v for k, v in raw.items() if k != "confirm_seeds"}))
+    assert main(["compare", "select", str(single)]) == 2
+    assert "declares no confirm_seeds" in capsys.readouterr().err

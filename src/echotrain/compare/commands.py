@@ -77,11 +77,15 @@ def _select(rest: list[str]) -> int:
     if not rest or "=" in rest[0]:
         print("echotrain compare select: error: give the comparison file (CONFIG.yaml [key=value ...])", file=sys.stderr)
         return 2
-    config, tokens = rest[0], [t for t in rest[1:] if t.split("=", 1)[0] not in ("phase", "arms", "baseline")]
+    # the whole file's claims: a selection of arms, phase or verdict=none does not apply here
+    config, tokens = rest[0], [t for t in rest[1:]
+                               if t.split("=", 1)[0] not in ("phase", "arms", "baseline", "verdict")]
     try:
         spec = load_spec(config, tokens)
+        if not spec.confirm_seeds:
+            raise ValueError(f"{config}: declares no confirm_seeds, so there is nothing to select for")
         summary = spec.output_dir / "report" / "summary.json"
-        rows = exploration_rows(summary)
+        rows = exploration_rows(summary, spec.verdict, spec.seeds, spec.baseline, spec.report)
         chosen, fallback = select_claims(rows, **spec.selection)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"echotrain compare select: error: {exc}", file=sys.stderr)

@@ -43,7 +43,7 @@ def restate(summary_path: str | os.PathLike, rule: str = "paired_t", correction:
         per_seed.setdefault(str(r["arm"]), {})[int(r["seed"])] = r
     rule_seeds = (summary.get("verdict_rule") or {}).get("seeds")
     seeds = rule_seeds if (summary.get("verdict_rule") or {}).get("phase") == "confirmation" else None
-    keys = ("claim", "arm", "baseline", "statistic", "direction", "margin")
+    keys = ("claim", "arm", "baseline", "statistic", "direction", "margin", "arm_ref", "baseline_ref")
     claims = [{k: c[k] for k in keys if k in c} for c in summary["verdict"]]
     new = verdicts(claims, per_seed, summary.get("baseline"), seeds, rule, correction, alpha, power)
     return [{**n, "old_result": c.get("result"), "old_comparison": c.get("comparison") or {}}

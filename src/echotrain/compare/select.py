@@ -15,7 +15,9 @@ anyone can repeat, not a judgement made after seeing the data:
    claim of the file (by convention the headline; ``fallback: first``) or nothing
    (``fallback: none``: the study stops at its screening).
 
-The confirmation then runs only the arms the chosen claims name (``arms=``, with the sweep
+The rows ranked are recomputed from the report's per-seed statistics for every claim of the
+file (:func:`exploration_rows`), so ``select`` gives the same answer before and after a
+confirmation run rewrote the report. The confirmation then runs only the arms the chosen claims name (``arms=``, with the sweep
 values the claims need coming from the sweep), and the verdicts of the other claims read
 "insufficient data" in the confirmation report.
 """
@@ -106,21 +108,31 @@ def arms_of(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return list(dict.fromkeys(_LABEL_SUFFIX.sub("", lab) for lab in labels))
 
 
-def exploration_rows(summary_path: str | Path) -> list[dict[str, Any]]:
-    """The exploration verdict rows of a report's ``summary.json``.
+def exploration_rows(summary_path: str | Path, claims: Sequence[Mapping[str, Any]], seeds: Sequence[int],
+                     baseline: str | None = None, report: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The verdict rows of ``claims`` (the comparison file's, all of them) on the exploration
+    ``seeds``, recomputed from the per-seed statistics of a report's ``summary.json`` (its
+    ``runs``) under the file's verdict rule (``report``: rule, correction, alpha, power). Not
+    the report's own ``exploration`` rows: a confirmation run rewrites the report with only the
+    claims of the arms it selected, and a screening run with ``arms=`` judged only some.
 
     Raises:
         FileNotFoundError: no such file (run the screening first: ``phase=exploration``).
-        ValueError: the report has no exploration phase (the study declares no ``confirm_seeds``).
+        ValueError: not a report summary (no ``runs`` list).
     """
+    from echotrain.compare.report import verdicts
+
     path = Path(summary_path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no report summary; run the screening first (phase=exploration)")
     summary = json.loads(path.read_text())
-    exploration = summary.get("exploration")
-    if not isinstance(exploration, dict) or not isinstance(exploration.get("verdict"), list):
-        raise ValueError(f"{path}: the report has no exploration phase (the study declares no confirm_seeds)")
-    return exploration["verdict"]
+    if not isinstance(summary, dict) or not isinstance(summary.get("runs"), list):
+        raise ValueError(f"{path}: not a comparison report summary (needs its 'runs' list)")
+    per_seed: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in summary["runs"]:
+        per_seed.setdefault(str(r["arm"]), {})[int(r["seed"])] = r
+    rule = {k: v for k, v in (report or {}).items() if k in ("rule", "correction", "alpha", "power")}
+    return verdicts([dict(c) for c in claims], per_seed, baseline, list(seeds), **rule)
 
 
 def confirmation_command(config: str, rows: Sequence[Mapping[str, Any]], baseline: str | None,

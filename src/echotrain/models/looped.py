@@ -358,12 +358,12 @@ class LoopedTransformer(nn.Module):
         (the convention of Kaplan et al. 2020 and PaLM's appendix B, which ignore causal savings;
         the run's utilisation figures count the causal pairs instead). Training counts the
         backward pass as twice the forward: 3x. Norms, GELU and softmax are left out. The count
-        is :func:`echotrain.roofline.counts.forward_flops` of this model's shape with
-        ``seq_len ** 2`` (query, key) pairs (:meth:`transformer_shape`).
+        is :func:`echotrain.roofline.counts.forward_flops` of one token with ``seq_len`` (query,
+        key) pairs and one logit, for this model's shape (:meth:`transformer_shape`).
         """
         from echotrain.roofline.counts import forward_flops, train_flops
 
-        forward = forward_flops(self.transformer_shape(), seq_len, seq_len * seq_len, seq_len) // seq_len
+        forward = forward_flops(self.transformer_shape(), 1, seq_len, 1)  # one token attending to seq_len keys
         return train_flops(forward) if training else forward
 
     def transformer_shape(self) -> "TransformerShape":

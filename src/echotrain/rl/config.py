@@ -166,13 +166,13 @@ def _check_loss_options(v: Any) -> str | None:
 
 
 def _frozen(value: Any) -> Any:
-    """A hashable stand-in for ``value``: mappings as sorted item tuples, lists and sets as tuples."""
+    """A hashable stand-in for ``value``: mappings as sorted item tuples, lists as tuples, sets as frozensets."""
     if isinstance(value, Mapping):
         return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
         return tuple(_frozen(v) for v in value)
     if isinstance(value, (set, frozenset)):
-        return tuple(sorted(map(repr, value)))
+        return frozenset(_frozen(v) for v in value)
     return value
 
 

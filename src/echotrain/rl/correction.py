@@ -58,7 +58,7 @@ from echotrain.rl.correction_names import (  # noqa: F401  re-exported
 from echotrain.rl.validation import as_bool_mask, check_finite, check_same_shape, check_tensor
 
 #: Every metric this module produces, declared in the metric schema (:mod:`echotrain.metrics`).
-#: All are step values computed from the optimizer step's all-reduced sums. The three mismatch
+#: All are step values computed from the optimizer step's all-reduced sums. The four mismatch
 #: metrics are logged by the trainer for every training step (``reduce="step"``, from the whole
 #: batch; with a correction the loss returns them too, per optimizer step, and the trainer's
 #: whole-batch value is the one written); the others come with each optimizer step's loss when a ``rollout_correction`` is set

@@ -38,8 +38,9 @@ GRAD_NORM = declare_metric("grad_norm", reduce="mean", unit="global L2 norm", su
                            panel="Gradient norm")
 KL_BEHAVIOUR_CURRENT = declare_metric(
     "rollout_corr/kl_current", reduce="token_mean", unit="nats per token", when="every step (rollout_log_prob recorded)",
-    help="k1 KL(mu || pi_theta): mean (rollout_log_prob - log_prob) over the loss's tokens at each update's forward "
-         "(the behaviour policy against the weights being updated; = rollout_corr/kl + the drift since pi_old)",
+    help="k1 KL(mu || pi_theta): mean (rollout_log_prob - log_prob) over the loss's tokens (after any rejection) at "
+         "each update's forward, the behaviour policy against the weights being updated; per mini-batch without "
+         "rejection it is KL(mu || pi_old) of those tokens plus the drift since pi_old",
     label="KL(rollout || current), k1", panel="Policy drift")
 LR = declare_metric("lr", reduce="last", unit="learning rate", help="learning rate of the last optimizer step")
 SAM_ACTIVE = declare_metric("sam/active", reduce="mean", unit="fraction of updates", when="optimizer=sam/late_sam",

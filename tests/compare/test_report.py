@@ -287,3 +287,23 @@ def test_difference_of_differences_pairs_each_arm_with_its_own_reference(tmp_pat
     assert comp["n"] == 2 and comp["seeds"] == [0, 1]
     assert comp["diffs"] == pytest.approx([5 / 60, -5 / 60])
     assert comp["arm_mean"] == pytest.approx(5 / 6 * -0.15) and comp["base_mean"] == pytest.approx(5 / 6 * -0.15)
+
+
+def test_samples_per_step_counts_every_generate_round(tmp_path):
+    """Dynamic sampling's cost: completions generated a step = mean sampling_rounds x B x G."""
+    root = tmp_path / "cmp"
+    for arm, rounds in (("grpo", [1, 1, 1, 1, 1, 1]), ("dapo", [1, 2, 3, 2, 1, 3])):
+        d = make_run(root, arm, 0, (0.0, 0.2, 0.2, 0.2))
+        (d / "config.yaml").write_text(yaml.safe_dump({"preset": arm, "seed": 0, "steps": 6, "prompts_per_step": 4,
+                                                       "num_generations": 8}))
+        recs = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        (d / "metrics.jsonl").write_text("".join(json.dumps({**r, "sampling_rounds": k}) + "\n"
+                                                 for r, k in zip(recs, rounds)))
+    (root / "compare.yaml").write_text(yaml.safe_dump({"name": "t", "baseline": "grpo",
+                                                       "arms": {"grpo": {}, "dapo": {}}}))
+    path = write_report([root], plots=False)
+    arms = json.loads((root / "report" / "summary.json").read_text())["arms"]
+    assert arms["grpo"]["samples_per_step"]["mean"] == 32.0
+    assert arms["dapo"]["samples_per_step"]["mean"] == pytest.approx(32 * 12 / 6)  # 64
+    row = next(line for line in path.read_text().splitlines() if line.startswith("| dapo | 1 |"))
+    assert row.split(" | ")[-2] == "64"

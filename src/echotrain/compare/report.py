@@ -130,7 +130,9 @@ def collect_runs(dirs: Sequence[str | os.PathLike], include_partial: bool = Fals
 def seed_statistics(run: Run, metric: str = "eval/accuracy", threshold: float | None = None) -> dict[str, Any]:
     """Per-run numbers: ``final`` and ``auc`` of ``metric``, ``steps_to_threshold`` (None if never;
     ``steps_to_threshold_censored`` uses last step + 1 then), ``worst_grad_norm``, ``steps_per_s``
-    (steps / total step time), ``peak_memory_mb``, ``any_flag`` (0/1) and ``steps`` done."""
+    (steps / total step time), ``peak_memory_mb``, ``samples_per_step`` (completions generated a
+    step, the mean over steps of ``sampling_rounds`` x ``prompts_per_step`` x ``num_generations``:
+    dynamic sampling's cost), ``any_flag`` (0/1) and ``steps`` done."""
     s, v = run.curve(metric)
     out: dict[str, Any] = {"steps": len(run.records)}
     if s:
@@ -149,6 +151,10 @@ def seed_statistics(run: Run, metric: str = "eval/accuracy", threshold: float | 
     mem = run.curve("memory/peak_mb")[1]
     if mem:
         out["peak_memory_mb"] = max(mem)
+    rounds = run.curve("sampling_rounds")[1]
+    per_round = int(run.config.get("prompts_per_step") or 0) * int(run.config.get("num_generations") or 0)
+    if rounds and per_round:
+        out["samples_per_step"] = per_round * sum(rounds) / len(rounds)
     out["any_flag"] = 1.0 if run.stability.get("any") else 0.0
     return out
 
@@ -193,7 +199,8 @@ def arm_rows(per_seed: dict[str, dict[int, dict[str, Any]]], arms: dict[str, lis
         if not ps:
             continue
         row: dict[str, Any] = {"seeds": sorted(ps), "n": len(ps)}
-        for stat in ("final", "auc", "worst_grad_norm", "steps_per_s", "peak_memory_mb", "steps_to_threshold_censored"):
+        for stat in ("final", "auc", "worst_grad_norm", "steps_per_s", "peak_memory_mb", "samples_per_step",
+                     "steps_to_threshold_censored"):
             vals = [v[stat] for v in ps.values() if v.get(stat) is not None]
             row[stat] = mean_std_ci(vals) if vals else None
         if threshold is not None:
@@ -418,8 +425,8 @@ def rule_text(vr: dict[str, Any]) -> str:
 
 def _arm_table(rows: dict[str, Any], metric: str, th: Any, b: str | None) -> list[str]:
     lines = [f"| arm | seeds | final {metric} | AUC | steps to {th} (reached) | worst grad norm (max) | "
-             f"steps/s{' / ' + b if b else ''} | peak mem{' / ' + b if b else ''} | flags (runs) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"steps/s{' / ' + b if b else ''} | peak mem{' / ' + b if b else ''} | samples / step | flags (runs) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for a, row in rows.items():
         flags = ", ".join(f"{k} {v}" for k, v in row["flags"].items() if v) or "none"
         sts = (f"{_fmt(row.get('steps_to_threshold_mean_reached'))} ({row.get('threshold_reached')})"
@@ -427,7 +434,8 @@ def _arm_table(rows: dict[str, Any], metric: str, th: Any, b: str | None) -> lis
         ratio = (lambda k: _fmt(row.get(f"{k}_ratio")) if b and f"{k}_ratio" in row
                  else _fmt((row.get(k) or {}).get("mean")))
         lines.append(f"| {a} | {row['n']} | {_pm(row['final'])} | {_pm(row['auc'])} | {sts} | "
-                     f"{_fmt(row['worst_grad_norm_max'])} | {ratio('steps_per_s')} | {ratio('peak_memory_mb')} | {flags} |")
+                     f"{_fmt(row['worst_grad_norm_max'])} | {ratio('steps_per_s')} | {ratio('peak_memory_mb')} | "
+                     f"{_fmt((row.get('samples_per_step') or {}).get('mean'), 4)} | {flags} |")
     return lines
 
 

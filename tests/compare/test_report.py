@@ -176,6 +176,7 @@ def test_verdicts_use_only_the_confirmation_seeds(tmp_path):
     assert s["paired"]["echo"]["auc"]["n"] == 5
     ex = s["exploration"]
     assert ex["seeds"] == [0, 1, 2] and ex["arms"]["echo"]["n"] == 3
+    assert ex["arms"]["echo"]["steps_per_s_ratio"] == pytest.approx(1.0)  # ratios to the baseline there too
     assert ex["verdict"][0]["result"] == "holds" and ex["verdict"][0]["comparison"]["seeds"] == [0, 1, 2]
     assert {r["phase"] for r in s["runs"] if r["seed"] < 3} == {"exploration"}
     md = (root / "report" / "report.md").read_text()
@@ -307,3 +308,14 @@ def test_samples_per_step_counts_every_generate_round(tmp_path):
     assert arms["dapo"]["samples_per_step"]["mean"] == pytest.approx(32 * 12 / 6)  # 64
     row = next(line for line in path.read_text().splitlines() if line.startswith("| dapo | 1 |"))
     assert row.split(" | ")[-2] == "64"
+
+
+def test_paired_table_names_arms_without_a_common_seed_instead_of_rows_of_na(comparison):
+    make_run(comparison, "dapo", 7, (0.0, 0.2, 0.2, 0.2))  # seed 7: the baseline has no run of it
+    spec = yaml.safe_load((comparison / "compare.yaml").read_text())
+    spec["arms"]["dapo"] = {}
+    (comparison / "compare.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    text = write_report([comparison], plots=False).read_text()
+    paired = text.split("## Paired comparison")[1].split("## ")[0]
+    assert "| echo | auc | 3 |" in paired and "| dapo |" not in paired
+    assert "No seed in common with the baseline here: dapo." in paired

@@ -323,7 +323,7 @@ def build_report(runs: Sequence[Run], baseline: str | None = None, metric: str =
     summary["paired"] = paired(confirm)
     summary["verdict"] = verdicts(verdict, per_seed, baseline, confirm, rule, correction, alpha, power)
     if confirm:
-        summary["exploration"] = {"seeds": explore, "arms": arm_rows(per_seed, arms, order, threshold, explore),
+        summary["exploration"] = {"seeds": explore, "arms": arm_rows(per_seed, arms, order, threshold, explore, baseline),
                                   "paired": paired(explore) if explore else {},
                                   "verdict": verdicts(verdict, per_seed, baseline, explore, "paired_t", correction,
                                                       alpha, power) if explore else []}
@@ -445,11 +445,16 @@ def _paired_table(paired: dict[str, Any], vr: dict[str, Any]) -> list[str]:
              f"of the paired t-test and of Welch's t-test; MDE at {vr.get('power', POWER):.0%} power (no correction).",
              "", f"| arm | statistic | n | arm mean | base mean | diff mean [{level} CI] | p paired | p Welch | MDE |",
              "|---|---|---|---|---|---|---|---|---|"]
+    unpaired = [a for a, comps in paired.items() if not any(c["n"] for c in comps.values())]
     for a, comps in paired.items():
+        if a in unpaired:
+            continue
         for stat, c in comps.items():
             lines.append(f"| {a} | {stat} | {c['n']} | {_fmt(c['arm_mean'])} | {_fmt(c['base_mean'])} | "
                          f"{_fmt(c['diff_mean'])} [{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}] | "
                          f"{_fmt(c['p_paired_t'])} | {_fmt(c['p_welch'])} | {_fmt(c.get('mde'))} |")
+    if unpaired:
+        lines += ["", f"No seed in common with the baseline here: {', '.join(unpaired)}."]
     return lines
 
 
@@ -530,6 +535,8 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
     if summary["verdict"] or summary.get("dropped_verdicts"):
         lines += ["", "## Verdict rule (written before the runs) and outcome", "", rule_text(vr), ""]
         lines += _verdict_table(summary["verdict"], vr)
+        if summary.get("dropped_verdicts"):
+            lines.append("")
         for d in summary.get("dropped_verdicts") or []:
             lines.append(f"- not evaluated ({d['reason']}): {d['claim']}")
     if explo:

@@ -20,6 +20,27 @@ from typing import Any
 from echotrain.compare.stats import ALPHA, POWER
 
 
+def read_summary(summary_path: str | os.PathLike, missing_hint: str) -> tuple[dict[str, Any],
+                                                                            dict[str, dict[int, dict[str, Any]]]]:
+    """A report's ``summary.json`` and its per-seed statistics ``{arm: {seed: run row}}`` (the
+    ``runs`` list, as :func:`echotrain.compare.report.verdicts` reads them).
+
+    Raises:
+        FileNotFoundError: no such file (the message ends with ``missing_hint``).
+        ValueError: not a report summary (no ``runs`` list).
+    """
+    p = Path(summary_path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such file ({missing_hint})")
+    summary = json.loads(p.read_text())
+    if not isinstance(summary, dict) or not isinstance(summary.get("runs"), list):
+        raise ValueError(f"{p}: not a comparison report summary (needs its 'runs' list)")
+    per_seed: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in summary["runs"]:
+        per_seed.setdefault(str(r["arm"]), {})[int(r["seed"])] = r
+    return summary, per_seed
+
+
 def restate(summary_path: str | os.PathLike, rule: str = "paired_t", correction: str = "holm", alpha: float = ALPHA,
             power: float = POWER) -> list[dict[str, Any]]:
     """The claims of ``summary.json`` with the written verdict (``old_result``) and the verdict of
@@ -31,16 +52,9 @@ def restate(summary_path: str | os.PathLike, rule: str = "paired_t", correction:
     """
     from echotrain.compare.report import verdicts
 
-    p = Path(summary_path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{p}: no such file (give a report's summary.json)")
-    summary = json.loads(p.read_text())
-    if not isinstance(summary, dict) or not isinstance(summary.get("runs"), list) \
-            or not isinstance(summary.get("verdict"), list):
-        raise ValueError(f"{p}: not a comparison report summary (needs 'runs' and 'verdict' lists)")
-    per_seed: dict[str, dict[int, dict[str, Any]]] = {}
-    for r in summary["runs"]:
-        per_seed.setdefault(str(r["arm"]), {})[int(r["seed"])] = r
+    summary, per_seed = read_summary(summary_path, "give a report's summary.json")
+    if not isinstance(summary.get("verdict"), list):
+        raise ValueError(f"{summary_path}: not a comparison report summary (needs 'runs' and 'verdict' lists)")
     rule_seeds = (summary.get("verdict_rule") or {}).get("seeds")
     seeds = rule_seeds if (summary.get("verdict_rule") or {}).get("phase") == "confirmation" else None
     keys = ("claim", "arm", "baseline", "statistic", "direction", "margin", "arm_ref", "baseline_ref")

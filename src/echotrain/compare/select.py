@@ -24,7 +24,6 @@ values the claims need coming from the sweep), and the verdicts of the other cla
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from pathlib import Path
@@ -121,16 +120,9 @@ def exploration_rows(summary_path: str | Path, claims: Sequence[Mapping[str, Any
         ValueError: not a report summary (no ``runs`` list).
     """
     from echotrain.compare.report import verdicts
+    from echotrain.compare.restate import read_summary
 
-    path = Path(summary_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no report summary; run the screening first (phase=exploration)")
-    summary = json.loads(path.read_text())
-    if not isinstance(summary, dict) or not isinstance(summary.get("runs"), list):
-        raise ValueError(f"{path}: not a comparison report summary (needs its 'runs' list)")
-    per_seed: dict[str, dict[int, dict[str, Any]]] = {}
-    for r in summary["runs"]:
-        per_seed.setdefault(str(r["arm"]), {})[int(r["seed"])] = r
+    _, per_seed = read_summary(summary_path, "run the screening first: phase=exploration")
     rule = {k: v for k, v in (report or {}).items() if k in ("rule", "correction", "alpha", "power")}
     return verdicts([dict(c) for c in claims], per_seed, baseline, list(seeds), **rule)
 

@@ -161,8 +161,7 @@ def _put(q: Any, item: Any, stop: Any, fresh: Callable[[], bool]) -> tuple[float
 
 
 def _qsize(q: Any, unknown: int = 0) -> int:
-    """``q.qsize()``, or ``unknown`` where the platform cannot count a queue (macOS raises
-    NotImplementedError)."""
+    """``q.qsize()``, or ``unknown`` on a platform whose queues cannot report their size (macOS)."""
     try:
         return int(q.qsize())
     except NotImplementedError:

@@ -32,6 +32,7 @@ the run's two figures as the trainer computes them (``throughput/update_mfu``, `
 Usage::
 
     python benchmarks/bench_roofline.py --threads 2 [--prompts 8 --generations 8 --max-new-tokens 32]
+                                        [--decode-loop generate]   # transformers' generate
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None, help="B (default: the trainer's default)")
     ap.add_argument("--generations", type=int, default=None, help="G (default: the trainer's default)")
     ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--decode-loop", default=None, choices=("echotrain", "generate"),
+                    help="the decode_loop setting (default: the trainer's default)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
 
@@ -70,7 +73,8 @@ def main() -> None:
     from echotrain.train.update import mini_batch_splits
 
     over = {k: v for k, v in (("prompts_per_step", args.prompts), ("num_generations", args.generations),
-                              ("max_new_tokens", args.max_new_tokens)) if v is not None}
+                              ("max_new_tokens", args.max_new_tokens), ("decode_loop", args.decode_loop))
+            if v is not None}
     tmp = tempfile.mkdtemp(prefix="bench_roofline-")
     cfg = resolve_config(overrides={**over, "output_dir": tmp, "eval_prompts": 0, "progress": False, "plots": False})
     trainer = Trainer(cfg)
@@ -92,13 +96,15 @@ def main() -> None:
     with torch.inference_mode(), autocast(model, ac):
         model.eval()
         # warm-up (first-call allocations and kernel selection), not timed
-        generate_rollouts(model, tok, messages, G, max_new_tokens=2, temperature=cfg.temperature)
+        generate_rollouts(model, tok, messages, G, max_new_tokens=2, temperature=cfg.temperature,
+                          decode_loop=cfg.decode_loop)
         t0, c0 = time.perf_counter(), time.process_time()
         _prefill(model, ids[::G], attn[::G], G)
         t_prefill, c_prefill = time.perf_counter() - t0, time.process_time() - c0
         t0, c0 = time.perf_counter(), time.process_time()
         batch = generate_rollouts(model, tok, messages, G, max_new_tokens=cfg.max_new_tokens,
-                                  temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+                                  temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                  decode_loop=cfg.decode_loop)
         t_generate, c_generate = time.perf_counter() - t0, time.process_time() - c0
         model.train()
     p = batch.prompt_mask.sum(-1).tolist()
@@ -177,7 +183,7 @@ def main() -> None:
     total = sum(x[1] for x in rows)
     print(f"# peaks ({peaks.dtype}, {peaks.threads} threads, {peaks.source}): GEMM {F / 1e9:.1f} GFLOP/s, "
           f"copy {B / 1e9:.1f} GB/s; compute dtype {dtype}, OpenMP wait {wait}, load avg {os.getloadavg()[0]:.1f}")
-    print(f"# batch: {cfg.prompts_per_step} prompts x {G}, prompt tokens mean {sum(p) / len(p):.0f}, "
+    print(f"# decode_loop={cfg.decode_loop}; batch: {cfg.prompts_per_step} prompts x {G}, prompt tokens mean {sum(p) / len(p):.0f}, "
           f"response tokens mean {sum(r) / len(r):.1f} (max {max(r)}), {len(splits)} mini-batches of micro-batch "
           f"{cfg.micro_batch_size}; decode: all bytes / bandwidth {d_bw:.2f} s, all FLOPs / GEMM {d_fl:.2f} s, "
           f"per-step larger of the two {d_roof:.2f} s")

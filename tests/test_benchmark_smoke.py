@@ -25,3 +25,13 @@ def test_overlap_benchmark_runs_on_the_cpu(tmp_path):
     assert res["g_s"] > 0 and res["u_s"] > 0 and res["overlap_s"] > 0
     assert res["bound"] == pytest.approx((res["g_s"] + res["u_s"]) / max(res["g_s"], res["u_s"]))
     assert 1.0 <= res["bound"] <= 2.0 and (tmp_path / "o.json").exists()
+
+
+def test_decode_loop_benchmark_runs_and_compares_like_with_like():
+    """The A/B of the decode loops runs (on the testbed, which keeps its own generate: both arms
+    must then return the same tokens) and reports a ratio of the two medians."""
+    res = _load("bench_decode_loop").main(["--model", "testbed", "--task", "testbed", "--prompts", "2",
+                                           "--generations", "2", "--max-new-tokens", "4", "--reps", "1",
+                                           "--threads", "1"])
+    assert res["same_tokens"] is True
+    assert res["ratio"] == pytest.approx(res["echotrain_s"] / res["generate_s"])

@@ -70,7 +70,8 @@ def test_rollouts_log_probs_and_eval_see_one_bos(bos_tokenizer, make_tiny_model,
     seen = _spy_generate(model)
     prompts = ["hi", [{"role": "user", "content": "say 3"}]]
     torch.manual_seed(0)
-    b = generate_rollouts(model, bos_tokenizer, prompts, 2, max_new_tokens=2)
+    # the spy watches generate; both decode loops get the same encoded prompts (encode_prompts)
+    b = generate_rollouts(model, bos_tokenizer, prompts, 2, max_new_tokens=2, decode_loop="generate")
     chat_text = bos_tokenizer.apply_chat_template(prompts[1], tokenize=False, add_generation_prompt=True)
     expected = [bos_tokenizer("hi")["input_ids"]] * 2 + [bos_tokenizer(chat_text, add_special_tokens=False)
                                                          ["input_ids"]] * 2
@@ -89,6 +90,7 @@ def test_rollouts_log_probs_and_eval_see_one_bos(bos_tokenizer, make_tiny_model,
     torch.testing.assert_close(lp[0][m], ref[m], atol=1e-5, rtol=0)
     # echotrain eval goes through the same encoder
     seen.clear()
-    evaluate(model, bos_tokenizer, digit_task, num_prompts=2, n=1, max_new_tokens=2, temperature=0)
+    evaluate(model, bos_tokenizer, digit_task, num_prompts=2, n=1, max_new_tokens=2, temperature=0,
+             decode_loop="generate")
     for row in _rows(*seen[0]):
         assert row[0] == BOS and row[1] != BOS

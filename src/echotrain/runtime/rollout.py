@@ -2,8 +2,9 @@
 
 Two functions the trainer calls, and the mask that both rely on:
 
-- :func:`generate_rollouts` samples every prompt x G completion in one ``generate`` call
-  (KV cache, left padding) and returns a :class:`RolloutBatch` of padded tensors.
+- :func:`generate_rollouts` samples every prompt x G completion in one decode call (KV cache,
+  left padding; echotrain's loop of :mod:`echotrain.runtime.decode`, rows leaving at EOS, or
+  ``model.generate``) and returns a :class:`RolloutBatch` of padded tensors.
 - :func:`response_mask_from_ids` marks the valid response tokens: everything up to and
   including the first EOS; never padding, whether or not an EOS was produced.
 - :func:`forward_log_probs` runs the policy on prompt + response and gathers the log-probability
@@ -23,6 +24,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from echotrain.runtime.decode import sample_tokens
 
 
 @dataclass
@@ -261,7 +264,8 @@ def encode_prompts(tokenizer: Any, texts: Sequence[str], pad_token_id: int | Non
 def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_generations: int, *,
                       max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       batch_size: int = 0, group_offset: int = 0, share_prefix: bool = True,
-                      do_sample: bool = True, record_log_prob: bool = True) -> RolloutBatch:
+                      do_sample: bool = True, record_log_prob: bool = True,
+                      decode_loop: str = "echotrain") -> RolloutBatch:
     """Sample ``num_generations`` completions of each prompt.
 
     Each prompt is repeated G times (rows ``g*G .. g*G+G-1`` belong to group ``group_offset + g``),
@@ -282,6 +286,13 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
         record_log_prob: when sampling, record the sampler's per-token log-probs
             (``rollout_log_prob``, :class:`RolloutLogProbRecorder`); False for evaluation, which
             needs none (and for a ``generate`` that does not run one forward per new token).
+        decode_loop: ``"echotrain"``: :func:`echotrain.runtime.decode.sample_tokens` (rows leave
+            the batch at EOS; the same tokens as ``generate`` from the same RNG state) for models
+            with a KV-cache forward, else ``model.generate``; ``"generate"``: always
+            ``model.generate``.
+
+    Raises:
+        ValueError: ``num_generations`` < 1, no prompts, or an unknown ``decode_loop``.
 
     Returns:
         A :class:`RolloutBatch` with N = B * G rows.
@@ -290,6 +301,8 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty")
+    if decode_loop not in ("echotrain", "generate"):
+        raise ValueError(f"decode_loop must be 'echotrain' or 'generate', got {decode_loop!r}")
     texts = render_prompts(tokenizer, prompts)
     texts = [t for t in texts for _ in range(num_generations)]
     group_index = torch.arange(len(prompts)).repeat_interleave(num_generations) + group_offset
@@ -299,6 +312,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
     ids, attn = encode_prompts(tokenizer, texts, pad_id)
     chunk = batch_size or len(texts)
     responses, rollout_lps, rollout_ents = [], [], []
+    own_loop = decode_loop == "echotrain" and _supports_decode_loop(model)
     was_training = model.training
     model.eval()
     try:
@@ -316,14 +330,25 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                         and _supports_shared_prefix(model):
                     kwargs["past_key_values"] = _prefill(model, ids[::num_generations].to(device),
                                                          attn[::num_generations].to(device), num_generations)
-                # the sampler's own log-probs, recorded inside generate (whatever model generates)
-                recorder = RolloutLogProbRecorder(model, temperature) if do_sample and record_log_prob else None
-                with recorder or contextlib.nullcontext():
-                    out = model.generate(ids[sl].to(device), **kwargs)
-                new_ids = out[:, ids.shape[1]:]
-                if recorder is not None:
-                    rollout_lps.append(recorder.finish(new_ids))
-                    rollout_ents.append(recorder.entropy(new_ids))
+                if own_loop:
+                    dec = sample_tokens(model, ids[sl].to(device), kwargs["attention_mask"],
+                                        max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=pad_id,
+                                        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                        past_key_values=kwargs.get("past_key_values"),
+                                        record_log_prob=do_sample and record_log_prob)
+                    new_ids = dec.tokens
+                    if dec.log_prob is not None:
+                        rollout_lps.append(dec.log_prob)
+                        rollout_ents.append(dec.entropy)
+                else:
+                    # the sampler's own log-probs, recorded inside generate (whatever model generates)
+                    recorder = RolloutLogProbRecorder(model, temperature) if do_sample and record_log_prob else None
+                    with recorder or contextlib.nullcontext():
+                        out = model.generate(ids[sl].to(device), **kwargs)
+                    new_ids = out[:, ids.shape[1]:]
+                    if recorder is not None:
+                        rollout_lps.append(recorder.finish(new_ids))
+                        rollout_ents.append(recorder.entropy(new_ids))
             # clone outside inference mode: later passes use these ids under autograd
             responses.append(new_ids.cpu().clone())
     finally:
@@ -392,6 +417,11 @@ def _accepts(model: Any, name: str) -> bool:
 
 def _supports_shared_prefix(model: Any) -> bool:
     return _accepts(model, "past_key_values") and _accepts(model, "position_ids") and _accepts(model, "use_cache")
+
+
+def _supports_decode_loop(model: Any) -> bool:
+    """Whether :func:`~echotrain.runtime.decode.sample_tokens` can drive ``model``'s forward."""
+    return _supports_shared_prefix(model) and _accepts(model, "logits_to_keep")
 
 
 def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,

@@ -108,6 +108,12 @@ class TrainConfig:
     top_k: int = _f(0, "Top-k sampling for rollouts; 0 disables. Keep 0 for RL.", group="rollout")
     rollout_batch_size: int = _f(0, "Sequences per generate() call; 0 = all B*G in one call (fastest with KV cache).",
                                  group="rollout")
+    decode_loop: str = _f("echotrain", "How rollouts and evaluations are decoded: echotrain = our loop "
+                          "(echotrain.runtime.decode), which drops rows from the batch when they emit EOS and draws "
+                          "the same tokens as generate from the same RNG state; generate = transformers' generate, "
+                          "which computes every row until the last one ends. Models without a KV-cache forward (the "
+                          "testbed's LoopedTransformer has its own loop) always use their generate.",
+                          choices=("echotrain", "generate"), group="rollout")
     staleness: int = _f(0, "Fixed-lag off-policy training (k >= 0): the rollouts of step t are sampled by the weights "
                         "of step t - k (the initial weights for t <= k), generated k steps ahead into a queue "
                         "(echotrain.train.lag); the learner recomputes old_log_prob (proximal policy) and the "

@@ -1,0 +1,93 @@
+"""echotrain's decode loop against transformers' ``generate``: the default job's rollouts, both
+ways, in one process, alternating, as a ratio (issue 21 item 2).
+
+What is timed: ``generate_rollouts`` of the default job's first step (embedded SmolLM2-135M-
+Instruct, the default task's prompts, B = 8 x G = 8 rows, 32 new tokens, temperature 1, the
+shared-prompt prefill, rollout log-probs recorded), with ``decode_loop=generate`` and
+``decode_loop=echotrain``, the same RNG seed before each call, ``--reps`` rounds with the order
+alternating, after one untimed warm-up call of each. Printed: the median wall seconds of each,
+their ratio, the rows x steps each computes (``generate``: every row until the last one ends;
+echotrain: each row until its own EOS), and whether the two returned the same token ids (they
+should: the loop draws what ``generate`` draws from the same RNG state).
+
+    python benchmarks/bench_decode_loop.py --threads 2 --reps 5
+    python benchmarks/bench_decode_loop.py --model testbed-length --task testbed-length --reps 3   # its own generate
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--model", default=None, help="model= (default: the default job's)")
+    ap.add_argument("--task", default=None, help="task= (default: the default job's)")
+    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--generations", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    from echotrain.cli import set_omp_wait_policy
+
+    wait = set_omp_wait_policy()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from echotrain.models import load_policy
+    from echotrain.runtime.rollout import generate_rollouts
+    from echotrain.tasks import get_task
+    from echotrain.train.config import resolve_config
+
+    over = {k: v for k, v in (("model", args.model), ("task", args.task), ("prompts_per_step", args.prompts),
+                              ("num_generations", args.generations), ("max_new_tokens", args.max_new_tokens))
+            if v is not None}
+    cfg = resolve_config(overrides=over)
+    model, tok = load_policy(cfg.model)
+    task = get_task(cfg.task, **cfg.task_options)
+    messages = [ex.messages for ex in task.sample(cfg.prompts_per_step, cfg.seed)]
+
+    def call(loop: str, max_new: int) -> tuple[float, object]:
+        torch.manual_seed(cfg.seed)
+        t0 = time.perf_counter()
+        b = generate_rollouts(model, tok, messages, cfg.num_generations, max_new_tokens=max_new,
+                              temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, decode_loop=loop)
+        return time.perf_counter() - t0, b
+
+    loops = ("generate", "echotrain")
+    for loop in loops:
+        call(loop, 2)
+    times: dict[str, list[float]] = {loop: [] for loop in loops}
+    batches = {}
+    for rep in range(args.reps):
+        for loop in (loops if rep % 2 == 0 else loops[::-1]):
+            t, batches[loop] = call(loop, cfg.max_new_tokens)
+            times[loop].append(t)
+    g, e = batches["generate"], batches["echotrain"]
+    lengths = g.response_mask.sum(-1)
+    row_steps_generate = len(lengths) * g.response_ids.shape[1]
+    from echotrain.runtime.rollout import _supports_decode_loop
+
+    row_steps_own = int(lengths.sum()) if _supports_decode_loop(model) else "n/a (the model's own generate)"
+    tg, te = statistics.median(times["generate"]), statistics.median(times["echotrain"])
+    print(f"# model {cfg.model}, {cfg.prompts_per_step} prompts x {cfg.num_generations}, {cfg.max_new_tokens} new "
+          f"tokens, {args.threads} threads, OpenMP wait {wait}, load avg {os.getloadavg()[0]:.1f}, {args.reps} reps")
+    print("| decode_loop | median s | ratio | rows x steps computed | per-rep s |")
+    print("|---|---:|---:|---:|---|")
+    print(f"| generate | {tg:.2f} | 1.00 | {row_steps_generate} | {', '.join(f'{t:.2f}' for t in times['generate'])} |")
+    print(f"| echotrain | {te:.2f} | {te / tg:.2f} | {row_steps_own} | {', '.join(f'{t:.2f}' for t in times['echotrain'])} |")
+    same = torch.equal(g.response_ids, e.response_ids)
+    print(f"# same token ids: {same}; mean response {float(lengths.mean()):.1f} tokens, width {g.response_ids.shape[1]}")
+    return {"generate_s": tg, "echotrain_s": te, "ratio": te / tg, "same_tokens": same}
+
+
+if __name__ == "__main__":
+    main()

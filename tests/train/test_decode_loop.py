@@ -1,0 +1,144 @@
+"""echotrain's decode loop (echotrain.runtime.decode): rows leave the batch at EOS, and the
+tokens are the ones transformers' ``generate`` draws from the same RNG state.
+
+The reference is ``generate`` itself on a tiny randomly initialised Llama whose lm_head is biased
+towards EOS, so that rows finish at different steps and the loop really drops some."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from echotrain.runtime import rollout as R
+from echotrain.runtime.decode import sample_tokens
+
+TEXTS = ["abc", "hello world", "x", "12 34 56 7"]
+G = 4
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from tests.train.conftest import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    model = make_model(tok, seed=0)
+    with torch.no_grad():  # rows end at different steps: some after 1-3 tokens, some run to MAX_NEW
+        model.lm_head.weight[tok.eos_token_id].mul_(3.0)
+    model.eval()
+    return model, tok
+
+
+def _inputs(tok):
+    return R.encode_prompts(tok, [t for t in TEXTS for _ in range(G)], tok.pad_token_id)
+
+
+def _hf(model, tok, ids, attn, seed, shared, **kw):
+    torch.manual_seed(seed)
+    hk = dict(attention_mask=attn, max_new_tokens=MAX_NEW, pad_token_id=tok.pad_token_id,
+              eos_token_id=[tok.eos_token_id], use_cache=True, do_sample=kw.get("do_sample", True))
+    if hk["do_sample"]:
+        hk.update(temperature=kw.get("temperature", 1.0), top_p=kw.get("top_p", 1.0), top_k=kw.get("top_k") or None)
+    else:
+        hk.update(temperature=None, top_p=None, top_k=None)
+    with torch.inference_mode():
+        if shared:
+            hk["past_key_values"] = R._prefill(model, ids[::G], attn[::G], G)
+        with R.RolloutLogProbRecorder(model, kw.get("temperature", 1.0)) as rec:
+            out = model.generate(ids, **hk)[:, ids.shape[1]:]
+        return out, rec.finish(out), rec.entropy(out)
+
+
+def _ours(model, tok, ids, attn, seed, shared, **kw):
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        pkv = R._prefill(model, ids[::G], attn[::G], G) if shared else None
+        return sample_tokens(model, ids, attn, max_new_tokens=MAX_NEW, eos_token_ids=[tok.eos_token_id],
+                             pad_token_id=tok.pad_token_id, past_key_values=pkv, **kw)
+
+
+CASES = [dict(do_sample=False), dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(top_p=0.8),
+         dict(temperature=1.3, top_k=7, top_p=0.9)]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_same_tokens_and_log_probs_as_generate(policy, kw, shared):
+    """Greedy and every sampling warper, with and without the shared-prompt cache: token ids
+    identical to ``generate``'s from the same seed (the RNG is consumed the same way), and the
+    recorded log-probs / entropies those of the in-generate recorder, up to float rounding."""
+    model, tok = policy
+    ids, attn = _inputs(tok)
+    for seed in (3, 11):
+        ref, ref_lp, ref_ent = _hf(model, tok, ids, attn, seed, shared, **kw)
+        got = _ours(model, tok, ids, attn, seed, shared, **kw)
+        assert torch.equal(got.tokens, ref)
+        valid = R.response_mask_from_ids(ref, [tok.eos_token_id], tok.pad_token_id)[0].bool()
+        lengths = valid.sum(1)
+        if kw.get("do_sample", True):  # the case really has rows ending at different steps
+            assert int(lengths.min()) < MAX_NEW // 2 and int(lengths.max()) == MAX_NEW
+        torch.testing.assert_close(got.log_prob[valid], ref_lp[valid], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.entropy[valid], ref_ent[valid], rtol=0, atol=1e-5)
+        assert (got.log_prob[~valid] == 0).all() and (got.entropy[~valid] == 0).all()
+        # the RNG state after the loop is the one generate leaves (later draws of the run agree)
+        after = torch.rand(4)
+        _hf(model, tok, ids, attn, seed, shared, **kw)
+        assert torch.equal(after, torch.rand(4))
+
+
+def test_finished_rows_leave_the_batch(policy):
+    """The forward calls shrink as rows emit EOS: the rows computed over all steps equal the sum
+    of the response lengths (each row is computed until its EOS, not until the last row's)."""
+    model, tok = policy
+    ids, attn = _inputs(tok)
+    sizes: list[int] = []
+    h = model.register_forward_pre_hook(lambda m, a, k: sizes.append(int(k["input_ids"].shape[0])), with_kwargs=True)
+    try:
+        got = _ours(model, tok, ids, attn, 3, False)
+    finally:
+        h.remove()
+    lengths = R.response_mask_from_ids(got.tokens, [tok.eos_token_id], tok.pad_token_id)[0].sum(1)
+    assert sizes[0] == len(ids) and sizes == sorted(sizes, reverse=True) and sizes[-1] < len(ids)
+    assert len(sizes) == got.tokens.shape[1] == int(lengths.max())
+    assert sum(sizes) == int(lengths.sum())
+
+
+def test_no_eos_runs_every_row_to_max_new_tokens(policy):
+    model, tok = policy
+    ids, attn = _inputs(tok)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        got = sample_tokens(model, ids, attn, max_new_tokens=7, eos_token_ids=[], pad_token_id=tok.pad_token_id,
+                            record_log_prob=False)
+    assert got.tokens.shape == (len(ids), 7) and got.log_prob is None and got.entropy is None
+
+
+@pytest.mark.parametrize("bad, match", [(dict(max_new_tokens=0), "max_new_tokens"),
+                                        (dict(temperature=0.0), "temperature"),
+                                        (dict(attention_mask=torch.ones(2, 3, dtype=torch.long)), "attention_mask")])
+def test_bad_arguments_name_themselves(policy, bad, match):
+    model, tok = policy
+    ids, attn = _inputs(tok)
+    kw = dict(max_new_tokens=4, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    kw.update({k: v for k, v in bad.items() if k != "attention_mask"})
+    with pytest.raises(ValueError, match=match):
+        sample_tokens(model, ids, bad.get("attention_mask", attn), **kw)
+
+
+def test_generate_rollouts_either_loop_gives_the_same_batch(policy):
+    """``generate_rollouts(decode_loop=...)``: the whole RolloutBatch (ids, masks, truncation,
+    recorded log-probs) agrees between echotrain's loop and ``generate``; a bad name is refused."""
+    model, tok = policy
+    out = {}
+    for loop in ("generate", "echotrain"):
+        torch.manual_seed(4)
+        out[loop] = R.generate_rollouts(model, tok, TEXTS, G, max_new_tokens=MAX_NEW, temperature=0.9,
+                                        decode_loop=loop)
+    a, b = out["generate"], out["echotrain"]
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_index", "truncated"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert bool(a.truncated.any()) and not bool(a.truncated.all())
+    torch.testing.assert_close(b.rollout_log_prob, a.rollout_log_prob, rtol=0, atol=1e-5)
+    torch.testing.assert_close(b.rollout_entropy, a.rollout_entropy, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="decode_loop"):
+        R.generate_rollouts(model, tok, TEXTS, G, max_new_tokens=4, decode_loop="vllm")

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     row_steps_own = int(lengths.sum()) if _supports_decode_loop(model) else "n/a (the model's own generate)"
     tg, te = statistics.median(times["generate"]), statistics.median(times["echotrain"])
-    print(f"# model {cfg.model}, {cfg.prompts_per_step} prompts x {cfg.num_generations}, {cfg.max_new_tokens} new "
+    print(f"# model {cfg.model or 'the default (SmolLM2-135M-Instruct)'}, {cfg.prompts_per_step} prompts x {cfg.num_generations}, {cfg.max_new_tokens} new "
           f"tokens, {args.threads} threads, OpenMP wait {wait}, load avg {os.getloadavg()[0]:.1f}, {args.reps} reps")
     print("| decode_loop | median s | ratio | rows x steps computed | per-rep s |")
     print("|---|---:|---:|---:|---|")

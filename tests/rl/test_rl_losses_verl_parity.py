@@ -7,6 +7,8 @@ aggregation mode verl supports for the loss, log-ratios from small to extreme (|
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -22,7 +24,10 @@ from echotrain.rl import compute_policy_loss  # noqa: E402
 
 VERL_AGGS = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 C = 11.0
-TOL = dict(rtol=1e-7, atol=1e-12)  # verl divides seq-mean-token-mean by length + 1e-8
+# verl divides seq-mean-token-mean by length + 1e-8: each sequence's mean is off by up to 1e-8
+# relative, and where the per-sequence terms cancel (advantages of both signs) the total's relative
+# error grows (up to ~8e-7 seen over 300 random batches), so the bound is absolute: 1e-8 x terms <= 1
+TOL = dict(rtol=1e-7, atol=1e-8)
 
 
 def _verl_config(low=0.2, high=0.28, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05, **policy_loss):
@@ -80,7 +85,7 @@ CASES = {
 @pytest.mark.parametrize("loss_mode", sorted(CASES))
 def test_token_losses_match_verl(loss_mode, agg, extreme):
     ours_cfg, verl_kw = CASES[loss_mode]
-    old, log_prob, adv, mask = _random(hash(loss_mode) % 1000, noise=0.6, extreme=extreme)
+    old, log_prob, adv, mask = _random(zlib.crc32(loss_mode.encode()) % 1000, noise=0.6, extreme=extreme)
     a, b = _both(loss_mode, loss_mode, agg, ours_cfg, _verl_config(**verl_kw), old, log_prob, adv, mask)
     _assert_same(a, b)
     m_ours, m_ref = a[2], b[2]

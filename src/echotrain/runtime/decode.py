@@ -28,6 +28,14 @@ from typing import Any, Sequence
 
 import torch
 
+#: The values of the ``decode_loop`` setting: ours (:func:`sample_tokens`) or transformers' ``generate``.
+DECODE_LOOPS = ("echotrain", "generate")
+
+
+def entropy_of(log_p: torch.Tensor) -> torch.Tensor:
+    """(N,) float32 entropy -sum_v p log p (nats) of the (N, V) log-softmax ``log_p``, on CPU."""
+    return -(log_p.exp() * log_p).sum(-1).float().cpu()
+
 
 @dataclass
 class Decoded:
@@ -131,7 +139,7 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
         if record_log_prob:
             lp = torch.log_softmax(logits / temperature if do_sample and temperature != 1.0 else logits, dim=-1)
             log_prob[rows.cpu(), t] = lp.gather(-1, nxt[:, None]).squeeze(-1).cpu()
-            entropy[rows.cpu(), t] = (-(lp.exp() * lp).sum(-1)).cpu()
+            entropy[rows.cpu(), t] = entropy_of(lp)
         steps = t + 1
         alive = ~torch.isin(nxt, eos) if len(eos) else torch.ones_like(nxt, dtype=torch.bool)
         if not bool(alive.any()) or steps == max_new_tokens:

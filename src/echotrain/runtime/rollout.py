@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from echotrain.runtime.decode import sample_tokens
+from echotrain.runtime.decode import DECODE_LOOPS, entropy_of, sample_tokens
 
 
 @dataclass
@@ -106,10 +106,7 @@ class RolloutLogProbRecorder:
             logits = logits / self.temperature
         self.prev = torch.log_softmax(logits, dim=-1)
 
-    @staticmethod
-    def _entropy(log_p: torch.Tensor) -> torch.Tensor:
-        """(N,) float32 entropy -sum_v p log p of the (N, V) log-softmax ``log_p``, on CPU."""
-        return -(log_p.exp() * log_p).sum(-1).float().cpu()
+    _entropy = staticmethod(entropy_of)
 
     def __enter__(self) -> "RolloutLogProbRecorder":
         self._handles = [self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
@@ -301,8 +298,8 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty")
-    if decode_loop not in ("echotrain", "generate"):
-        raise ValueError(f"decode_loop must be 'echotrain' or 'generate', got {decode_loop!r}")
+    if decode_loop not in DECODE_LOOPS:
+        raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {decode_loop!r}")
     texts = render_prompts(tokenizer, prompts)
     texts = [t for t in texts for _ in range(num_generations)]
     group_index = torch.arange(len(prompts)).repeat_interleave(num_generations) + group_offset

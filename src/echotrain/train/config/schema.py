@@ -21,6 +21,7 @@ from typing import Any
 from echotrain.optim.schedules import LR_DECAYS
 from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, with_policy_loss_fields
 from echotrain.runtime.precision import AUTOCAST_CHOICES
+from echotrain.runtime.decode import DECODE_LOOPS
 
 #: ``preset=<name>+balanced``: the preset with Balanced Aggregation (``loss_agg_mode=balanced``).
 BALANCED_SUFFIX = "+balanced"
@@ -113,7 +114,7 @@ class TrainConfig:
                           "the same tokens as generate from the same RNG state; generate = transformers' generate, "
                           "which computes every row until the last one ends. Models without a KV-cache forward (the "
                           "testbed's LoopedTransformer has its own loop) always use their generate.",
-                          choices=("echotrain", "generate"), group="rollout")
+                          choices=DECODE_LOOPS, group="rollout")
     staleness: int = _f(0, "Fixed-lag off-policy training (k >= 0): the rollouts of step t are sampled by the weights "
                         "of step t - k (the initial weights for t <= k), generated k steps ahead into a queue "
                         "(echotrain.train.lag); the learner recomputes old_log_prob (proximal policy) and the "

@@ -33,6 +33,7 @@ Usage::
 
     python benchmarks/bench_roofline.py --threads 2 [--prompts 8 --generations 8 --max-new-tokens 32]
                                         [--decode-loop generate]   # transformers' generate
+                                        [--set pack_responses=false]   # any setting
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--decode-loop", default=None, choices=("echotrain", "generate"),
                     help="the decode_loop setting (default: the trainer's default)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another setting, as on the command line (e.g. pack_responses=false)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
 
@@ -67,6 +70,7 @@ def main() -> None:
     from echotrain.roofline import (batch_forward_flops, decode_bytes, decode_flops, decode_roofline_seconds,
                                     machine_peaks, prefill_flops, shape_of)
     from echotrain.train.config import resolve_config
+    from echotrain.train.config.parse import parse_overrides
     from echotrain.runtime.precision import autocast
     from echotrain.runtime.rollout import _prefill, encode_prompts, generate_rollouts, render_prompts
     from echotrain.train.trainer import Trainer
@@ -76,7 +80,8 @@ def main() -> None:
                               ("max_new_tokens", args.max_new_tokens), ("decode_loop", args.decode_loop))
             if v is not None}
     tmp = tempfile.mkdtemp(prefix="bench_roofline-")
-    cfg = resolve_config(overrides={**over, "output_dir": tmp, "eval_prompts": 0, "progress": False, "plots": False})
+    cfg = resolve_config(overrides={**parse_overrides(args.set), **over, "output_dir": tmp, "eval_prompts": 0,
+                                    "progress": False, "plots": False})
     trainer = Trainer(cfg)
     model, tok, ac = trainer.model, trainer.tokenizer, trainer.autocast_dtype
     param = next(model.parameters())

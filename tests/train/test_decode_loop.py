@@ -1,5 +1,6 @@
-"""echotrain's decode loop (echotrain.runtime.decode): rows leave the batch at EOS, and the
-tokens are the ones transformers' ``generate`` draws from the same RNG state.
+"""echotrain's decode loop (echotrain.runtime.decode): rows leave the batch at EOS; with
+``sampler="multinomial"`` the tokens are the ones transformers' ``generate`` draws from the same
+RNG state, with ``sampler="inverse_cdf"`` (the default) they follow the same distribution.
 
 The reference is ``generate`` itself on a tiny randomly initialised Llama whose lm_head is biased
 towards EOS, so that rows finish at different steps and the loop really drops some."""
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from echotrain.runtime import rollout as R
-from echotrain.runtime.decode import sample_tokens
+from echotrain.runtime.decode import inverse_cdf_sample, sample_tokens
 
 TEXTS = ["abc", "hello world", "x", "12 34 56 7"]
 G = 4
@@ -50,6 +51,7 @@ def _hf(model, tok, ids, attn, seed, shared, **kw):
 
 
 def _ours(model, tok, ids, attn, seed, shared, **kw):
+    kw.setdefault("sampler", "multinomial")
     torch.manual_seed(seed)
     with torch.inference_mode():
         pkv = R._prefill(model, ids[::G], attn[::G], G) if shared else None
@@ -133,7 +135,7 @@ def test_generate_rollouts_either_loop_gives_the_same_batch(policy):
     for loop in ("generate", "echotrain"):
         torch.manual_seed(4)
         out[loop] = R.generate_rollouts(model, tok, TEXTS, G, max_new_tokens=MAX_NEW, temperature=0.9,
-                                        decode_loop=loop)
+                                        decode_loop=loop, sampler="multinomial")
     a, b = out["generate"], out["echotrain"]
     for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_index", "truncated"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
@@ -142,3 +144,56 @@ def test_generate_rollouts_either_loop_gives_the_same_batch(policy):
     torch.testing.assert_close(b.rollout_entropy, a.rollout_entropy, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="decode_loop"):
         R.generate_rollouts(model, tok, TEXTS, G, max_new_tokens=4, decode_loop="vllm")
+    with pytest.raises(ValueError, match="sampler"):
+        R.generate_rollouts(model, tok, TEXTS, G, max_new_tokens=4, sampler="gumbel")
+
+
+def test_inverse_cdf_sample_frequencies_and_zeros():
+    """Empirical frequencies of 200,000 draws per row match the (unnormalised) probabilities
+    within 5 standard errors; a probability-0 entry is never drawn, also at the ends of the row."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 2.0],
+                          [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]])
+    torch.manual_seed(0)
+    n = 200_000
+    draws = inverse_cdf_sample(probs.repeat_interleave(n, 0)).view(3, n)
+    p = probs / probs.sum(-1, keepdim=True)
+    freq = torch.stack([torch.bincount(r, minlength=6) for r in draws]).double() / n
+    se = (p * (1 - p) / n).sqrt()
+    assert ((freq - p).abs() <= 5 * se + 1e-12).all(), (freq, p)
+    assert (freq[p == 0] == 0).all()
+
+
+def test_inverse_cdf_sample_top_of_the_unit_interval(monkeypatch):
+    """u just below 1 picks the last token of positive probability, never a trailing zero."""
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((2, 1), 1 - 2**-53, dtype=torch.float64))
+    probs = torch.tensor([[0.2, 0.8, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    assert inverse_cdf_sample(probs).tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=5)],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_inverse_cdf_first_tokens_follow_the_model(policy, kw):
+    """sampler=inverse_cdf: the first tokens of 6,000 rows of one prompt follow the warped
+    softmax of the model's logits (every token's frequency within 5 standard errors; nothing
+    outside the top k drawn), and the recorded log-probs are those tokens' log-probs."""
+    model, tok = policy
+    n = 6000
+    ids, attn = R.encode_prompts(tok, ["hello world"] * n, tok.pad_token_id)
+    torch.manual_seed(2)
+    with torch.inference_mode():
+        got = sample_tokens(model, ids, attn, max_new_tokens=1, eos_token_ids=[], pad_token_id=tok.pad_token_id,
+                            sampler="inverse_cdf", **kw)
+        logits = model(ids[:1], attention_mask=attn[:1]).logits[0, -1].float().clone() / kw["temperature"]
+    lp = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(got.log_prob[:, 0], lp[got.tokens[:, 0]], rtol=0, atol=1e-5)
+    if kw.get("top_k"):
+        logits = logits.masked_fill(logits < logits.topk(kw["top_k"]).values[-1], float("-inf"))
+    p = torch.softmax(logits, -1).double()
+    freq = torch.bincount(got.tokens[:, 0], minlength=len(p)).double() / n
+    assert (freq[p == 0] == 0).all()
+    # each token expected >= 20 times on its own, the rarer ones pooled into one bin
+    big = p * n >= 20
+    bins_p, bins_f = torch.cat([p[big], p[~big].sum()[None]]), torch.cat([freq[big], freq[~big].sum()[None]])
+    assert int(big.sum()) >= 3
+    assert ((bins_f - bins_p).abs() <= 5 * (bins_p * (1 - bins_p) / n).sqrt() + 1e-12).all(), (bins_f, bins_p)

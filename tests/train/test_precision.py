@@ -75,9 +75,12 @@ def test_bfloat16_run_keeps_float32_state_and_exact_on_policy_ratio(setting, bui
     assert all(t.dtype == torch.float32 for s in trainer.optimizer.state.values() for t in s.values()
                if torch.is_tensor(t) and t.is_floating_point())
     for r in records:
-        assert torch.isfinite(torch.tensor(r["grad_norm"])) and r["grad_norm"] > 0
+        assert torch.isfinite(torch.tensor(r["grad_norm"]))
+        if r["groups/zero_variance_frac"] < 1.0:  # a step whose groups all tied has no gradient to take
+            assert r["grad_norm"] > 0
         # the first mini-batch is on-policy in both precisions: its batch ratio is 1 exactly
         assert 1.0 in (r["echo/R_batch_min"], r["echo/R_batch_max"])
+    assert any(r["grad_norm"] > 0 for r in records)  # and the run did learn something
     info = json.loads((trainer.run_dir / "run_info.json").read_text())
     assert info["autocast"] == setting
 

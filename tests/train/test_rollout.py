@@ -72,7 +72,8 @@ def test_log_probs_match_generate_scores_with_left_padding(tiny_model, tiny_toke
     prompts = [[{"role": "user", "content": "say 1"}], [{"role": "user", "content": "say 123456"}]]
     temp = 0.8
     torch.manual_seed(0)
-    b = generate_rollouts(tiny_model, tiny_tokenizer, prompts, 2, max_new_tokens=6, temperature=temp)
+    b = generate_rollouts(tiny_model, tiny_tokenizer, prompts, 2, max_new_tokens=6, temperature=temp,
+                         sampler="multinomial")  # generate's draws
     assert b.prompt_mask[:2].eq(0).any()  # the short prompt is left-padded
     torch.manual_seed(0)
     texts = [tiny_tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)

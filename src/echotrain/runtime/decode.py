@@ -7,14 +7,24 @@ tokens that are thrown away (the default job: mean response 17 of at most 32 tok
 with the model's KV cache, and after each step drops the rows that just emitted an EOS token from
 the cache (``Cache.batch_select_indices``), the attention mask and the position ids.
 
-Same draws as ``generate``: the logits go through the same warpers, in the order ``generate``
-applies them (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` of
-``transformers``), and the next tokens are drawn by one ``torch.multinomial`` over all N rows, the
-finished rows holding a one-hot placeholder: a CPU ``multinomial`` consumes the global RNG per row
-whatever the probabilities are, so the active rows draw exactly what ``generate`` would have drawn
-from the same RNG state (tested against ``generate``; the logits themselves agree to float
-rounding, a batch of fewer rows may round differently). Greedy decoding (``do_sample=False``) takes
-the argmax.
+The logits go through the same warpers as in ``generate``, in its order
+(``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` of ``transformers``). The
+next token is then drawn from the warped distribution in one of two ways (``sampler``, the
+setting of the same name; :data:`SAMPLERS`):
+
+- ``inverse_cdf`` (the default): one uniform u per active row and the first token whose
+  cumulative probability (float64 cumulative sum) exceeds u times the total; tokens of
+  probability 0 (filtered by top-k / top-p) are never drawn. Exactly the warped distribution,
+  from one random number a row: ~2 ms a step for 64 rows x 49,152 tokens against ~70 ms for
+  ``torch.multinomial``, which draws one exponential per vocabulary entry.
+- ``multinomial``: ``torch.multinomial`` over all N rows, the finished rows holding a one-hot
+  placeholder: a CPU ``multinomial`` consumes the global RNG per row whatever the probabilities
+  are, so the active rows draw exactly what ``generate`` would have drawn from the same RNG state
+  (tested against ``generate``; the logits themselves agree to float rounding, a batch of fewer
+  rows may round differently).
+
+Both draw from the same distribution; only ``multinomial`` reproduces ``generate``'s tokens for a
+seed. Greedy decoding (``do_sample=False``) takes the argmax.
 
 The sampler's own per-token log-probs and entropies (``rollout_log_prob``, ``rollout_entropy``)
 come out of the same pass: ``log_softmax(logits / temperature)`` before top-k / top-p, as
@@ -30,6 +40,18 @@ import torch
 
 #: The values of the ``decode_loop`` setting: ours (:func:`sample_tokens`) or transformers' ``generate``.
 DECODE_LOOPS = ("echotrain", "generate")
+#: The values of the ``sampler`` setting: how :func:`sample_tokens` draws a token (module docstring).
+SAMPLERS = ("inverse_cdf", "multinomial")
+
+
+def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` (N, V) (non-negative, rows with a positive sum), by
+    inversion: u ~ U[0, 1) in float64 per row, the first index whose float64 cumulative sum
+    exceeds u times the row's total. A token of probability 0 is never drawn. Uses the global
+    RNG (N float64 uniforms); returns (N,) int64 on ``probs``' device."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(len(probs), 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def entropy_of(log_p: torch.Tensor) -> torch.Tensor:
@@ -70,7 +92,7 @@ def _warpers(temperature: float, top_k: int, top_p: float) -> Any:
 def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                   eos_token_ids: Sequence[int], pad_token_id: int, do_sample: bool = True, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, past_key_values: Any = None,
-                  record_log_prob: bool = True) -> Decoded:
+                  record_log_prob: bool = True, sampler: str = "inverse_cdf") -> Decoded:
     """Decode up to ``max_new_tokens`` tokens for each row, dropping rows from the batch at EOS.
 
     Args:
@@ -86,13 +108,14 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
             prefill of :func:`~echotrain.runtime.rollout.generate_rollouts`); the loop then runs
             only the last prompt token first.
         record_log_prob: also return the sampler's log-probs and entropies.
+        sampler: one of :data:`SAMPLERS` (module docstring).
 
     Returns:
         :class:`Decoded`. T is the step at which the last row finished, or ``max_new_tokens``.
 
     Raises:
         ValueError: ``max_new_tokens`` < 1, shapes of ``input_ids`` and ``attention_mask`` differ,
-            or a sampling ``temperature`` <= 0.
+            a sampling ``temperature`` <= 0, or an unknown ``sampler``.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -100,6 +123,8 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
     if do_sample and not temperature > 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     device = input_ids.device
     N = input_ids.shape[0]
     warp = _warpers(float(temperature), int(top_k), float(top_p)) if do_sample else None
@@ -126,7 +151,9 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
         logits = out.logits[:, -1, :].float()
         if do_sample:
             probs = torch.softmax(warp(step_ids, logits.clone()), dim=-1)
-            if len(rows) < N:  # the same RNG draws as generate, which samples every row
+            if sampler == "inverse_cdf":
+                nxt = inverse_cdf_sample(probs)
+            elif len(rows) < N:  # the same RNG draws as generate, which samples every row
                 full = probs.new_zeros(N, probs.shape[-1])
                 full[:, 0] = 1.0
                 full[rows] = probs

@@ -18,14 +18,14 @@ Any model with ``model(input_ids, attention_mask=...).logits`` and ``model.gener
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from echotrain.runtime.decode import DECODE_LOOPS, entropy_of, sample_tokens
+from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS, entropy_of, sample_tokens
+from echotrain.runtime.packing import accepts_keyword, is_prefix_mask, packed_log_probs, supports_packed_forward
 
 
 @dataclass
@@ -262,7 +262,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                       max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       batch_size: int = 0, group_offset: int = 0, share_prefix: bool = True,
                       do_sample: bool = True, record_log_prob: bool = True,
-                      decode_loop: str = "echotrain") -> RolloutBatch:
+                      decode_loop: str = "echotrain", sampler: str = "inverse_cdf") -> RolloutBatch:
     """Sample ``num_generations`` completions of each prompt.
 
     Each prompt is repeated G times (rows ``g*G .. g*G+G-1`` belong to group ``group_offset + g``),
@@ -284,12 +284,14 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
             (``rollout_log_prob``, :class:`RolloutLogProbRecorder`); False for evaluation, which
             needs none (and for a ``generate`` that does not run one forward per new token).
         decode_loop: ``"echotrain"``: :func:`echotrain.runtime.decode.sample_tokens` (rows leave
-            the batch at EOS; the same tokens as ``generate`` from the same RNG state) for models
-            with a KV-cache forward, else ``model.generate``; ``"generate"``: always
-            ``model.generate``.
+            the batch at EOS) for models with a KV-cache forward, else ``model.generate``;
+            ``"generate"``: always ``model.generate``.
+        sampler: how echotrain's loop draws a token (:data:`echotrain.runtime.decode.SAMPLERS`):
+            ``"inverse_cdf"`` (one uniform a row) or ``"multinomial"`` (the same tokens as
+            ``generate`` from the same RNG state). Unused by ``generate``.
 
     Raises:
-        ValueError: ``num_generations`` < 1, no prompts, or an unknown ``decode_loop``.
+        ValueError: ``num_generations`` < 1, no prompts, an unknown ``decode_loop`` or ``sampler``.
 
     Returns:
         A :class:`RolloutBatch` with N = B * G rows.
@@ -300,6 +302,8 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
         raise ValueError("prompts is empty")
     if decode_loop not in DECODE_LOOPS:
         raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {decode_loop!r}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     texts = render_prompts(tokenizer, prompts)
     texts = [t for t in texts for _ in range(num_generations)]
     group_index = torch.arange(len(prompts)).repeat_interleave(num_generations) + group_offset
@@ -332,7 +336,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                                         max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=pad_id,
                                         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                         past_key_values=kwargs.get("past_key_values"),
-                                        record_log_prob=do_sample and record_log_prob)
+                                        record_log_prob=do_sample and record_log_prob, sampler=sampler)
                     new_ids = dec.tokens
                     if dec.log_prob is not None:
                         rollout_lps.append(dec.log_prob)
@@ -400,41 +404,35 @@ def concat_rollouts(batches: Sequence[RolloutBatch], pad_token_id: int) -> Rollo
     )
 
 
-def _accepts(model: Any, name: str) -> bool:
-    """Whether ``model.forward`` takes keyword ``name`` explicitly. A peft model (LoRA) passes
-    its keyword arguments through to the wrapped model, so that model's forward is inspected."""
-    get_base = getattr(model, "get_base_model", None)
-    if callable(get_base):
-        model = get_base()
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _supports_shared_prefix(model: Any) -> bool:
-    return _accepts(model, "past_key_values") and _accepts(model, "position_ids") and _accepts(model, "use_cache")
+    return accepts_keyword(model, "past_key_values") and accepts_keyword(model, "position_ids") and accepts_keyword(model, "use_cache")
 
 
 def _supports_decode_loop(model: Any) -> bool:
     """Whether :func:`~echotrain.runtime.decode.sample_tokens` can drive ``model``'s forward."""
-    return _supports_shared_prefix(model) and _accepts(model, "logits_to_keep")
+    return _supports_shared_prefix(model) and accepts_keyword(model, "logits_to_keep")
 
 
 def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                       response_mask: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False,
-                      share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      share_prefix: bool = True, pack: bool = True,
+                      kv_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of the response tokens under ``model``.
 
     Runs prompt + response through the model with position ids that skip the left padding (as
     ``generate`` does), keeps only the logits that predict response tokens, and gathers
     ``log_softmax(logits / temperature)`` at the sampled ids, in float32.
 
-    Two exact savings: columns that are padding in every row are trimmed first (the response
-    width becomes the longest valid response), and with ``share_prefix`` (Hugging Face models
-    with a KV cache) each distinct prompt is run once and its key/value cache is expanded to the
-    G responses that share it; gradients flow through the shared prompt exactly as through G
-    copies, at a fraction of the compute (the G rollouts of a group share their prompt).
+    Exact savings: columns that are padding in every row are trimmed first (the response
+    width becomes the longest valid response), and with ``share_prefix`` each distinct prompt
+    is run once (the G rollouts of a group share their prompt); gradients flow through the
+    shared prompt exactly as through G copies, at a fraction of the compute. Two layouts share
+    it: with ``pack`` (models with a custom 4-D mask,
+    :func:`echotrain.runtime.packing.supports_packed_forward`) one row per distinct prompt holds
+    the prompt and its responses back to back under a block-causal mask
+    (:func:`echotrain.runtime.packing.packed_log_probs`: no response padding, no cache); else,
+    with ``kv_cache`` (models with ``past_key_values``), the prompt's key/value cache is expanded
+    to the G responses.
 
     Args:
         prompt_ids, prompt_mask: (N, P) int64, left-padded.
@@ -442,7 +440,10 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
         temperature: the sampling temperature (so that on-policy ratios are exactly 1).
         with_entropy: also return the per-token entropy (N, T) float32, computed without grad.
         share_prefix: compute each distinct prompt once (falls back to one full forward when
-            the model has no ``past_key_values``/``position_ids`` arguments or no prompt repeats).
+            no layout below applies or no prompt repeats).
+        pack: prefer the packed layout where the model supports it.
+        kv_cache: allow the KV-cache layout (off under gradient checkpointing, where
+            transformers turns the cache off).
 
     Returns:
         ``(log_prob, entropy)``: (N, T) float32 (differentiable if grad is enabled) and (N, T) or None.
@@ -460,7 +461,11 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
     response_ids, response_mask = response_ids[:, :T].to(device), response_mask[:, :T].long().to(device)
 
     uniq = inv = None
-    if share_prefix and _supports_shared_prefix(model):
+    if share_prefix and pack and supports_packed_forward(model) and is_prefix_mask(response_mask):
+        log_prob, entropy = packed_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                                             temperature=temperature, with_entropy=with_entropy)
+        return F.pad(log_prob, (0, T_full - T)), (F.pad(entropy, (0, T_full - T)) if with_entropy else None)
+    if share_prefix and kv_cache and _supports_shared_prefix(model):
         uniq, inv = torch.unique(prompt_ids, dim=0, return_inverse=True)
         if len(uniq) == N:
             uniq = inv = None
@@ -468,9 +473,9 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
         input_ids = torch.cat([prompt_ids, response_ids], dim=1)
         attn = torch.cat([prompt_mask, response_mask], dim=1)
         kwargs: dict[str, Any] = {"attention_mask": attn}
-        if _accepts(model, "position_ids"):
+        if accepts_keyword(model, "position_ids"):
             kwargs["position_ids"] = (attn.cumsum(-1) - 1).clamp(min=0)
-        if _accepts(model, "logits_to_keep"):
+        if accepts_keyword(model, "logits_to_keep"):
             kwargs["logits_to_keep"] = T + 1
         logits = model(input_ids, **kwargs).logits[:, -(T + 1):-1, :]
     else:

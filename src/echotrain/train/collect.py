@@ -105,7 +105,8 @@ class Collector:
         if local:
             t0 = time.perf_counter()
             sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                            top_k=cfg.top_k, batch_size=cfg.rollout_batch_size, decode_loop=cfg.decode_loop)
+                            top_k=cfg.top_k, batch_size=cfg.rollout_batch_size, decode_loop=cfg.decode_loop,
+                            sampler=cfg.sampler)
             with autocast(self.model, self.autocast_dtype):
                 batch = self._generate(local, mine, group_offset, draw, sampling)
             t_gen = time.perf_counter() - t0

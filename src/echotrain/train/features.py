@@ -47,7 +47,8 @@ def enable_gradient_checkpointing(model: Any) -> None:
     with-grad forward inside :func:`checkpointed_forward`, which switches to train mode with
     every dropout module kept in eval mode (the policy must stay dropout-free: the ECHO pre-pass
     and the with-grad pass must compute the same function). transformers turns the KV cache off
-    under checkpointing, so that pass does not share prompt prefixes (``share_prompt_prefix``).
+    under checkpointing, so that pass shares prompt prefixes only through the packed layout
+    (``pack_responses``; :mod:`echotrain.runtime.packing`), not through an expanded cache.
 
     Raises:
         ValueError: the model does not support gradient checkpointing.

@@ -335,7 +335,8 @@ class Trainer:
         with torch.random.fork_rng(devices=[]), autocast(self.model, self.autocast_dtype):
             res = evaluate(self.model, self.tokenizer, self.eval_task, num_prompts=cfg.eval_prompts, n=1, ks=(1,),
                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature, seed=cfg.seed + 7,
-                           batch_prompts=max(cfg.prompts_per_step * cfg.num_generations, 1), decode_loop=cfg.decode_loop)
+                           batch_prompts=max(cfg.prompts_per_step * cfg.num_generations, 1), decode_loop=cfg.decode_loop,
+                           sampler=cfg.sampler)
         out = {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"]}
         self.logger.log_eval({"step": step, **out, "eval/prompts": cfg.eval_prompts,
                               "time/eval": time.perf_counter() - t0})

@@ -54,7 +54,7 @@ def policy_log_probs(model: Any, batch: RolloutBatch, cfg: TrainConfig, with_ent
                      grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``(b, T)`` (and entropy) of ``batch``'s response tokens at ``cfg.temperature``,
     with grad if ``grad``; on the model's device. Under gradient checkpointing the with-grad
-    pass runs without the shared-prefix KV cache."""
+    pass shares the prompt only through the packed layout (``pack_responses``), not the KV cache."""
     checkpointing = contextlib.nullcontext()
     if grad and cfg.gradient_checkpointing:
         from echotrain.train.features import checkpointed_forward
@@ -63,8 +63,9 @@ def policy_log_probs(model: Any, batch: RolloutBatch, cfg: TrainConfig, with_ent
     with torch.set_grad_enabled(grad), checkpointing:
         return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                  batch.response_mask, temperature=cfg.temperature, with_entropy=with_entropy,
-                                 # no shared-prefix KV cache under checkpointing
-                                 share_prefix=cfg.share_prompt_prefix and not (grad and cfg.gradient_checkpointing))
+                                 share_prefix=cfg.share_prompt_prefix, pack=cfg.pack_responses,
+                                 # transformers turns the KV cache off under checkpointing
+                                 kv_cache=not (grad and cfg.gradient_checkpointing))
 
 
 @torch.no_grad()

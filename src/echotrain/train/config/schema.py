@@ -21,7 +21,7 @@ from typing import Any
 from echotrain.optim.schedules import LR_DECAYS
 from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, with_policy_loss_fields
 from echotrain.runtime.precision import AUTOCAST_CHOICES
-from echotrain.runtime.decode import DECODE_LOOPS
+from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS
 
 #: ``preset=<name>+balanced``: the preset with Balanced Aggregation (``loss_agg_mode=balanced``).
 BALANCED_SUFFIX = "+balanced"
@@ -110,11 +110,16 @@ class TrainConfig:
     rollout_batch_size: int = _f(0, "Sequences per generate() call; 0 = all B*G in one call (fastest with KV cache).",
                                  group="rollout")
     decode_loop: str = _f("echotrain", "How rollouts and evaluations are decoded: echotrain = our loop "
-                          "(echotrain.runtime.decode), which drops rows from the batch when they emit EOS and draws "
-                          "the same tokens as generate from the same RNG state; generate = transformers' generate, "
-                          "which computes every row until the last one ends. Models without a KV-cache forward (the "
-                          "testbed's LoopedTransformer has its own loop) always use their generate.",
+                          "(echotrain.runtime.decode), which drops rows from the batch when they emit EOS; "
+                          "generate = transformers' generate, which computes every row until the last one ends. "
+                          "Models without a KV-cache forward (the testbed's LoopedTransformer has its own loop) "
+                          "always use their generate.",
                           choices=DECODE_LOOPS, group="rollout")
+    sampler: str = _f("inverse_cdf", "How decode_loop=echotrain draws a token from the (temperature / top-k / top-p "
+                      "warped) distribution: inverse_cdf = one uniform a row against the float64 cumulative "
+                      "probabilities (fast); multinomial = torch.multinomial, one exponential per vocabulary entry, "
+                      "the same tokens as decode_loop=generate from the same RNG state. The same distribution "
+                      "either way.", choices=SAMPLERS, group="rollout")
     staleness: int = _f(0, "Fixed-lag off-policy training (k >= 0): the rollouts of step t are sampled by the weights "
                         "of step t - k (the initial weights for t <= k), generated k steps ahead into a queue "
                         "(echotrain.train.lag); the learner recomputes old_log_prob (proximal policy) and the "
@@ -191,6 +196,12 @@ class TrainConfig:
                                    "responses sharing it (exact: same log-probs and gradients; ~3x less compute when "
                                    "prompts are longer than responses). Needs a model with past_key_values.",
                                    group="update")
+    pack_responses: bool = _f(True, "With share_prompt_prefix: one row per distinct prompt holding the prompt and its "
+                              "G responses back to back under a block-causal attention mask (each response sees the "
+                              "prompt and itself): no response padding, no KV-cache expansion, also under gradient "
+                              "checkpointing; exact up to float rounding. Needs a Hugging Face model with sdpa or "
+                              "eager attention and full attention in every layer; otherwise the KV-cache layout.",
+                              group="update")
     reuse_on_policy_log_probs: bool = _f(True, "Take the old log-probs (and entropy) of the first mini-batch of the first "
                                          "epoch from its own with-grad forward, detached, instead of a separate "
                                          "no-grad pass: no update has happened yet, so they are the same numbers "

@@ -1,0 +1,145 @@
+"""The packed shared-prefix forward (echotrain.runtime.packing) against one forward per sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from echotrain.runtime.packing import is_prefix_mask, packed_log_probs, supports_packed_forward
+from echotrain.runtime.rollout import forward_log_probs
+
+from tests.train.conftest import make_model
+
+
+def _batch(vocab: int, seed: int = 0):
+    """3 prompts (lengths 5, 3, 7; left-padded to 9 with 2 extra all-padding columns) x rows
+    3, 2, 3 (rows of one prompt adjacent or not), responses of lengths 1-6 right-padded to 8."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (n,), generator=g) for n in (5, 3, 7)]
+    which = [0, 1, 0, 2, 2, 1, 0, 2]  # rows of a prompt need not be adjacent
+    lens = [4, 1, 6, 2, 5, 3, 1, 6]
+    P, T = 9, 8
+    p_ids = torch.zeros(len(which), P, dtype=torch.long)
+    p_mask = torch.zeros(len(which), P, dtype=torch.long)
+    r_ids = torch.zeros(len(which), T, dtype=torch.long)
+    r_mask = torch.zeros(len(which), T)
+    for i, (w, n) in enumerate(zip(which, lens)):
+        p = prompts[w]
+        p_ids[i, P - len(p):], p_mask[i, P - len(p):] = p, 1
+        r_ids[i, :n], r_mask[i, :n] = torch.randint(3, vocab, (n,), generator=g), 1
+    return p_ids, p_mask, r_ids, r_mask
+
+
+def _one_by_one(model, p_ids, p_mask, r_ids, r_mask, temperature):
+    """Reference: each row alone, unpadded, through the plain forward (no sharing at all)."""
+    lps, ents = [], []
+    for i in range(len(p_ids)):
+        pk, rk = p_mask[i].bool(), r_mask[i].bool()
+        lp, ent = forward_log_probs(model, p_ids[i:i + 1, pk], p_mask[i:i + 1, pk], r_ids[i:i + 1, rk],
+                                    r_mask[i:i + 1, rk], temperature=temperature, with_entropy=True,
+                                    share_prefix=False)
+        lps.append(torch.nn.functional.pad(lp[0], (0, r_ids.shape[1] - int(rk.sum()))))
+        ents.append(torch.nn.functional.pad(ent[0], (0, r_ids.shape[1] - int(rk.sum()))))
+    return torch.stack(lps), torch.stack(ents)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_equals_separate_forwards_values_and_gradients(tiny_tokenizer, attn):
+    """Log-probs, entropies and every parameter gradient of the packed layout equal those of
+    one forward per sequence (no padding, no sharing), for sdpa and eager attention."""
+    model = make_model(tiny_tokenizer, seed=3)
+    model.config._attn_implementation = attn
+    assert supports_packed_forward(model)
+    batch = _batch(len(tiny_tokenizer))
+    r_mask = batch[3]
+    w = torch.randn(r_mask.shape, generator=torch.Generator().manual_seed(1))
+    model.zero_grad()
+    ref_lp, ref_ent = _one_by_one(model, *batch, temperature=1.3)
+    (ref_lp * w * r_mask).sum().backward()
+    ref_g = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    lp, ent = packed_log_probs(model, *batch, temperature=1.3, with_entropy=True)
+    (lp * w * r_mask).sum().backward()
+    m = r_mask.bool()
+    torch.testing.assert_close(lp[m], ref_lp[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent[m], ref_ent[m], atol=1e-5, rtol=0)
+    assert (lp[~m] == 0).all() and (ent[~m] == 0).all()
+    assert lp.requires_grad and not ent.requires_grad
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_g[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_forward_log_probs_layouts_agree(tiny_tokenizer):
+    """forward_log_probs: packed (the default), KV cache (pack=False) and plain (share_prefix=False)
+    give the same log-probs; the packed path is taken (a spy counts the model's calls: one)."""
+    model = make_model(tiny_tokenizer, seed=4)
+    batch = _batch(len(tiny_tokenizer), seed=2)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(kwargs["attention_mask"].dim()),
+                                           with_kwargs=True)
+    out = {}
+    for name, kw in {"packed": {}, "kv": {"pack": False}, "plain": {"share_prefix": False}}.items():
+        calls.clear()
+        with torch.no_grad():
+            out[name] = forward_log_probs(model, *batch, with_entropy=True, **kw)
+        out[name + "_calls"] = list(calls)
+    hook.remove()
+    assert out["packed_calls"] == [4] and out["kv_calls"] == [2, 2] and out["plain_calls"] == [2]
+    m = batch[3].bool()
+    for name in ("kv", "plain"):
+        torch.testing.assert_close(out["packed"][0][m], out[name][0][m], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out["packed"][1][m], out[name][1][m], atol=1e-5, rtol=0)
+
+
+def test_packed_under_gradient_checkpointing_matches(tiny_tokenizer):
+    """With gradient checkpointing (no KV cache) the packed layout still shares the prompt and
+    gives the gradients of the plain forward."""
+    from echotrain.train.features import checkpointed_forward, enable_gradient_checkpointing
+
+    model = make_model(tiny_tokenizer, seed=5)
+    batch = _batch(len(tiny_tokenizer), seed=3)
+    grads = []
+    for ckpt, kw in ((False, {"share_prefix": False}), (True, {"kv_cache": False})):
+        if ckpt:
+            enable_gradient_checkpointing(model)
+        model.zero_grad()
+        with checkpointed_forward(model) if ckpt else torch.enable_grad():
+            lp, _ = forward_log_probs(model, *batch, **kw)
+        (lp * batch[3]).sum().backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_supports_packed_forward_refuses_what_a_custom_mask_would_change(tiny_tokenizer):
+    model = make_model(tiny_tokenizer)
+    assert supports_packed_forward(model)
+    model.config._attn_implementation = "flash_attention_2"  # ignores a 4-D mask
+    assert not supports_packed_forward(model)
+    model.config._attn_implementation = "sdpa"
+    model.config.layer_types = ["full_attention", "sliding_attention"]
+    assert not supports_packed_forward(model)
+    model.config.layer_types = None
+    model.config.sliding_window = 16
+    assert not supports_packed_forward(model)
+    model.config.use_sliding_window = False  # Qwen2's switch: the window is not applied
+    assert supports_packed_forward(model)
+    assert not supports_packed_forward(torch.nn.Linear(2, 2))
+
+
+def test_prefix_mask_check_and_errors(tiny_tokenizer):
+    assert is_prefix_mask(torch.tensor([[1., 1, 0], [0, 0, 0], [1, 1, 1]]))
+    assert not is_prefix_mask(torch.tensor([[1., 0, 1]]))
+    model = make_model(tiny_tokenizer)
+    p_ids, p_mask, r_ids, r_mask = _batch(len(tiny_tokenizer))
+    holed = r_mask.clone()
+    holed[0, 0] = 0
+    with pytest.raises(ValueError, match="response_mask"):
+        packed_log_probs(model, p_ids, p_mask, r_ids, holed)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        packed_log_probs(model, p_ids, p_mask, r_ids[:, :3], r_mask)
+    # forward_log_probs falls back to the KV-cache layout for a holed mask, with the same values
+    with torch.no_grad():
+        a, _ = forward_log_probs(model, p_ids, p_mask, r_ids, holed)
+        b, _ = forward_log_probs(model, p_ids, p_mask, r_ids, holed, pack=False)
+    torch.testing.assert_close(a, b)

@@ -35,3 +35,16 @@ def test_decode_loop_benchmark_runs_and_compares_like_with_like():
                                            "--threads", "1"])
     assert res["same_tokens"] is True
     assert res["ratio"] == pytest.approx(res["echotrain_s"] / res["generate_s"])
+
+
+def test_packing_benchmark_runs_and_reports_ratios():
+    """The A/B of the update layouts runs end to end (the testbed, which has no packed forward, so
+    'packed' falls back to the KV-cache layout: same values); ratios are to the KV-cache layout and
+    the plain layout runs the prompt once per row (more tokens)."""
+    res = _load("bench_packing").main(["--model", "testbed", "--task", "testbed", "--prompts", "2",
+                                       "--generations", "2", "--max-new-tokens", "4", "--reps", "1",
+                                       "--threads", "1", "--plain"])
+    assert set(res) == {"kv cache", "packed", "plain"}
+    assert res["kv cache"]["ratio"] == 1.0
+    assert res["plain"]["ratio"] == pytest.approx(res["plain"]["median_s"] / res["kv cache"]["median_s"])
+    assert res["plain"]["tokens"] > res["kv cache"]["tokens"] >= res["packed"]["tokens"]

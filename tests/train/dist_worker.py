@@ -43,10 +43,10 @@ def main(out: Path) -> None:
     run(out, "group", rollout_rng="group")
     run(out, "stream", rollout_rng="stream")
     run(out, "lora", rollout_rng="group", lora_r=4, lora_alpha=8)
-    # 3 groups, mini-batches of 2 and 1 groups: rank 1 has no rows in one of them. No KL term: these
-    # draws give the first mini-batch no reward signal, and the gradient of k3 at policy = reference is then
-    # rounding noise of the reference pass's layout (rows split across ranks differently from the update's),
-    # which Adam's first step turns into lr-sized moves, different on one and two processes
+    # 3 groups, mini-batches of 2 and 1 groups: rank 1 has no rows in one of them. No KL term: with these
+    # draws some mini-batches have no reward signal (at step 2 every group ties), and their update is then
+    # Adam's normalisation of a tiny KL gradient, whose smallest components the rounding of one and two
+    # processes (different layouts of the reference pass) decides; without the KL term it is exactly zero
     run(out, "uneven", rollout_rng="group", prompts_per_step=3, steps=2, kl_coef=0.0)
     # fixed lag: each rank keeps the same queue of rollouts generated ahead (the batch is gathered)
     run(out, "lag", rollout_rng="group", staleness=2)

@@ -102,14 +102,14 @@ def main() -> None:
         model.eval()
         # warm-up (first-call allocations and kernel selection), not timed
         generate_rollouts(model, tok, messages, G, max_new_tokens=2, temperature=cfg.temperature,
-                          decode_loop=cfg.decode_loop)
+                          decode_loop=cfg.decode_loop, sampler=cfg.sampler)
         t0, c0 = time.perf_counter(), time.process_time()
         _prefill(model, ids[::G], attn[::G], G)
         t_prefill, c_prefill = time.perf_counter() - t0, time.process_time() - c0
         t0, c0 = time.perf_counter(), time.process_time()
         batch = generate_rollouts(model, tok, messages, G, max_new_tokens=cfg.max_new_tokens,
                                   temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                  decode_loop=cfg.decode_loop)
+                                  decode_loop=cfg.decode_loop, sampler=cfg.sampler)
         t_generate, c_generate = time.perf_counter() - t0, time.process_time() - c0
         model.train()
     p = batch.prompt_mask.sum(-1).tolist()

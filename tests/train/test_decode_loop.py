@@ -171,6 +171,37 @@ def test_inverse_cdf_sample_top_of_the_unit_interval(monkeypatch):
     assert inverse_cdf_sample(probs).tolist() == [1, 3]
 
 
+def test_inverse_cdf_sample_bottom_of_the_unit_interval_and_bad_rows(monkeypatch):
+    """u = 0 picks the first token of positive probability, never a leading zero; a row with a
+    NaN/Inf entry or no positive probability raises (as torch.multinomial does)."""
+    probs = torch.tensor([[0.0, 0.0, 0.7, 0.3]])
+    with monkeypatch.context() as m:
+        m.setattr(torch, "rand", lambda *a, **k: torch.zeros(1, 1, dtype=torch.float64))
+        assert inverse_cdf_sample(probs).tolist() == [2]
+    for bad in ([float("nan"), 0.5, 0.5], [0.0, 0.0, 0.0], [float("inf"), 1.0, 0.0]):
+        with pytest.raises(ValueError, match="probs: a row has a NaN/Inf entry or no positive probability"):
+            inverse_cdf_sample(torch.tensor([bad]))
+
+
+def test_inverse_cdf_sample_keeps_small_probabilities_of_a_large_vocabulary(monkeypatch):
+    """A float32 cumulative sum would absorb 1e-8 entries after a 1.0 (so that 1% of the mass could
+    never be drawn); the float64 one finds the token that u = 0.995 points at in that tail."""
+    probs = torch.full((1, 1_000_001), 1e-8)
+    probs[0, 0] = 1.0
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((1, 1), 0.995, dtype=torch.float64))
+    # u * total = 0.995 * 1.01 = 1.00495: 0.00495 of tail mass, i.e. the 495,000th tail entry
+    assert abs(int(inverse_cdf_sample(probs)) - 495_000) <= 2
+
+
+def test_inverse_cdf_sample_rows_are_independent():
+    """Two rows of the same distribution draw independently: equal in half of the draws for a fair
+    coin (a uniform shared or stratified across rows would make them always equal or never)."""
+    torch.manual_seed(0)
+    draws = inverse_cdf_sample(torch.full((2 * 20_000, 2), 0.5)).view(20_000, 2)
+    same = (draws[:, 0] == draws[:, 1]).double().mean()
+    assert abs(float(same) - 0.5) < 5 * (0.25 / 20_000) ** 0.5
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=5)],
                          ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_inverse_cdf_first_tokens_follow_the_model(policy, kw):

@@ -143,3 +143,21 @@ def test_prefix_mask_check_and_errors(tiny_tokenizer):
         a, _ = forward_log_probs(model, p_ids, p_mask, r_ids, holed)
         b, _ = forward_log_probs(model, p_ids, p_mask, r_ids, holed, pack=False)
     torch.testing.assert_close(a, b)
+
+
+def test_equal_prompt_ids_with_other_padding_are_other_prompts(tiny_model):
+    """Rows whose prompt ids are equal but whose masks differ (the pad id is a real token) are
+    grouped apart, in the packed and the KV-cache layout alike: each equals its own plain forward."""
+    from echotrain.runtime.rollout import forward_log_probs
+
+    prompt = torch.tensor([[0, 0, 5, 6], [0, 0, 5, 6]])
+    p_mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
+    response = torch.tensor([[7, 8], [7, 8]])
+    r_mask = torch.ones_like(response)
+    with torch.no_grad():
+        plain, _ = forward_log_probs(tiny_model, prompt, p_mask, response, r_mask, share_prefix=False)
+        packed, _ = forward_log_probs(tiny_model, prompt, p_mask, response, r_mask, pack=True)
+        cached, _ = forward_log_probs(tiny_model, prompt, p_mask, response, r_mask, pack=False)
+    assert not torch.allclose(plain[0], plain[1])  # the padding matters
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cached, plain, rtol=1e-5, atol=1e-5)

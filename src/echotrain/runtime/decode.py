@@ -48,9 +48,13 @@ def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` (N, V) (non-negative, rows with a positive sum), by
     inversion: u ~ U[0, 1) in float64 per row, the first index whose float64 cumulative sum
     exceeds u times the row's total. A token of probability 0 is never drawn. Uses the global
-    RNG (N float64 uniforms); returns (N,) int64 on ``probs``' device."""
+    RNG (N float64 uniforms); returns (N,) int64 on ``probs``' device. Raises ValueError when a
+    row has a NaN/Inf entry or sums to 0 (as ``torch.multinomial`` does)."""
     cdf = probs.double().cumsum(-1)
-    u = torch.rand(len(probs), 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    total = cdf[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):  # multinomial raises here too
+        raise ValueError("probs: a row has a NaN/Inf entry or no positive probability (a diverged policy?)")
+    u = torch.rand(len(probs), 1, dtype=torch.float64, device=probs.device) * total
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 

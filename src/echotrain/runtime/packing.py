@@ -104,7 +104,11 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     device = prompt_ids.device
     N, T = response_ids.shape
     P = prompt_ids.shape[1]
-    uniq, inv = torch.unique(prompt_ids, dim=0, return_inverse=True)
+    # one row per distinct (prompt ids, prompt mask): equal ids with another padding are another prompt
+    # (possible when the pad id is a real token, e.g. eos)
+    uniq, inv = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0,
+                             return_inverse=True)
+    uniq = uniq[:, :P]
     U = len(uniq)
     lens = response_mask.sum(-1).long()
     # offset of each response inside its packed row: exclusive cumsum over the rows of its prompt
@@ -148,8 +152,9 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
 
     # logits at columns P-1 .. P+width-2: index 0 predicts every response's first token
+    extra = {"use_cache": False} if accepts_keyword(model, "use_cache") else {}  # no cache of the packed row
     logits = model(input_ids, attention_mask=mask, position_ids=position_ids,
-                   logits_to_keep=width + 1).logits[:, :-1, :].float()
+                   logits_to_keep=width + 1, **extra).logits[:, :-1, :].float()
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)

@@ -466,7 +466,10 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
                                              temperature=temperature, with_entropy=with_entropy)
         return F.pad(log_prob, (0, T_full - T)), (F.pad(entropy, (0, T_full - T)) if with_entropy else None)
     if share_prefix and kv_cache and _supports_shared_prefix(model):
-        uniq, inv = torch.unique(prompt_ids, dim=0, return_inverse=True)
+        # distinct (prompt ids, prompt mask): equal ids with another padding are another prompt
+        uniq, inv = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0,
+                                 return_inverse=True)
+        uniq = uniq[:, :prompt_ids.shape[1]]
         if len(uniq) == N:
             uniq = inv = None
     if uniq is None:

@@ -192,9 +192,10 @@ class TrainConfig:
     micro_batch_size: int = _f(8, "Sequences per forward/backward; gradients accumulate over micro-batches with exact "
                                "global normalisers (echotrain.rl.stepwise), so it changes memory, not the result.",
                                group="update")
-    share_prompt_prefix: bool = _f(True, "Compute each distinct prompt once per forward and expand its KV cache to the G "
-                                   "responses sharing it (exact: same log-probs and gradients; ~3x less compute when "
-                                   "prompts are longer than responses). Needs a model with past_key_values.",
+    share_prompt_prefix: bool = _f(True, "Compute each distinct prompt once per forward, for the G responses sharing it "
+                                   "(exact: same log-probs and gradients; ~3x less compute when prompts are longer "
+                                   "than responses): packed with them (pack_responses) or, where packing is not "
+                                   "supported, its KV cache expanded to them (needs a model with past_key_values).",
                                    group="update")
     pack_responses: bool = _f(True, "With share_prompt_prefix: one row per distinct prompt holding the prompt and its "
                               "G responses back to back under a block-causal attention mask (each response sees the "

@@ -50,6 +50,18 @@ def accepts_keyword(model: Any, name: str) -> bool:
         return False
 
 
+def distinct_prompts(prompt_ids: torch.Tensor,
+                     prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct prompts of a batch: ``(ids (U, P), mask (U, P) int64, inverse (N,))``, rows
+    equal in ids *and* mask (equal ids with another padding are another prompt: possible when the
+    pad id is a real token, e.g. eos); ``inverse[i]`` is row i's prompt. Used by both shared-prefix
+    layouts (this module's and the KV-cache one of :func:`echotrain.runtime.rollout.forward_log_probs`)."""
+    P = prompt_ids.shape[1]
+    uniq, inv = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0,
+                             return_inverse=True)
+    return uniq[:, :P], uniq[:, P:].long(), inv
+
+
 def supports_packed_forward(model: Any) -> bool:
     """Whether :func:`packed_log_probs` can run ``model``: a Hugging Face model (or a peft model
     around one) with ``sdpa``/``eager`` attention, no sliding-window or other non-full attention
@@ -104,11 +116,7 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     device = prompt_ids.device
     N, T = response_ids.shape
     P = prompt_ids.shape[1]
-    # one row per distinct (prompt ids, prompt mask): equal ids with another padding are another prompt
-    # (possible when the pad id is a real token, e.g. eos)
-    uniq, inv = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0,
-                             return_inverse=True)
-    uniq = uniq[:, :P]
+    uniq, p_mask, inv = distinct_prompts(prompt_ids, prompt_mask)  # one packed row each
     U = len(uniq)
     lens = response_mask.sum(-1).long()
     # offset of each response inside its packed row: exclusive cumsum over the rows of its prompt
@@ -131,9 +139,6 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     pos_in_resp = torch.zeros(U, width, dtype=torch.long, device=device)
     pos_in_resp[row, col] = t_idx[valid]
 
-    first = torch.zeros(U, dtype=torch.long, device=device).scatter_(
-        0, inv.flip(0), torch.arange(N - 1, -1, -1, device=device))  # a row holding each prompt
-    p_mask = prompt_mask[first].long()
     p_len = p_mask.sum(-1, keepdim=True)
     input_ids = torch.cat([uniq, packed_ids], dim=1)
     position_ids = torch.cat([(p_mask.cumsum(-1) - 1).clamp(min=0), p_len + pos_in_resp], dim=1)

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS, entropy_of, sample_tokens
-from echotrain.runtime.packing import accepts_keyword, is_prefix_mask, packed_log_probs, supports_packed_forward
+from echotrain.runtime.packing import (accepts_keyword, distinct_prompts, is_prefix_mask, packed_log_probs,
+                                       supports_packed_forward)
 
 
 @dataclass
@@ -405,7 +406,7 @@ def concat_rollouts(batches: Sequence[RolloutBatch], pad_token_id: int) -> Rollo
 
 
 def _supports_shared_prefix(model: Any) -> bool:
-    return accepts_keyword(model, "past_key_values") and accepts_keyword(model, "position_ids") and accepts_keyword(model, "use_cache")
+    return all(accepts_keyword(model, k) for k in ("past_key_values", "position_ids", "use_cache"))
 
 
 def _supports_decode_loop(model: Any) -> bool:
@@ -460,18 +461,15 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
     prompt_ids, prompt_mask = prompt_ids[:, keep_from:].to(device), prompt_mask[:, keep_from:].long().to(device)
     response_ids, response_mask = response_ids[:, :T].to(device), response_mask[:, :T].long().to(device)
 
-    uniq = inv = None
+    uniq = p_mask = inv = None
     if share_prefix and pack and supports_packed_forward(model) and is_prefix_mask(response_mask):
         log_prob, entropy = packed_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                                              temperature=temperature, with_entropy=with_entropy)
         return F.pad(log_prob, (0, T_full - T)), (F.pad(entropy, (0, T_full - T)) if with_entropy else None)
     if share_prefix and kv_cache and _supports_shared_prefix(model):
-        # distinct (prompt ids, prompt mask): equal ids with another padding are another prompt
-        uniq, inv = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0,
-                                 return_inverse=True)
-        uniq = uniq[:, :prompt_ids.shape[1]]
+        uniq, p_mask, inv = distinct_prompts(prompt_ids, prompt_mask)
         if len(uniq) == N:
-            uniq = inv = None
+            uniq = p_mask = inv = None
     if uniq is None:
         input_ids = torch.cat([prompt_ids, response_ids], dim=1)
         attn = torch.cat([prompt_mask, response_mask], dim=1)
@@ -483,9 +481,6 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
         logits = model(input_ids, **kwargs).logits[:, -(T + 1):-1, :]
     else:
         # one forward per distinct prompt, then the responses on top of its expanded KV cache
-        first = torch.zeros(len(uniq), dtype=torch.long, device=device).scatter_(
-            0, inv.flip(0), torch.arange(N - 1, -1, -1, device=device))  # a row holding each prompt
-        p_mask = prompt_mask[first]
         p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
         out = model(uniq, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values

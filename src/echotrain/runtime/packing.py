@@ -93,8 +93,8 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
 
     Args:
         model: a model for which :func:`supports_packed_forward` holds.
-        prompt_ids, prompt_mask: (N, P) int64, left-padded; rows with equal ``prompt_ids`` share
-            one packed row.
+        prompt_ids, prompt_mask: (N, P) int64, left-padded; rows with equal ids and mask share
+            one packed row (:func:`distinct_prompts`).
         response_ids: (N, T) int64; response_mask: (N, T), 1 then 0 in every row
             (:func:`is_prefix_mask`).
         temperature: logits are divided by it before the log-softmax.

@@ -10,7 +10,11 @@ phase timed on its own:
   shared-prefix path does), timed separately;
 - decode: ``generate_rollouts`` of all B x G rows minus the prefill time above;
 - old log-probs: the no-grad pass over the second mini-batch (the first one's come from its
-  with-grad forward: ``reuse_on_policy_log_probs``, the default);
+  with-grad forward: ``reuse_on_policy_log_probs``, the default); none when the trainer takes the
+  sampler's own log-probs for them (``reuse_sampler_log_probs``: synchronous float32);
+- pre-pass: ECHO's no-grad forward over the second (off-policy) mini-batch for its batch ratio,
+  as the trainer runs it; none with ``log_prob_prepass`` resolving to ``retain`` (the default on
+  a CPU: the with-grad forwards serve), or for losses without a pre-pass;
 - with-grad forward and backward: every micro-batch of both mini-batches, the forward
   (log-probs) and ``backward`` of a masked sum of them (the same graph as the policy loss up to
   elementwise terms) timed apart;
@@ -74,7 +78,8 @@ def main() -> None:
     from echotrain.runtime.precision import autocast
     from echotrain.runtime.rollout import _prefill, encode_prompts, generate_rollouts, render_prompts
     from echotrain.train.trainer import Trainer
-    from echotrain.train.update import mini_batch_splits
+    from echotrain.rl import needs_log_prob_prepass
+    from echotrain.train.update import mini_batch_splits, retains_prepass_graph
 
     over = {k: v for k, v in (("prompts_per_step", args.prompts), ("num_generations", args.generations),
                               ("max_new_tokens", args.max_new_tokens), ("decode_loop", args.decode_loop))
@@ -139,9 +144,24 @@ def main() -> None:
     t_old = f_old = 0.0
     t_fwd = t_bwd = t_opt = 0.0
     f_fwd = 0
+    # as the trainer: the later mini-batches' old log-probs are the sampler's when it ran these weights in
+    # float32 (reuse_sampler_log_probs), and ECHO's pre-pass of an off-policy mini-batch is a no-grad forward
+    # unless its with-grad forwards are kept for it (log_prob_prepass)
+    sampler_old = trainer.sampler_is_learner and cfg.reuse_on_policy_log_probs
+    prepass = needs_log_prob_prepass(cfg.loss_mode, trainer.loss_config) and not retains_prepass_graph(
+        cfg.log_prob_prepass, trainer.device)
+    t_pre = f_pre = 0.0
     for k, rows in enumerate(splits):
         micro = [batch.select(rows[i:i + cfg.micro_batch_size]) for i in range(0, len(rows), cfg.micro_batch_size)]
-        if k > 0:
+        if k > 0 and prepass:
+            for mb in micro:
+                t0, c0 = time.perf_counter(), time.process_time()
+                with torch.no_grad():
+                    trainer._log_probs(model, mb)
+                t_pre += time.perf_counter() - t0
+                cpu["pre-pass"] = cpu.get("pre-pass", 0.0) + time.process_time() - c0
+                f_pre += fwd_flops(mb)
+        if k > 0 and not sampler_old:
             for mb in micro:
                 t0, c0 = time.perf_counter(), time.process_time()
                 trainer._log_probs(model, mb, with_entropy=True)
@@ -182,6 +202,7 @@ def main() -> None:
     rows = [("prefill", t_prefill, gf(f_prefill), "GEMM", f_prefill / F),
             ("decode", t_decode, f"{gb(b_decode)}, {gf(f_decode)}", "per step", d_roof),
             ("old log-probs", t_old, gf(f_old), "GEMM", f_old / F),
+            ("pre-pass", t_pre, gf(f_pre), "GEMM", f_pre / F),
             ("with-grad forward", t_fwd, gf(f_fwd), "GEMM", f_fwd / F),
             ("backward", t_bwd, gf(2 * f_fwd), "GEMM", 2 * f_fwd / F),
             ("optimizer", t_opt, gb(b_opt), "bandwidth", b_opt / B)]
@@ -197,10 +218,10 @@ def main() -> None:
     for name, t, work, by, bound in rows:
         print(f"| {name} | {t:.2f} | {cpu.get(name, 0.0):.2f} | {t / total:.0%} | {work} | {by} | {bound:.2f} | "
               f"{bound / max(t, 1e-9):.2f} |")
-    t_update = t_old + t_fwd + t_bwd + t_opt
-    mfu = (f_old + 3 * f_fwd) / (t_update * F)
+    t_update = t_old + t_pre + t_fwd + t_bwd + t_opt
+    mfu = (f_old + f_pre + 3 * f_fwd) / (t_update * F)
     bw = (f_prefill / F + d_roof) / t_generate
-    print(f"# throughput/update_mfu = {mfu:.3f} (over old log-probs + forward + backward + optimizer, "
+    print(f"# throughput/update_mfu = {mfu:.3f} (over old log-probs + pre-pass + forward + backward + optimizer, "
           f"{t_update:.1f} s); throughput/decode_bw_util = {bw:.3f} (over generation, {t_generate:.1f} s)")
     if args.json:
         with open(args.json, "w") as fh:

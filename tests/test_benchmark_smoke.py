@@ -48,3 +48,17 @@ def test_packing_benchmark_runs_and_reports_ratios():
     assert res["kv cache"]["ratio"] == 1.0
     assert res["plain"]["ratio"] == pytest.approx(res["plain"]["median_s"] / res["kv cache"]["median_s"])
     assert res["plain"]["tokens"] > res["kv cache"]["tokens"] >= res["packed"]["tokens"]
+
+
+def test_update_passes_benchmark_runs_every_arm_on_the_same_update():
+    """The A/B of the update's passes runs end to end on a tiny ECHO step of the testbed in float32
+    (two mini-batches: the sampler's log-probs and the kept pre-pass both apply); every arm
+    computes the same update up to float rounding, and ratios are to 'before'."""
+    res = _load("bench_update_passes").main(["--threads", "1", "--reps", "1", "--set", "model=testbed",
+                                             "--set", "task=testbed", "--set", "prompts_per_step=2",
+                                             "--set", "num_generations=4", "--set", "max_new_tokens=4",
+                                             "--set", "micro_batch_size=2", "--set", "autocast=off"])
+    assert list(res) == ["before", "sampler log-probs", "kept pre-pass", "sparse embedding", "all"]
+    assert res["before"]["ratio"] == 1.0 and res["before"]["max_metric_diff"] == 0.0
+    for arm in res.values():
+        assert arm["median_s"] > 0 and arm["max_metric_diff"] < 1e-4

@@ -96,7 +96,8 @@ SHIPPED = sorted(Path(__file__).resolve().parents[2].glob("configs/compare/*.yam
 SELECTIONS = {"testbed": "grpo,echo", "smollm": "grpo,echo", "balanced_testbed": "token-mean,balanced",
               "echo_band": "geo", "testbed_length": "grpo,echo", "staleness_length": "grpo_nokl,echo",
               "balanced_length": "token_mean,balanced", "echo_choices_length": "echo,echo_arith",
-              "staleness_length_gspo": "grpo_nokl,echo,gspo", "staleness_length_gspo_claim5": "gspo"}
+              "staleness_length_gspo": "grpo_nokl,echo,gspo", "staleness_length_gspo_claim5": "gspo",
+              "staleness_dose": "grpo_nokl,echo"}
 
 
 def test_every_shipped_config_is_covered():

@@ -128,3 +128,61 @@ def test_samples_spread_over_prompts():
     g = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
     assert spread_sample_rows(g, 4) == [0, 3, 6, 1]
     assert spread_sample_rows(g, 0) == [] and spread_sample_rows(g, 20) == [0, 3, 6, 1, 4, 7, 2, 5, 8]
+
+
+def _tiny_llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied))
+
+
+def test_sparse_tied_embedding_grad_only_where_the_gradient_stays_dense():
+    from echotrain.train.features import sparse_tied_embedding_grad
+
+    tied, untied, frozen = _tiny_llama(True), _tiny_llama(False), _tiny_llama(True)
+    frozen.get_input_embeddings().weight.requires_grad_(False)
+    assert sparse_tied_embedding_grad(tied) and tied.get_input_embeddings().sparse
+    assert not sparse_tied_embedding_grad(untied) and not untied.get_input_embeddings().sparse
+    assert not sparse_tied_embedding_grad(frozen) and not frozen.get_input_embeddings().sparse
+    assert not sparse_tied_embedding_grad(torch.nn.Linear(2, 2))  # no embeddings at all
+
+
+def test_sparse_tied_embedding_grad_gives_the_dense_gradient():
+    """Two accumulated backward passes (micro-batches): the same dense .grad of every parameter,
+    up to summation order, with only a few vocabulary rows looked up."""
+    from echotrain.train.features import sparse_tied_embedding_grad
+
+    grads = []
+    for sparse in (False, True):
+        model = _tiny_llama(True)
+        if sparse:
+            assert sparse_tied_embedding_grad(model)
+        for ids in (torch.tensor([[3, 5, 7, 5]]), torch.tensor([[9, 3, 11, 2]])):
+            torch.log_softmax(model(input_ids=ids).logits, -1)[0, :, 4].sum().backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    emb = "model.embed_tokens.weight"
+    assert grads[1][emb].layout == torch.strided and not grads[1][emb].is_sparse
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-6, atol=1e-7)
+
+
+def test_trainer_makes_the_tied_embedding_sparse_and_the_run_matches(tmp_path, tiny_tokenizer, make_tiny_model,
+                                                                      digit_task):
+    runs = {}
+    for sparse in (False, True):
+        t = _trainer(tmp_path, f"s{sparse}", tiny_tokenizer, make_tiny_model, digit_task, sparse_embedding_grad=sparse,
+                     num_mini_batches=2, lr=1e-3)
+        assert t.model.get_input_embeddings().sparse == sparse
+        records = t.train()
+        runs[sparse] = records, {k: v.detach().clone() for k, v in t.model.named_parameters()}
+    from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES
+
+    for a, b in zip(runs[False][0], runs[True][0], strict=True):
+        keys = [k for k in a if not k.startswith(NONDETERMINISTIC_PREFIXES)]
+        assert "grad_norm" in keys and keys == [k for k in b if not k.startswith(NONDETERMINISTIC_PREFIXES)]
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+    for k, v in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][k], v, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,6 @@
-"""reuse_on_policy_log_probs: the first update's old log-probs from its own forward (issue 14 item 2).
+"""reuse_on_policy_log_probs: the first update's old log-probs from its own forward (issue 14 item 2);
+reuse_sampler_log_probs: the later mini-batches' from the sampler's own log-probs (issue 21);
+log_prob_prepass: ECHO's pre-pass from the with-grad forwards, graphs kept (issue 21).
 
 The same run with the separate no-grad pass and with the reuse must give the same metrics and the
 same weights: bit-identical with one mini-batch (same micro-batches in both), and to float
@@ -47,7 +49,8 @@ def test_several_mini_batches_match_and_only_the_rest_is_recomputed(extra, tmp_p
                                                                     make_tiny_model, digit_task):
     a, wa, calls_a = _run(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "off", reuse_on_policy_log_probs=False,
                           **extra)
-    b, wb, calls_b = _run(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "on", **extra)
+    b, wb, calls_b = _run(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "on", reuse_sampler_log_probs=False,
+                          **extra)
     assert len(a) == len(b) == 2
     for ra, rb in zip(a, b):
         assert ra.keys() == rb.keys()
@@ -65,3 +68,96 @@ def test_sam_keeps_the_separate_pass(tmp_path, tiny_tokenizer, make_tiny_model, 
     _, _, calls = _run(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "sam", optimizer="sam",
                        num_mini_batches=1, steps=1)
     assert calls == [16]
+
+
+def _mismatch_free(records):
+    """The records without the train/inference mismatch metrics (measured on other rows by design)."""
+    return [{k: v for k, v in r.items() if not k.startswith("rollout_corr/")} for r in records]
+
+
+@pytest.mark.parametrize("extra", [dict(num_mini_batches=2), dict(num_mini_batches=4, ppo_epochs=2, kl_coef=0.05)])
+def test_sampler_log_probs_replace_the_pass_in_float32(extra, tmp_path, tiny_tokenizer, make_tiny_model, digit_task):
+    """Synchronous float32: the later mini-batches' old log-probs are the sampler's, no no-grad
+    policy pass runs at all, and the run equals the one that recomputes them to float rounding."""
+    a, wa, calls_a = _run(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "pass", reuse_sampler_log_probs=False,
+                          **extra)
+    b, wb, calls_b = _run(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "sampler", **extra)
+    for ra, rb in zip(_mismatch_free(a), _mismatch_free(b), strict=True):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), k
+    # (Adam at lr 1e-2 over 16 updates turns log-prob rounding of ~1e-7 into weight moves of ~1e-6)
+    for x, y in zip(wa, wb):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    ref = [16] if extra.get("kl_coef") else []
+    rest = 16 - 16 // extra["num_mini_batches"]
+    assert calls_a == ([rest] + ref) * 2 and calls_b == ref * 2
+    # the mismatch is still measured, on the first mini-batch's rows (their own forward): float
+    # rounding between the cached decode and the update's forward, not exactly 0
+    for r in b:
+        assert 0 < r["rollout_corr/log_prob_abs_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("over", [dict(staleness=1), dict(autocast="bfloat16"), dict(async_rollouts=False, dtype="bfloat16"),
+                                  dict(rollout_correction="token_is")])
+def test_sampler_log_probs_not_used_where_they_differ(over, tmp_path, tiny_tokenizer, make_tiny_model, digit_task):
+    """Older weights (staleness), bfloat16 arithmetic, or a rollout correction (which measures
+    pi_old / mu): the no-grad pass runs over the later mini-batches' rows (all rows with a
+    correction, which turns the first-rows reuse off too)."""
+    cfg = resolve_config(overrides={**BASE, "output_dir": str(tmp_path / "x"), "num_mini_batches": 2, "steps": 1, **over})
+    model = make_tiny_model(tiny_tokenizer)
+    if over.get("dtype") == "bfloat16":
+        model = model.to(torch.bfloat16)
+    trainer = Trainer(cfg, model=model, tokenizer=tiny_tokenizer, task=digit_task)
+    assert not trainer.sampler_is_learner
+    calls = []
+    real = trainer._log_probs_batched
+    trainer._log_probs_batched = lambda model, batch, **kw: calls.append(len(batch)) or real(model, batch, **kw)
+    trainer.train()
+    assert calls == ([16] if "rollout_correction" in over else [8])
+
+
+def _count_passes(trainer):
+    """Wrap ``trainer._log_probs``: the (rows, grad) of every policy forward, in order."""
+    passes = []
+    real = trainer._log_probs
+    trainer._log_probs = lambda model, batch, **kw: passes.append((len(batch), kw.get("grad", False))) or \
+        real(model, batch, **kw)
+    return passes
+
+
+@pytest.mark.parametrize("extra", [dict(num_mini_batches=2), dict(num_mini_batches=2, ppo_epochs=2, kl_coef=0.05),
+                                   dict(num_mini_batches=2, optimizer="sam")])
+def test_retained_prepass_equals_the_no_grad_prepass(extra, tmp_path, tiny_tokenizer, make_tiny_model, digit_task):
+    """ECHO's pre-pass from the with-grad forwards (graphs kept) gives the run of the separate
+    no-grad pre-pass, bit for bit, with one forward of each off-policy micro-batch less (SAM's
+    second pass at w + e runs its own forwards)."""
+    runs = {}
+    for mode in ("forward", "retain"):
+        cfg = resolve_config(overrides={**BASE, "output_dir": str(tmp_path / mode), "preset": "echo",
+                                        "log_prob_prepass": mode, **extra})
+        trainer = Trainer(cfg, model=make_tiny_model(tiny_tokenizer), tokenizer=tiny_tokenizer, task=digit_task)
+        passes = _count_passes(trainer)
+        records = trainer.train()
+        strip = [{k: v for k, v in r.items() if not k.startswith(NONDETERMINISTIC_PREFIXES)} for r in records]
+        runs[mode] = strip, [p.detach().clone() for p in trainer.model.parameters()], passes
+    (a, wa, pa), (b, wb, pb) = runs["forward"], runs["retain"]
+    assert a == b
+    assert all(torch.equal(x, y) for x, y in zip(wa, wb))
+    grad_a, grad_b = sum(n for n, g in pa if g), sum(n for n, g in pb if g)
+    nograd_a, nograd_b = sum(n for n, g in pa if not g), sum(n for n, g in pb if not g)
+    assert grad_a == grad_b > 0
+    # off-policy mini-batches a step: 1 (2 mini-batches) or 3 (2 epochs); 8 rows each, 2 steps
+    off = 2 * (3 if extra.get("ppo_epochs") == 2 else 1) * 8
+    assert nograd_a - nograd_b == off
+
+
+def test_prepass_setting_resolves_by_device():
+    from echotrain.train.update import retains_prepass_graph
+
+    assert retains_prepass_graph("auto", torch.device("cpu"))
+    assert not retains_prepass_graph("auto", torch.device("cuda"))
+    assert retains_prepass_graph("retain", torch.device("cuda"))
+    assert not retains_prepass_graph("forward", torch.device("cpu"))
+    with pytest.raises(ValueError, match="log_prob_prepass"):
+        retains_prepass_graph("sometimes", torch.device("cpu"))

@@ -78,7 +78,9 @@ def _declare_corrected(name: str, unit: str, help: str, **plot: str) -> Metric:
 
 CORRECTION_METRICS: dict[str, Metric] = {m.name: m for m in (
     _declare_mismatch("rollout_corr/log_prob_abs_diff",
-              "mean |rollout_log_prob - old_log_prob| over valid tokens (train/inference mismatch)"),
+              "mean |rollout_log_prob - old_log_prob| over valid tokens (train/inference mismatch); with "
+              "reuse_sampler_log_probs in effect over the first mini-batch's rows (the others' old_log_prob is "
+              "the sampler's)"),
     _declare_mismatch("rollout_corr/kl", "k1 KL(mu || pi_old): mean (rollout_log_prob - old_log_prob); verl rollout_corr/kl",
               panel="Policy drift", label="rollout_corr/kl = KL(rollout || old), k1"),
     _declare_mismatch("rollout_corr/k3_kl", "k3 KL(mu || pi_old): mean (w - 1 - log w), w = pi_old/mu; verl rollout_corr/k3_kl"),

@@ -11,7 +11,8 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["checkpointed_forward", "enable_gradient_checkpointing", "prepare_policy", "spread_sample_rows"]
+__all__ = ["checkpointed_forward", "enable_gradient_checkpointing", "prepare_policy", "sparse_tied_embedding_grad",
+           "spread_sample_rows"]
 
 
 def prepare_policy(model: Any, tokenizer: Any, cfg: Any, device: torch.device, dist: Any) -> tuple[Any, Any]:
@@ -19,7 +20,8 @@ def prepare_policy(model: Any, tokenizer: Any, cfg: Any, device: torch.device, d
     moved to ``device``, wrapped with LoRA adapters when ``cfg.lora_r > 0``, rank 0's weights
     broadcast to every rank (``dist``: :class:`echotrain.train.dist.DistContext`), in eval mode
     (no dropout: the ECHO pre-pass and the with-grad pass must compute the same function),
-    gradient checkpointing and the chat-template override applied when configured.
+    the tied input embedding's gradient made sparse (``sparse_embedding_grad``), gradient
+    checkpointing and the chat-template override applied when configured.
 
     Raises:
         ValueError: ``gradient_checkpointing`` on a model without support for it.
@@ -33,11 +35,37 @@ def prepare_policy(model: Any, tokenizer: Any, cfg: Any, device: torch.device, d
                            target_modules=cfg.lora_target_modules)
     dist.broadcast_params(model)  # every rank starts from rank 0's weights (and adapters)
     model.eval()
+    if cfg.sparse_embedding_grad:
+        sparse_tied_embedding_grad(model)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if cfg.chat_template:
         tokenizer.chat_template = read_chat_template(cfg.chat_template)
     return model, tokenizer
+
+
+def sparse_tied_embedding_grad(model: Any) -> bool:
+    """Make the backward of ``model``'s input embedding (``get_input_embeddings()``, an
+    ``nn.Embedding``) sparse, rows of the looked-up tokens only, when its weight is trainable and
+    tied to the output layer (``get_output_embeddings().weight`` is the same tensor; SmolLM2 and
+    the small Qwen2.5 models). The dense backward allocates a (vocab, hidden) zero tensor, scatters
+    the rows into it and adds it to the output layer's gradient of the same weight, every
+    micro-batch: for 49,152 x 576 about 0.7 s of a 4-s forward + backward on one CPU thread
+    (docs/benchmarks.md, "Sparse gradient of the tied embedding"). With the weight tied, autograd
+    sums the sparse part into the output layer's dense gradient, so ``.grad`` stays dense (what
+    the optimizers and ``clip_grad_norm_`` take) and equal up to float summation order. An untied
+    embedding would leave a sparse ``.grad`` that AdamW refuses, so it is left as it is, as is a
+    frozen one (LoRA). Returns whether the embedding was changed."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return False
+    emb, out = get_in(), get_out()
+    if not isinstance(emb, torch.nn.Embedding) or out is None or getattr(out, "weight", None) is not emb.weight:
+        return False
+    if not emb.weight.requires_grad:
+        return False
+    emb.sparse = True
+    return True
 
 
 def enable_gradient_checkpointing(model: Any) -> None:

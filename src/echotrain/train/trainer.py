@@ -7,8 +7,9 @@ One training step (:meth:`Trainer.train_step`) reads top to bottom, in the spiri
 2. score     DAPO overlong reward shaping; overlong filtering of the loss mask
 3. advantage group-relative advantages (``compute_advantages``)
 4. old log-probs of the sampled tokens under the learner's current weights (no grad; the
-   rollout policy itself unless ``staleness > 0``), the token entropy, and the reference
-   policy's when ``kl_coef > 0``
+   rollout policy itself unless ``staleness > 0``; the first mini-batch's from its own forward,
+   the others' the sampler's own when it ran these weights in float32), the token entropy, and
+   the reference policy's when ``kl_coef > 0``
 5. update    one optimizer step per mini-batch of whole groups, exactly micro-batched
              (``train/update.py``: ECHO pre-pass, step statistics, SAM closure)
 6. metrics   one line of metrics.jsonl (``train/metrics.py``), samples, progress bar, checkpoint
@@ -52,7 +53,7 @@ from echotrain.train.step import StepData
 from echotrain.train.utilisation import build_meter
 from echotrain.train.async_rollouts import RolloutWorkerError
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
-                                    update_mini_batch)
+                                    sampler_is_learner, update_mini_batch)
 
 StepCallback = Callable[[int, dict], None]
 
@@ -124,6 +125,9 @@ class Trainer:
         self.autocast_dtype, self.autocast_reason = resolve_for_why(self.model, cfg.autocast)
         #: counts each step's FLOPs / decode bytes against the machine's peaks (train/utilisation.py);
         #: None when the model's shape is unknown or the peaks are off (run_info.json says why)
+        #: the sampler runs the learner's weights in the learner's precision, so its rollout_log_prob are
+        #: the old log-probs up to float rounding (reuse_sampler_log_probs)
+        self.sampler_is_learner = sampler_is_learner(cfg, self.autocast_dtype, next(self.model.parameters()).dtype)
         self.utilisation, roofline_info = build_meter(self.model, self.autocast_dtype, self.device,
                                                       is_main=self.dist.is_main)
         if task is None:
@@ -289,10 +293,14 @@ class Trainer:
         reuse = reuse and not parse_rollout_correction(self.loss_config.rollout_correction)
         if batch.rollout_log_prob is not None:  # recorded inside generation (the sampling weights)
             data.rollout_log_prob = batch.rollout_log_prob
+        # (the rows after the first mini-batch: the sampler's own numbers, when they are the learner's)
+        sampled = (batch.rollout_log_prob, batch.rollout_entropy) if (
+            reuse and self.sampler_is_learner and batch.rollout_log_prob is not None
+            and batch.rollout_entropy is not None) else None
         if cfg.recompute_old_log_prob:
             data.old_log_prob, data.entropy = old_log_probs(
                 functools.partial(self._log_probs_batched, self.model, with_entropy=True), batch,
-                splits[0] if reuse else None)
+                splits[0] if reuse else None, sampled=sampled)
         else:  # coupled: the sampler's log-probs and entropy are pi_old's (no recompute pass)
             if batch.rollout_log_prob is None or batch.rollout_entropy is None:
                 raise RuntimeError("recompute_old_log_prob=false needs the sampler's log-probs and entropy, which "
@@ -315,7 +323,11 @@ class Trainer:
         # staleness/* (none when synchronous), async/*
         record.update(self.rollouts.step_metrics(step, data, record["time/step"]))
         if data.rollout_log_prob is not None:  # train/inference mismatch of the whole step, every step
-            record.update(rollout_mismatch_metrics(data.old_log_prob, data.rollout_log_prob, data.response_mask,
+            measured = data.response_mask  # (with the sampler's numbers reused: the first mini-batch's rows)
+            if sampled is not None and cfg.recompute_old_log_prob:
+                measured = torch.zeros_like(measured)
+                measured[splits[0]] = data.response_mask[splits[0]]
+            record.update(rollout_mismatch_metrics(data.old_log_prob, data.rollout_log_prob, measured,
                                                    self.loss_config.log_ratio_clamp))
         if self.utilisation is not None:
             # (async: the worker generated, uncounted here: no decode figure)

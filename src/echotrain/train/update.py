@@ -3,7 +3,8 @@
 Per PPO epoch the step's prompt groups are shuffled and split into ``num_mini_batches``
 mini-batches of whole groups (:func:`mini_batch_splits`). Each mini-batch is one optimizer
 step (:func:`update_mini_batch`): split into micro-batches (:func:`echotrain.rl.split_micro_batches`;
-with torchrun each rank takes its whole groups first), [ECHO no-grad pre-pass] -> step-global
+with torchrun each rank takes its whole groups first), [ECHO pre-pass: a no-grad forward, or the
+with-grad forwards run first with their graphs kept (``log_prob_prepass``)] -> step-global
 statistics (:func:`echotrain.rl.compute_step_stats`) -> per micro-batch forward,
 ``compute_policy_loss(..., step=stats)`` (+ KL aggregated with the same normalisers) and
 ``backward`` -> all-reduce (sum) of the gradients -> clip grad norm -> optimizer step -> scheduler
@@ -23,9 +24,10 @@ from echotrain.metrics import StepMetrics, declare_metric
 from echotrain.optim.sam import SAM
 from echotrain.rl import compute_policy_loss, compute_step_stats, kl_penalty, needs_log_prob_prepass, step_agg_loss
 from echotrain.rl.config import PolicyLossConfig
-from echotrain.rl.correction import apply_rollout_correction
+from echotrain.rl.correction import apply_rollout_correction, parse_rollout_correction
 from echotrain.rl.stepwise import split_micro_batches
 from echotrain.train.config import TrainConfig
+from echotrain.train.config.schema import LOG_PROB_PREPASSES
 from echotrain.train.dist import DistContext
 from echotrain.runtime.rollout import RolloutBatch, forward_log_probs
 from echotrain.train.step import StepData
@@ -90,13 +92,27 @@ def batched_log_probs(forward: Forward, model: Any, batch: RolloutBatch, micro_b
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
 
 
+def sampler_is_learner(cfg: TrainConfig, autocast_dtype: torch.dtype | None, param_dtype: torch.dtype) -> bool:
+    """Whether the sampler's ``rollout_log_prob`` are the old log-probs up to float rounding, so
+    ``reuse_sampler_log_probs`` takes them: the setting is on, the rollouts were sampled by the
+    learner's current weights (``staleness=0``, no ``async_rollouts``), in float32 (float32
+    parameters, no autocast: bfloat16 rounds the cached decode and the packed update apart by
+    ~1e-2), and no ``rollout_correction`` is set (its ratio pi_old / mu would be 1 by construction)."""
+    return (cfg.reuse_sampler_log_probs and cfg.staleness == 0 and not cfg.async_rollouts and autocast_dtype is None
+            and param_dtype == torch.float32 and not parse_rollout_correction(cfg.rollout_correction))
+
+
 def old_log_probs(batched: Callable[[RolloutBatch], tuple[torch.Tensor, torch.Tensor]], batch: RolloutBatch,
-                  first_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  first_rows: torch.Tensor | None,
+                  sampled: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Old log-probs and entropy ``(N, T)`` of the rollout policy, from ``batched(rows)`` (no grad).
 
     ``first_rows`` (``reuse_on_policy_log_probs``): the first update's rows, left as 0
     placeholders because its with-grad forward supplies them (:func:`update_mini_batch` with
-    ``fill_old``); None computes all rows."""
+    ``fill_old``); None computes all rows. ``sampled`` (``reuse_sampler_log_probs``, only with
+    ``first_rows``): the sampler's own ``(rollout_log_prob, rollout_entropy)`` ``(N, T)`` float32,
+    taken for the other rows instead of ``batched`` when the sampler ran the learner's weights in
+    the learner's precision (the same numbers up to float rounding)."""
     if first_rows is None:
         return batched(batch)
     if len(first_rows) == len(batch):
@@ -105,11 +121,31 @@ def old_log_probs(batched: Callable[[RolloutBatch], tuple[torch.Tensor, torch.Te
     rest = torch.ones(len(batch), dtype=torch.bool)
     rest[first_rows] = False
     rest = rest.nonzero().squeeze(-1)
-    lp_rest, ent_rest = batched(batch.select(rest))
+    if sampled is not None:
+        lp_rest, ent_rest = sampled[0][rest].float(), sampled[1][rest].float()
+    else:
+        lp_rest, ent_rest = batched(batch.select(rest))
     old_log_prob = torch.zeros(len(batch), lp_rest.shape[1], dtype=lp_rest.dtype)
     entropy = torch.zeros_like(old_log_prob)
     old_log_prob[rest], entropy[rest] = lp_rest, ent_rest
     return old_log_prob, entropy
+
+
+def retains_prepass_graph(setting: str, device: torch.device) -> bool:
+    """Whether an off-policy mini-batch's log-prob pre-pass (ECHO's batch ratio: losses whose
+    step statistics read the current ``log_prob``) comes from its with-grad forwards, run for
+    every micro-batch first with their graphs kept (``retain``: one forward of the mini-batch
+    less; the activations of the whole mini-batch are held at once), or from a separate no-grad
+    forward (``forward``: one micro-batch's activations at a time). ``auto``: ``retain`` on a CPU,
+    where memory is plentiful next to what the cores compute, ``forward`` on an accelerator.
+    Both give the same log-probs, so the same update.
+
+    Raises:
+        ValueError: ``setting`` is not one of :data:`LOG_PROB_PREPASSES`.
+    """
+    if setting not in LOG_PROB_PREPASSES:
+        raise ValueError(f"log_prob_prepass must be one of {LOG_PROB_PREPASSES}, got {setting!r}")
+    return setting == "retain" or (setting == "auto" and torch.device(device).type == "cpu")
 
 
 def mini_batch_splits(group_index: torch.Tensor, num_mini_batches: int, ppo_epochs: int,
@@ -197,11 +233,22 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
     if fill_old and not on_policy:
         raise ValueError("fill_old needs an on-policy update")
     mbs = micro_batches(data, rows, cfg.micro_batch_size, dist)
+    # the with-grad forwards already run for the pre-pass (log_prob_prepass=retain), consumed once
+    retained: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(mbs)
     if needs_log_prob_prepass(cfg.loss_mode, loss_config):
-        with torch.no_grad():
+        if on_policy:  # same parameters as the old-log-prob pass: reuse it (saves one forward)
             for mb in mbs:
-                # same parameters as the old-log-prob pass: reuse it (saves one forward)
-                mb.log_prob = mb.old_log_prob.clone() if on_policy else forward(model, mb.batch)[0].cpu()
+                mb.log_prob = mb.old_log_prob.clone()
+        elif retains_prepass_graph(cfg.log_prob_prepass, next(model.parameters()).device):
+            # every micro-batch's with-grad forward now, graphs kept: their detached log-probs are
+            # the pre-pass, and the loss below reuses them (one forward of the mini-batch less)
+            retained = [forward(model, mb.batch, grad=True) for mb in mbs]
+            for mb, (log_prob, _) in zip(mbs, retained):
+                mb.log_prob = log_prob.detach().cpu()
+        else:
+            with torch.no_grad():
+                for mb in mbs:
+                    mb.log_prob = forward(model, mb.batch)[0].cpu()
     # all-reduced over ranks when torch.distributed is initialised; dp_size=1 because
     # dist.all_reduce_grads sums the ranks' gradients (each rank's loss is its share of the step's)
     stats = compute_step_stats([mb.stats_inputs() for mb in mbs], loss_mode=cfg.loss_mode,
@@ -214,8 +261,11 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
         """Forward + backward over all micro-batches, then clip; metrics of the first call."""
         acc = StepMetrics()  # each key reduced over the micro-batches as its declaration says
         total = torch.zeros(())
-        for mb in mbs:
-            log_prob, ent = forward(model, mb.batch, grad=True, with_entropy=fill_old)
+        for i, mb in enumerate(mbs):
+            if retained[i] is not None:  # the pre-pass's forward (first call only: SAM's at w + e runs its own)
+                (log_prob, ent), retained[i] = retained[i], None
+            else:
+                log_prob, ent = forward(model, mb.batch, grad=True, with_entropy=fill_old)
             if fill_old:  # on-policy: the old log-probs are these, and no update has happened yet
                 mb.old_log_prob = log_prob.detach().cpu()
                 data.old_log_prob[mb.rows] = mb.old_log_prob

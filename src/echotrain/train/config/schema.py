@@ -23,6 +23,9 @@ from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, with_polic
 from echotrain.runtime.precision import AUTOCAST_CHOICES
 from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS
 
+#: The values of the ``log_prob_prepass`` setting (:func:`echotrain.train.update.retains_prepass_graph`).
+LOG_PROB_PREPASSES = ("auto", "forward", "retain")
+
 #: ``preset=<name>+balanced``: the preset with Balanced Aggregation (``loss_agg_mode=balanced``).
 BALANCED_SUFFIX = "+balanced"
 
@@ -212,6 +215,30 @@ class TrainConfig:
                                          "statistics read the log-probs before that forward (clip_cov, kl_cov), and with a "
                                          "rollout_correction (it reads every old log-prob before the first update).",
                                          group="update")
+    reuse_sampler_log_probs: bool = _f(True, "With reuse_on_policy_log_probs: take the old log-probs (and entropy) of "
+                                       "the later mini-batches' rows from the sampler's own rollout_log_prob, recorded "
+                                       "during generation, instead of the no-grad pass, when the sampler ran the "
+                                       "learner's weights in the learner's precision: synchronous, staleness=0, float32 "
+                                       "parameters and no autocast. They are then the same numbers up to float "
+                                       "rounding (~1e-6: rollout_corr/log_prob_abs_diff of the first mini-batch's "
+                                       "rows, which still measure it). Saves the rest of that pass. Under autocast "
+                                       "(bfloat16 rounds the cached decode and the packed update differently), "
+                                       "staleness, async_rollouts or a rollout_correction the pass runs. Ours; verl's "
+                                       "bypass mode does this for every row.", group="update")
+    log_prob_prepass: str = _f("auto", "How losses whose step statistics read the current log-probs (ECHO's batch "
+                               "ratio R) get them for an off-policy mini-batch: forward = a no-grad forward of "
+                               "each micro-batch first (memory of one micro-batch); retain = the with-grad forwards "
+                               "of all micro-batches first, graphs kept, their detached log-probs the statistics' "
+                               "and the loss's (one forward of the mini-batch less; holds the whole mini-batch's "
+                               "activations at once); auto = retain on a CPU, forward on an accelerator. Same "
+                               "numbers either way. Ours.", choices=LOG_PROB_PREPASSES, group="update")
+    sparse_embedding_grad: bool = _f(True, "Compute the input embedding's gradient as rows of the batch's tokens "
+                                     "(nn.Embedding sparse=True) when its weight is tied to the output layer "
+                                     "(SmolLM2, small Qwen2.5): the dense backward writes a vocab x hidden zero tensor "
+                                     "and adds it to the tied gradient every micro-batch (0.8x forward + backward "
+                                     "time with it on the default job, one CPU thread). The summed gradient stays "
+                                     "dense and equal up to float summation order. Untied or frozen embeddings are "
+                                     "left dense. Ours.", group="update")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (transformers' "
                                       "gradient_checkpointing_enable, non-reentrant): less memory, ~30% more update "
                                       "time; same gradients.", group="update")

@@ -112,3 +112,14 @@ def test_lora_config_errors():
         resolve_config(overrides={"lora_r": 4, "lora_target_modules": " , "})
     with pytest.raises(ConfigError, match="lora_r=-1"):
         resolve_config(overrides={"lora_r": -1})
+
+
+def test_is_lora_never_imports_peft():
+    """A run without adapters must not pay peft's import (seconds: torchao, bitsandbytes)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from echotrain.runtime.lora import is_lora, model_state; "
+            "m = torch.nn.Linear(2, 2); assert not is_lora(m); model_state(m); print('peft' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -15,6 +15,7 @@ peft is an optional dependency (``pip install 'echotrain[lora]'``).
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -72,12 +73,11 @@ def apply_lora(model: Any, *, r: int, alpha: float, dropout: float, target_modul
 
 
 def is_lora(model: Any) -> bool:
-    """True if ``model`` is a peft model (built by :func:`apply_lora`)."""
-    try:
-        import peft
-    except ImportError:
-        return False
-    return isinstance(model, peft.PeftModel)
+    """True if ``model`` is a peft model (built by :func:`apply_lora`). Never imports peft: a peft
+    model cannot exist before peft is imported, and the import costs seconds (it pulls in torchao
+    and bitsandbytes) on every run that has no adapters."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 @contextlib.contextmanager

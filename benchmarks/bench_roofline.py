@@ -147,9 +147,9 @@ def main() -> None:
     # as the trainer: the later mini-batches' old log-probs are the sampler's when it ran these weights in
     # float32 (reuse_sampler_log_probs), and ECHO's pre-pass of an off-policy mini-batch is a no-grad forward
     # unless its with-grad forwards are kept for it (log_prob_prepass)
-    sampler_old = trainer.sampler_is_learner and cfg.reuse_on_policy_log_probs
+    sampler_old = trainer.sampler_is_learner and trainer.reuses_first_forward()
     prepass = needs_log_prob_prepass(cfg.loss_mode, trainer.loss_config) and not retains_prepass_graph(
-        cfg.log_prob_prepass, trainer.device)
+        cfg.log_prob_prepass, trainer.device, cfg.gradient_checkpointing)
     t_pre = f_pre = 0.0
     for k, rows in enumerate(splits):
         micro = [batch.select(rows[i:i + cfg.micro_batch_size]) for i in range(0, len(rows), cfg.micro_batch_size)]

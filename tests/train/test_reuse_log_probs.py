@@ -82,6 +82,7 @@ def test_sampler_log_probs_replace_the_pass_in_float32(extra, tmp_path, tiny_tok
     a, wa, calls_a = _run(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "pass", reuse_sampler_log_probs=False,
                           **extra)
     b, wb, calls_b = _run(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "sampler", **extra)
+    assert len(calls_a) > len(calls_b)  # the runs differ in the pass, not only in name
     for ra, rb in zip(_mismatch_free(a), _mismatch_free(b), strict=True):
         assert ra.keys() == rb.keys()
         for k in ra:
@@ -98,7 +99,31 @@ def test_sampler_log_probs_replace_the_pass_in_float32(extra, tmp_path, tiny_tok
         assert 0 < r["rollout_corr/log_prob_abs_diff"] < 1e-4
 
 
-@pytest.mark.parametrize("over", [dict(staleness=1), dict(autocast="bfloat16"), dict(async_rollouts=False, dtype="bfloat16"),
+def test_mismatch_metrics_cover_exactly_the_first_mini_batch_rows(tmp_path, tiny_tokenizer, make_tiny_model, digit_task):
+    """With the sampler's numbers reused, every rollout_corr/* value of the step is the one of the
+    first mini-batch's rows alone (the others would add zeros and dilute it)."""
+    from echotrain.rl.correction import rollout_mismatch_metrics
+
+    cfg = resolve_config(overrides={**BASE, "output_dir": str(tmp_path / "m"), "num_mini_batches": 2, "steps": 1})
+    trainer = Trainer(cfg, model=make_tiny_model(tiny_tokenizer), tokenizer=tiny_tokenizer, task=digit_task)
+    assert trainer.sampler_is_learner and trainer.reuses_first_forward()
+    seen = []
+    real = trainer.update_mini_batch
+    trainer.update_mini_batch = lambda data, rows, **kw: seen.append((data, rows)) or real(data, rows, **kw)
+    (record,) = trainer.train()
+    data, first = seen[0]
+    mask = torch.zeros_like(data.response_mask)
+    mask[first] = data.response_mask[first]
+    want = rollout_mismatch_metrics(data.old_log_prob, data.rollout_log_prob, mask, trainer.loss_config.log_ratio_clamp)
+    for k, v in want.items():
+        assert record[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+    # and the rows after the first mini-batch hold the sampler's numbers exactly
+    rest = torch.ones(len(data.batch), dtype=torch.bool)
+    rest[first] = False
+    assert torch.equal(data.old_log_prob[rest], data.rollout_log_prob[rest])
+
+
+@pytest.mark.parametrize("over", [dict(staleness=1), dict(autocast="bfloat16"), dict(dtype="bfloat16"),
                                   dict(rollout_correction="token_is")])
 def test_sampler_log_probs_not_used_where_they_differ(over, tmp_path, tiny_tokenizer, make_tiny_model, digit_task):
     """Older weights (staleness), bfloat16 arithmetic, or a rollout correction (which measures
@@ -152,9 +177,25 @@ def test_retained_prepass_equals_the_no_grad_prepass(extra, tmp_path, tiny_token
     assert nograd_a - nograd_b == off
 
 
+@pytest.mark.parametrize("over, expected", [({}, True), (dict(staleness=1), False), (dict(async_rollouts=True), False),
+                                            (dict(reuse_sampler_log_probs=False), False),
+                                            (dict(rollout_correction="token_is", recompute_old_log_prob=True), False)])
+def test_sampler_is_learner_conditions(over, expected):
+    """The pure condition, setting by setting (async_rollouts runs a worker process: checked here
+    rather than through a run), and by precision."""
+    from echotrain.train.update import sampler_is_learner
+
+    cfg = resolve_config(overrides={**BASE, "output_dir": "unused", **over})
+    assert sampler_is_learner(cfg, None, torch.float32) is expected
+    assert not sampler_is_learner(cfg, torch.bfloat16, torch.float32)
+    assert not sampler_is_learner(cfg, None, torch.bfloat16)
+
+
 def test_prepass_setting_resolves_by_device():
     from echotrain.train.update import retains_prepass_graph
 
+    assert not retains_prepass_graph("auto", torch.device("cpu"), gradient_checkpointing=True)
+    assert retains_prepass_graph("retain", torch.device("cpu"), gradient_checkpointing=True)
     assert retains_prepass_graph("auto", torch.device("cpu"))
     assert not retains_prepass_graph("auto", torch.device("cuda"))
     assert retains_prepass_graph("retain", torch.device("cuda"))

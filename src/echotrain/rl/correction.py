@@ -60,10 +60,12 @@ from echotrain.rl.validation import as_bool_mask, check_finite, check_same_shape
 #: Every metric this module produces, declared in the metric schema (:mod:`echotrain.metrics`).
 #: All are step values computed from the optimizer step's all-reduced sums. The four mismatch
 #: metrics are logged by the trainer for every training step (``reduce="step"``, from the whole
-#: batch; with a correction the loss returns them too, per optimizer step, and the trainer's
+#: batch, or the first mini-batch's rows where the others' old_log_prob is the sampler's own
+#: (``reuse_sampler_log_probs``); with a correction the loss returns them too, per optimizer step, and the trainer's
 #: whole-batch value is the one written); the others come with each optimizer step's loss when a ``rollout_correction`` is set
 #: (``reduce="mean"``: one value per optimizer step, averaged over the step's optimizer steps).
-_MISMATCH_WHEN = "every step (rollout_log_prob recorded)"
+_MISMATCH_WHEN = ("every step (rollout_log_prob recorded); over the first mini-batch's rows where the others' "
+                  "old_log_prob is the sampler's (reuse_sampler_log_probs)")
 
 
 def _declare_mismatch(name: str, help: str, **plot: str) -> Metric:
@@ -78,9 +80,7 @@ def _declare_corrected(name: str, unit: str, help: str, **plot: str) -> Metric:
 
 CORRECTION_METRICS: dict[str, Metric] = {m.name: m for m in (
     _declare_mismatch("rollout_corr/log_prob_abs_diff",
-              "mean |rollout_log_prob - old_log_prob| over valid tokens (train/inference mismatch); with "
-              "reuse_sampler_log_probs in effect over the first mini-batch's rows (the others' old_log_prob is "
-              "the sampler's)"),
+              "mean |rollout_log_prob - old_log_prob| over valid tokens (train/inference mismatch)"),
     _declare_mismatch("rollout_corr/kl", "k1 KL(mu || pi_old): mean (rollout_log_prob - old_log_prob); verl rollout_corr/kl",
               panel="Policy drift", label="rollout_corr/kl = KL(rollout || old), k1"),
     _declare_mismatch("rollout_corr/k3_kl", "k3 KL(mu || pi_old): mean (w - 1 - log w), w = pi_old/mu; verl rollout_corr/k3_kl"),

@@ -248,6 +248,17 @@ class Trainer:
         with reference_policy(self.model) as ref:
             return self._log_probs_batched(ref, batch)[0]
 
+    def reuses_first_forward(self) -> bool:
+        """Whether the first mini-batch's old log-probs come from its own with-grad forward
+        (``reuse_on_policy_log_probs``): not with several processes, SAM (its second pass runs at
+        w + e), losses whose step statistics read the log-probs before that forward (Clip-Cov's
+        mean log-prob) or a rollout correction (it reads every old log-prob before the first
+        update). The later rows then take the sampler's numbers when :attr:`sampler_is_learner`."""
+        declared = loss_step_stats(self.cfg.loss_mode)
+        return (self.cfg.reuse_on_policy_log_probs and not self.dist.enabled and not isinstance(self.optimizer, SAM)
+                and (declared is None or declared.ratio_only)
+                and not parse_rollout_correction(self.loss_config.rollout_correction))
+
     # ------------------------------------------------------------------ 5. one optimizer step
     def update_mini_batch(self, data: StepData, rows: torch.Tensor, on_policy: bool = False,
                           fill_old: bool = False) -> dict[str, float]:
@@ -284,13 +295,7 @@ class Trainer:
 
         # 4. old log-probs (rollout policy), entropy, reference log-probs; with reuse the first
         # update's own rows take theirs from its with-grad forward (the policy has not changed yet)
-        # (and not when the loss's step statistics read the log-probs themselves, e.g. Clip-Cov's
-        # mean log-prob: they are computed before the with-grad forward)
-        declared = loss_step_stats(cfg.loss_mode)
-        reuse = (cfg.reuse_on_policy_log_probs and not self.dist.enabled and not isinstance(self.optimizer, SAM)
-                 and (declared is None or declared.ratio_only))
-        # (not with a rollout correction either: it reads every old log-prob before the first update)
-        reuse = reuse and not parse_rollout_correction(self.loss_config.rollout_correction)
+        reuse = self.reuses_first_forward()
         if batch.rollout_log_prob is not None:  # recorded inside generation (the sampling weights)
             data.rollout_log_prob = batch.rollout_log_prob
         # (the rows after the first mini-batch: the sampler's own numbers, when they are the learner's)
@@ -322,7 +327,7 @@ class Trainer:
         record[ALL_ZERO_VARIANCE] = int(all_zero_variance(data.rewards, batch.group_index))
         # staleness/* (none when synchronous), async/*
         record.update(self.rollouts.step_metrics(step, data, record["time/step"]))
-        if data.rollout_log_prob is not None:  # train/inference mismatch of the whole step, every step
+        if data.rollout_log_prob is not None:  # train/inference mismatch of the step's recomputed rows, every step
             measured = data.response_mask  # (with the sampler's numbers reused: the first mini-batch's rows)
             if sampled is not None and cfg.recompute_old_log_prob:
                 measured = torch.zeros_like(measured)

@@ -220,23 +220,25 @@ class TrainConfig:
                                        "during generation, instead of the no-grad pass, when the sampler ran the "
                                        "learner's weights in the learner's precision: synchronous, staleness=0, float32 "
                                        "parameters and no autocast. They are then the same numbers up to float "
-                                       "rounding (~1e-6: rollout_corr/log_prob_abs_diff of the first mini-batch's "
-                                       "rows, which still measure it). Saves the rest of that pass. Under autocast "
-                                       "(bfloat16 rounds the cached decode and the packed update differently), "
-                                       "staleness, async_rollouts or a rollout_correction the pass runs. Ours; verl's "
-                                       "bypass mode does this for every row.", group="update")
+                                       "rounding (~1e-6: the rollout_corr/* mismatch metrics, then measured on the "
+                                       "first mini-batch's rows). Saves the rest of that pass. It runs wherever "
+                                       "reuse_on_policy_log_probs is off (several processes, SAM, clip_cov / kl_cov, "
+                                       "a rollout_correction) and under autocast (bfloat16 rounds the cached decode "
+                                       "and the packed update apart by ~1e-2), staleness or async_rollouts. Ours; "
+                                       "verl's bypass mode does this for every row.", group="update")
     log_prob_prepass: str = _f("auto", "How losses whose step statistics read the current log-probs (ECHO's batch "
                                "ratio R) get them for an off-policy mini-batch: forward = a no-grad forward of "
                                "each micro-batch first (memory of one micro-batch); retain = the with-grad forwards "
                                "of all micro-batches first, graphs kept, their detached log-probs the statistics' "
                                "and the loss's (one forward of the mini-batch less; holds the whole mini-batch's "
-                               "activations at once); auto = retain on a CPU, forward on an accelerator. Same "
-                               "numbers either way. Ours.", choices=LOG_PROB_PREPASSES, group="update")
+                               "activations at once); auto = retain on a CPU, forward on an accelerator or under "
+                               "gradient_checkpointing. The same log-probs (up to float rounding where the two "
+                               "passes use different layouts: checkpointing without pack_responses). Ours.", choices=LOG_PROB_PREPASSES, group="update")
     sparse_embedding_grad: bool = _f(True, "Compute the input embedding's gradient as rows of the batch's tokens "
                                      "(nn.Embedding sparse=True) when its weight is tied to the output layer "
                                      "(SmolLM2, small Qwen2.5): the dense backward writes a vocab x hidden zero tensor "
                                      "and adds it to the tied gradient every micro-batch (0.8x forward + backward "
-                                     "time with it on the default job, one CPU thread). The summed gradient stays "
+                                     "time with it on the default job, docs/benchmarks.md). The summed gradient stays "
                                      "dense and equal up to float summation order. Untied or frozen embeddings are "
                                      "left dense. Ours.", group="update")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (transformers' "

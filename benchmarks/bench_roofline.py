@@ -13,8 +13,8 @@ phase timed on its own:
   with-grad forward: ``reuse_on_policy_log_probs``, the default); none when the trainer takes the
   sampler's own log-probs for them (``reuse_sampler_log_probs``: synchronous float32);
 - pre-pass: ECHO's no-grad forward over the second (off-policy) mini-batch for its batch ratio,
-  as the trainer runs it; none with ``log_prob_prepass`` resolving to ``retain`` (the default on
-  a CPU: the with-grad forwards serve), or for losses without a pre-pass;
+  as the trainer runs it; none with ``log_prob_prepass=retain`` (the with-grad forwards serve),
+  or for losses without a pre-pass;
 - with-grad forward and backward: every micro-batch of both mini-batches, the forward
   (log-probs) and ``backward`` of a masked sum of them (the same graph as the policy loss up to
   elementwise terms) timed apart;
@@ -149,7 +149,7 @@ def main() -> None:
     # unless its with-grad forwards are kept for it (log_prob_prepass)
     sampler_old = trainer.sampler_is_learner and trainer.reuses_first_forward()
     prepass = needs_log_prob_prepass(cfg.loss_mode, trainer.loss_config) and not retains_prepass_graph(
-        cfg.log_prob_prepass, trainer.device, cfg.gradient_checkpointing)
+        cfg.log_prob_prepass)
     t_pre = f_pre = 0.0
     for k, rows in enumerate(splits):
         micro = [batch.select(rows[i:i + cfg.micro_batch_size]) for i in range(0, len(rows), cfg.micro_batch_size)]

@@ -3,7 +3,7 @@
 
 Runs, in one process group: ``group`` (rollout_rng=group, compared with one process), ``lora`` (the same with
 LoRA adapters), ``uneven`` (3 groups: a rank with no rows in a mini-batch),
-``lag`` (group, staleness=2, ECHO's no-grad pre-pass), ``stream`` (per-rank RNG streams), ``killed`` (stream, killed after step 2's metrics, so the
+``lag`` (group, staleness=2, ECHO's pre-pass from the kept forwards), ``stream`` (per-rank RNG streams), ``killed`` (stream, killed after step 2's metrics, so the
 step-1 checkpoint is the last) and ``killed`` resumed; ``async`` (async_rollouts=true: refused on every rank). Not a test module (no ``test_`` prefix).
 """
 
@@ -49,7 +49,7 @@ def main(out: Path) -> None:
     # processes (different layouts of the reference pass) decides; without the KL term it is exactly zero
     run(out, "uneven", rollout_rng="group", prompts_per_step=3, steps=2, kl_coef=0.0)
     # fixed lag: each rank keeps the same queue of rollouts generated ahead (the batch is gathered)
-    run(out, "lag", rollout_rng="group", staleness=2, log_prob_prepass="forward")  # the accelerators' default
+    run(out, "lag", rollout_rng="group", staleness=2, log_prob_prepass="retain")  # the kept pre-pass
 
     def kill_at_2(step, record):
         if step == 2:

@@ -115,7 +115,7 @@ def test_two_processes_equal_one_process_with_lora(two_process_runs, tmp_path, t
 def test_two_processes_equal_one_process_with_a_lag(two_process_runs, tmp_path, tiny_tokenizer, make_tiny_model,
                                                    digit_task):
     _, one = one_process(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, "one", rollout_rng="group",
-                         staleness=2, log_prob_prepass="forward")
+                         staleness=2, log_prob_prepass="retain")
     two = read_jsonl(two_process_runs / "lag" / "metrics.jsonl")
     assert [r["staleness/max"] for r in two] == [0, 1, 2]
     for a, b in zip(one, two, strict=True):

@@ -50,8 +50,9 @@ def sparse_tied_embedding_grad(model: Any) -> bool:
     tied to the output layer (``get_output_embeddings().weight`` is the same tensor; SmolLM2 and
     the small Qwen2.5 models). The dense backward allocates a (vocab, hidden) zero tensor, scatters
     the rows into it and adds it to the output layer's gradient of the same weight, every
-    micro-batch (for SmolLM2's 49,152 x 576, about a fifth of the update's forward + backward on
-    a CPU: docs/benchmarks.md, "Three passes fewer in the update"). With the weight tied, autograd
+    micro-batch (for SmolLM2's 49,152 x 576: 0.80x of the forward + backward time on one thread of
+    a loaded 2-core CPU, within noise on two quiet threads: docs/benchmarks.md, "Three passes fewer
+    in the update"; so ``sparse_embedding_grad`` is off by default). With the weight tied, autograd
     sums the sparse part into the output layer's dense gradient, so ``.grad`` stays dense (what
     the optimizers and ``clip_grad_norm_`` take) and equal up to float summation order. An untied
     embedding would leave a sparse ``.grad`` that AdamW refuses, so it is left as it is, as is a

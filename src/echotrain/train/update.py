@@ -131,14 +131,14 @@ def old_log_probs(batched: Callable[[RolloutBatch], tuple[torch.Tensor, torch.Te
     return old_log_prob, entropy
 
 
-def retains_prepass_graph(setting: str, device: torch.device, gradient_checkpointing: bool = False) -> bool:
+def retains_prepass_graph(setting: str) -> bool:
     """Whether an off-policy mini-batch's log-prob pre-pass (ECHO's batch ratio: losses whose
     step statistics read the current ``log_prob``) comes from its with-grad forwards, run for
     every micro-batch first with their graphs kept (``retain``: one forward of the mini-batch
     less; the activations of the whole mini-batch are held at once), or from a separate no-grad
-    forward (``forward``: one micro-batch's activations at a time). ``auto``: ``retain`` on a CPU,
-    where memory is plentiful next to what the cores compute, ``forward`` on an accelerator or
-    under ``gradient_checkpointing`` (which asks for memory over speed). Both compute the same
+    forward (``forward``, the default: one micro-batch's activations at a time). On the default
+    job on a 2-core CPU ``retain`` was no faster (docs/benchmarks.md, "Three passes fewer in the
+    update"; why is not measured). Both compute the same
     log-probs: bit for bit when the two passes use the same layout, up to float rounding when
     they do not (gradient checkpointing without the packed layout: the no-grad pass shares the
     prompt through the KV cache, the with-grad pass runs it per row).
@@ -148,8 +148,7 @@ def retains_prepass_graph(setting: str, device: torch.device, gradient_checkpoin
     """
     if setting not in LOG_PROB_PREPASSES:
         raise ValueError(f"log_prob_prepass must be one of {LOG_PROB_PREPASSES}, got {setting!r}")
-    return setting == "retain" or (setting == "auto" and torch.device(device).type == "cpu"
-                                   and not gradient_checkpointing)
+    return setting == "retain"
 
 
 def mini_batch_splits(group_index: torch.Tensor, num_mini_batches: int, ppo_epochs: int,
@@ -243,7 +242,7 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
         if on_policy:  # same parameters as the old-log-prob pass: reuse it (saves one forward)
             for mb in mbs:
                 mb.log_prob = mb.old_log_prob.clone()
-        elif retains_prepass_graph(cfg.log_prob_prepass, next(model.parameters()).device, cfg.gradient_checkpointing):
+        elif retains_prepass_graph(cfg.log_prob_prepass):
             # every micro-batch's with-grad forward now, graphs kept: their detached log-probs are
             # the pre-pass, and the loss below reuses them (one forward of the mini-batch less)
             retained = [forward(model, mb.batch, grad=True) for mb in mbs]

@@ -24,7 +24,7 @@ from echotrain.runtime.precision import AUTOCAST_CHOICES
 from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS
 
 #: The values of the ``log_prob_prepass`` setting (:func:`echotrain.train.update.retains_prepass_graph`).
-LOG_PROB_PREPASSES = ("auto", "forward", "retain")
+LOG_PROB_PREPASSES = ("forward", "retain")
 
 #: ``preset=<name>+balanced``: the preset with Balanced Aggregation (``loss_agg_mode=balanced``).
 BALANCED_SUFFIX = "+balanced"
@@ -226,21 +226,23 @@ class TrainConfig:
                                        "a rollout_correction) and under autocast (bfloat16 rounds the cached decode "
                                        "and the packed update apart by ~1e-2), staleness or async_rollouts. Ours; "
                                        "verl's bypass mode does this for every row.", group="update")
-    log_prob_prepass: str = _f("auto", "How losses whose step statistics read the current log-probs (ECHO's batch "
+    log_prob_prepass: str = _f("forward", "How losses whose step statistics read the current log-probs (ECHO's batch "
                                "ratio R) get them for an off-policy mini-batch: forward = a no-grad forward of "
                                "each micro-batch first (memory of one micro-batch); retain = the with-grad forwards "
                                "of all micro-batches first, graphs kept, their detached log-probs the statistics' "
                                "and the loss's (one forward of the mini-batch less; holds the whole mini-batch's "
-                               "activations at once); auto = retain on a CPU, forward on an accelerator or under "
-                               "gradient_checkpointing. The same log-probs (up to float rounding where the two "
-                               "passes use different layouts: checkpointing without pack_responses). Ours.", choices=LOG_PROB_PREPASSES, group="update")
-    sparse_embedding_grad: bool = _f(True, "Compute the input embedding's gradient as rows of the batch's tokens "
+                               "activations at once). The same log-probs (up to float rounding where the two passes use "
+                               "different layouts: checkpointing without pack_responses). On the default job "
+                               "(2-core AVX512-BF16 CPU) retain was no faster (float32 0.99x, bfloat16 1.12x "
+                               "of the update: docs/benchmarks.md), so forward stays the default. Ours.", choices=LOG_PROB_PREPASSES, group="update")
+    sparse_embedding_grad: bool = _f(False, "Compute the input embedding's gradient as rows of the batch's tokens "
                                      "(nn.Embedding sparse=True) when its weight is tied to the output layer "
                                      "(SmolLM2, small Qwen2.5): the dense backward writes a vocab x hidden zero tensor "
-                                     "and adds it to the tied gradient every micro-batch (0.8x forward + backward "
-                                     "time with it on the default job, docs/benchmarks.md). The summed gradient stays "
-                                     "dense and equal up to float summation order. Untied or frozen embeddings are "
-                                     "left dense. Ours.", group="update")
+                                     "and adds it to the tied gradient every micro-batch. On the default job (2-core "
+                                     "AVX512-BF16 CPU) 0.80x forward + backward time on one thread of a loaded "
+                                     "machine, but within noise on 2 quiet threads (docs/benchmarks.md), so off by "
+                                     "default. The summed gradient stays dense and equal up to float summation "
+                                     "order. Untied or frozen embeddings are left dense. Ours.", group="update")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (transformers' "
                                       "gradient_checkpointing_enable, non-reentrant): less memory, ~30% more update "
                                       "time; same gradients.", group="update")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -380,7 +381,9 @@ def plot_curves(curves: dict[str, Any], out_dir: str | os.PathLike) -> list[Path
             if agg["n"] > 1:
                 ax.fill_between(steps, agg["ci_low"], agg["ci_high"], color=style["color"], alpha=0.12, lw=0)
         title, ylabel = titles.get(key, (key, ""))
-        ax.set_title(f"{title}: mean over seeds, 95% bootstrap band", fontsize=12)
+        # wrapped and left-aligned: centred over the narrowed axes (the legend sits outside on the
+        # right) a long title ran off the figure's left edge
+        ax.set_title(textwrap.fill(f"{title}: mean over seeds, 95% bootstrap band", 75), fontsize=12, loc="left")
         ax.set_xlabel("step", fontsize=11)
         ax.set_ylabel(ylabel, fontsize=11)
         ax.tick_params(labelsize=10)

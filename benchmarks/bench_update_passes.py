@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     from echotrain.train.config import resolve_config
     from echotrain.train.config.parse import parse_overrides
-    from echotrain.train.features import sparse_tied_embedding_grad
+    from echotrain.train.features import tied_trainable_embedding
     from echotrain.train.trainer import Trainer
     from echotrain.train.update import sampler_is_learner
 
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.rollouts.rollouts_for = lambda step: copy.deepcopy(data)
     state = copy.deepcopy((trainer.model.state_dict(), trainer.optimizer.state_dict(),
                            trainer.scheduler.state_dict()))
-    emb = trainer.model.get_input_embeddings() if hasattr(trainer.model, "get_input_embeddings") else None
-    tied = sparse_tied_embedding_grad(copy.deepcopy(trainer.model))  # whether the setting applies to this model
+    emb = tied_trainable_embedding(trainer.model)  # None: the sparse setting does not apply to this model
+    tied = emb is not None
 
     def call(arm: str) -> dict:
         trainer.model.load_state_dict(state[0])

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 
 __all__ = ["checkpointed_forward", "enable_gradient_checkpointing", "prepare_policy", "sparse_tied_embedding_grad",
-           "spread_sample_rows"]
+           "spread_sample_rows", "tied_trainable_embedding"]
 
 
 def prepare_policy(model: Any, tokenizer: Any, cfg: Any, device: torch.device, dist: Any) -> tuple[Any, Any]:
@@ -57,16 +57,23 @@ def sparse_tied_embedding_grad(model: Any) -> bool:
     the optimizers and ``clip_grad_norm_`` take) and equal up to float summation order. An untied
     embedding would leave a sparse ``.grad`` that AdamW refuses, so it is left as it is, as is a
     frozen one (LoRA). Returns whether the embedding was changed."""
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    if get_in is None or get_out is None:
-        return False
-    emb, out = get_in(), get_out()
-    if not isinstance(emb, torch.nn.Embedding) or out is None or getattr(out, "weight", None) is not emb.weight:
-        return False
-    if not emb.weight.requires_grad:
+    emb = tied_trainable_embedding(model)
+    if emb is None:
         return False
     emb.sparse = True
     return True
+
+
+def tied_trainable_embedding(model: Any) -> torch.nn.Embedding | None:
+    """``model``'s input embedding when it is an ``nn.Embedding`` whose weight is trainable and is
+    the output layer's weight (the case :func:`sparse_tied_embedding_grad` changes), else None."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return None
+    emb, out = get_in(), get_out()
+    if not isinstance(emb, torch.nn.Embedding) or getattr(out, "weight", None) is not emb.weight:
+        return None
+    return emb if emb.weight.requires_grad else None
 
 
 def enable_gradient_checkpointing(model: Any) -> None:

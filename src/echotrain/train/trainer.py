@@ -300,7 +300,7 @@ class Trainer:
             data.rollout_log_prob = batch.rollout_log_prob
         # (the rows after the first mini-batch: the sampler's own numbers, when they are the learner's)
         sampled = (batch.rollout_log_prob, batch.rollout_entropy) if (
-            reuse and self.sampler_is_learner and batch.rollout_log_prob is not None
+            cfg.recompute_old_log_prob and reuse and self.sampler_is_learner and batch.rollout_log_prob is not None
             and batch.rollout_entropy is not None) else None
         if cfg.recompute_old_log_prob:
             data.old_log_prob, data.entropy = old_log_probs(
@@ -329,7 +329,7 @@ class Trainer:
         record.update(self.rollouts.step_metrics(step, data, record["time/step"]))
         if data.rollout_log_prob is not None:  # train/inference mismatch of the step's recomputed rows, every step
             measured = data.response_mask  # (with the sampler's numbers reused: the first mini-batch's rows)
-            if sampled is not None and cfg.recompute_old_log_prob:
+            if sampled is not None:
                 measured = torch.zeros_like(measured)
                 measured[splits[0]] = data.response_mask[splits[0]]
             record.update(rollout_mismatch_metrics(data.old_log_prob, data.rollout_log_prob, measured,

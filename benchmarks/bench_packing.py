@@ -1,7 +1,8 @@
 """The update's layouts of a prompt group, A/B in one process: the KV-cache layout (each distinct
-prompt once, its cache expanded to the G padded responses) against the packed layout (the prompt
-and its responses back to back under a block-causal mask, no response padding;
-``pack_responses``), and optionally the plain forward (every row prompt + response).
+prompt once, its cache expanded to the G padded responses) against the packed layout (the
+prompts' common prefix once per row, each prompt's rest and its responses back to back under a
+block mask, no response padding; ``pack_responses``), and optionally the plain forward (every
+row prompt + response).
 
 What is timed: the with-grad forward + backward of all 64 rows of the default job's first step
 (embedded SmolLM2-135M-Instruct, the default task, B = 8 x G = 8 rollouts of 32 new tokens at
@@ -95,7 +96,11 @@ def main(argv: list[str] | None = None) -> dict:
     uniq_tokens = sum(int(mb.prompt_mask[mb.group_index == g][0].sum()) for mb in micro
                       for g in mb.group_index.unique())
     padded = sum(len(mb) * int(mb.response_mask.sum(-1).max()) for mb in micro)
-    tokens = {"kv cache": uniq_tokens + padded, "packed": uniq_tokens + int(lens.sum()),
+    from echotrain.runtime.packing import PAD, pack_layout
+
+    packed = sum(int((pack_layout(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask).block > PAD).sum())
+                 for mb in micro)  # the common prefix once per row, each prompt's rest once, no padding
+    tokens = {"kv cache": uniq_tokens + padded, "packed": packed,
               "plain": int(batch.prompt_mask.sum()) + padded}
     print(f"# model {cfg.model or 'the default (SmolLM2-135M-Instruct)'}, {len(batch)} rows in micro-batches of "
           f"{cfg.micro_batch_size}, {args.threads} threads, OpenMP wait {wait}, load avg {os.getloadavg()[0]:.1f}, "

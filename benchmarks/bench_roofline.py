@@ -2,7 +2,7 @@
 
 What is run: the default ``echotrain train`` job (embedded SmolLM2-135M-Instruct, default task,
 every default setting: B = 8 prompts x G = 8 completions, max_new_tokens = 32, micro-batches of
-8, two mini-batches, AdamW, ``autocast=auto``) for one synthetic step built from the trainer's
+32, two mini-batches, AdamW, ``autocast=auto``) for one synthetic step built from the trainer's
 own pieces (``Trainer._log_probs``, its collector's prompts and reward, its optimizer), each
 phase timed on its own:
 
@@ -76,6 +76,7 @@ def main() -> None:
     from echotrain.train.config import resolve_config
     from echotrain.train.config.parse import parse_overrides
     from echotrain.runtime.precision import autocast
+    from echotrain.runtime.packing import common_prefix_of
     from echotrain.runtime.rollout import _prefill, encode_prompts, generate_rollouts, render_prompts
     from echotrain.train.trainer import Trainer
     from echotrain.rl import needs_log_prob_prepass
@@ -122,7 +123,8 @@ def main() -> None:
     first = {}
     for i, g in enumerate(batch.group_index.tolist()):
         first.setdefault(g, i)
-    f_prefill = prefill_flops(shape, [p[i] for i in first.values()])
+    f_prefill = prefill_flops(shape, [p[i] for i in first.values()],
+                              common_prefix=common_prefix_of(batch.prompt_ids, batch.prompt_mask))
     b_decode = decode_bytes(shape, p, r, param_bytes=param.element_size(), kv_bytes=kv_bytes)
     f_decode = decode_flops(shape, p, r)
     t_decode = max(t_generate - t_prefill, 1e-9)
@@ -130,7 +132,7 @@ def main() -> None:
 
     def fwd_flops(b):
         return batch_forward_flops(shape, b.prompt_mask.sum(-1).tolist(), b.response_mask.sum(-1).long().tolist(),
-                                   b.group_index.tolist())
+                                   b.group_index.tolist(), common_prefix=common_prefix_of(b.prompt_ids, b.prompt_mask))
 
     # ---- update: old log-probs of mini-batch 2, with-grad forward / backward / optimizer of both
     splits = mini_batch_splits(batch.group_index, cfg.num_mini_batches, cfg.ppo_epochs, trainer.dist)

@@ -5,18 +5,24 @@ alternating, as ratios: the later mini-batches' old log-probs from the sampler
 
 What is timed: the trainer's own ``train_step`` on one fixed rollout batch of the default job
 (embedded SmolLM2-135M-Instruct, 8 prompts x 8 rollouts, 32 new tokens, two mini-batches,
-micro-batches of 8, AdamW; ``--set`` changes any setting, e.g. ``autocast=off``), generated once
+micro-batches of 32, AdamW; ``--set`` changes any setting, e.g. ``autocast=off``), generated once
 and handed to every call, so the timed part is steps 2-6 of the step: advantages, old log-probs,
 ECHO's pre-pass, both mini-batches' forward / backward / optimizer step and the metrics
 (``time/update`` of the step's record). The weights, optimizer and scheduler are restored before
 every call, so each arm updates the same weights from the same state. Arms: ``before`` (all three
-off: the previous main's update), each one alone, and ``all`` (today's default where they
-apply). ``--reps`` rounds, the order alternating, after one untimed warm-up call of each arm.
+off: the update before issue 21 removed them), each one alone, and ``all`` (all three on). ``--reps`` rounds, the order alternating, after one untimed warm-up call of each arm.
 Printed: the median seconds of each arm and the ratio to ``before``, and the largest
 difference of the arms' loss metrics from ``before`` (the same update up to float rounding).
+``--arm NAME:KEY=VALUE,...`` (repeatable) replaces the built-in arms by arms of other update
+settings, the first one the baseline of the ratios (e.g. micro-batch sizes). An arm can change
+only what the trainer reads at each step (the update and objective settings); what it reads when
+it is built (model, autocast, optimizer, LoRA) goes in ``--set`` for all arms. Values with commas
+cannot be given in an arm.
 
     python benchmarks/bench_update_passes.py --threads 2 --reps 3 --set autocast=off
     python benchmarks/bench_update_passes.py --threads 2 --reps 3
+    python benchmarks/bench_update_passes.py --threads 2 --reps 3 --set autocast=off \
+        --arm mb8:micro_batch_size=8 --arm mb32:micro_batch_size=32
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="another setting, as on the command line (e.g. autocast=off, model=testbed)")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                    help="instead of the built-in arms: an arm of these settings (repeatable; the first is the "
+                         "baseline of the ratios)")
     args = ap.parse_args(argv)
 
     from echotrain.cli import set_omp_wait_policy
@@ -61,8 +70,14 @@ def main(argv: list[str] | None = None) -> dict:
     from echotrain.train.trainer import Trainer
     from echotrain.train.update import sampler_is_learner
 
-    cfg = resolve_config(overrides={**parse_overrides(args.set), "output_dir": tempfile.mkdtemp(prefix="bench_upd-"),
-                                    "eval_prompts": 0, "progress": False, "plots": False, "save_every": 0})
+    base = {**parse_overrides(args.set), "output_dir": tempfile.mkdtemp(prefix="bench_upd-"), "eval_prompts": 0,
+            "progress": False, "plots": False, "save_every": 0}
+    cfg = resolve_config(overrides=base)
+    if args.arm:  # name -> the whole config of the arm
+        arms = {name: resolve_config(overrides={**base, **parse_overrides(settings.split(",") if settings else [])})
+                for name, _, settings in (spec.partition(":") for spec in args.arm)}
+    else:
+        arms = {name: dataclasses.replace(cfg, **settings) for name, settings in ARMS.items()}
     trainer = Trainer(cfg)
     data = trainer.rollouts.rollouts_for(1)  # one rollout batch, handed to every call below
     trainer.rollouts.rollouts_for = lambda step: copy.deepcopy(data)
@@ -75,15 +90,15 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.model.load_state_dict(state[0])
         trainer.optimizer.load_state_dict(state[1])
         trainer.scheduler.load_state_dict(state[2])
-        trainer.cfg = dataclasses.replace(cfg, **ARMS[arm])
+        trainer.cfg = arms[arm]
         trainer.sampler_is_learner = sampler_is_learner(trainer.cfg, trainer.autocast_dtype,
                                                         next(trainer.model.parameters()).dtype)
         if tied:
-            emb.sparse = ARMS[arm]["sparse_embedding_grad"]
+            emb.sparse = trainer.cfg.sparse_embedding_grad
         torch.manual_seed(cfg.seed)
         return trainer.train_step(1)
 
-    names = list(ARMS)
+    names = list(arms)
     for name in names:
         call(name)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -92,19 +107,19 @@ def main(argv: list[str] | None = None) -> dict:
         for name in (names if rep % 2 == 0 else names[::-1]):
             records[name] = call(name)
             times[name].append(records[name]["time/update"])
-    base = statistics.median(times["before"])
+    base = statistics.median(times[names[0]])
     lengths = data.batch.response_mask.sum(-1)
     print(f"# {cfg.model or 'the default model (SmolLM2-135M-Instruct)'}, autocast {trainer.autocast_dtype}, "
           f"{len(lengths)} rows, mean response {float(lengths.float().mean()):.1f} tokens, {cfg.num_mini_batches} "
           f"mini-batches of micro-batch {cfg.micro_batch_size}, {args.threads} threads, OpenMP wait {wait}, "
           f"load avg {os.getloadavg()[0]:.1f}, {args.reps} reps; the tied-embedding setting applies: {tied}")
-    print("| arm | median s (time/update) | ratio | largest metric difference from before | per-rep s |")
+    print(f"| arm | median s (time/update) | ratio | largest metric difference from {names[0]} | per-rep s |")
     print("|---|---:|---:|---:|---|")
     out: dict = {}
-    loss_keys = [k for k in records["before"] if k.startswith(("pg_", "echo/", "grad_norm", "ppo_kl"))]
+    loss_keys = [k for k in records[names[0]] if k.startswith(("pg_", "echo/", "grad_norm", "ppo_kl"))]
     for name in names:
         med = statistics.median(times[name])
-        diff = max((abs(records[name][k] - records["before"][k]) for k in loss_keys if k in records[name]), default=0.0)
+        diff = max((abs(records[name][k] - records[names[0]][k]) for k in loss_keys if k in records[name]), default=0.0)
         print(f"| {name} | {med:.2f} | {med / base:.2f} | {diff:.1e} | {', '.join(f'{t:.2f}' for t in times[name])} |")
         out[name] = {"median_s": med, "ratio": med / base, "max_metric_diff": diff}
     return out

@@ -62,3 +62,29 @@ def test_update_passes_benchmark_runs_every_arm_on_the_same_update():
     assert res["before"]["ratio"] == 1.0 and res["before"]["max_metric_diff"] == 0.0
     for arm in res.values():
         assert arm["median_s"] > 0 and arm["max_metric_diff"] < 1e-4
+
+
+def test_update_passes_benchmark_takes_arms_of_any_setting():
+    """--arm NAME:KEY=VALUE replaces the built-in arms; the first is the baseline of the ratios.
+    Micro-batches of 2 and 8 rows compute the same update (the exact global normalisers)."""
+    res = _load("bench_update_passes").main(["--threads", "1", "--reps", "1", "--set", "model=testbed",
+                                             "--set", "task=testbed", "--set", "prompts_per_step=2",
+                                             "--set", "num_generations=4", "--set", "max_new_tokens=4",
+                                             "--set", "autocast=off", "--arm", "mb2:micro_batch_size=2",
+                                             "--arm", "mb8:micro_batch_size=8,log_prob_prepass=retain"])
+    assert list(res) == ["mb2", "mb8"]
+    assert res["mb2"]["ratio"] == 1.0 and res["mb2"]["max_metric_diff"] == 0.0
+    assert 0 < res["mb8"]["max_metric_diff"] < 1e-4  # not bit-equal: other summation order
+
+
+def test_prefill_benchmark_runs_both_arms_on_the_same_tokens():
+    """The A/B of the common-prefix prefill runs end to end on the testbed (its byte model takes no
+    KV cache, so both arms decode alike): same tokens, ratios to 'per prompt', the token counts."""
+    res = _load("bench_prefill").main(["--threads", "1", "--reps", "1", "--set", "model=testbed",
+                                       "--set", "task=testbed", "--set", "prompts_per_step=2",
+                                       "--set", "num_generations=2", "--set", "max_new_tokens=4",
+                                       "--set", "eval_prompts=2"])
+    for what in ("rollouts", "evaluation"):
+        assert res[what]["per prompt"]["ratio"] == 1.0 and res[what]["same_tokens"] is True
+    C = res["common_prefix"]
+    assert res["prefill_tokens"]["common prefix"] == res["prefill_tokens"]["per prompt"] - C * (2 - 1)

@@ -40,6 +40,57 @@ def test_group_forward_flops_by_hand():
     assert batch_forward_flops(TINY, [3, 3, 3, 3], [2, 2, 3, 3], [0, 1, 0, 1]) == 2 * hand
 
 
+def test_common_prefix_is_counted_once_by_hand():
+    """Two prompts of p=3 sharing C=2 tokens: the prefix's forward once, not twice."""
+    from echotrain.roofline import prefill_flops, shared_prefix_saving
+
+    # the prefix: 2 tokens, 3 causal pairs, no logit: 2*2*2*576 = 4608 + 4*2*2*4*3 = 192 -> 4800
+    assert shared_prefix_saving(TINY, 2, [3, 3]) == 4800
+    assert shared_prefix_saving(TINY, 2, [3, 3, 4]) == 2 * 4800  # K prompts: K - 1 saved
+    assert shared_prefix_saving(TINY, 0, [3, 3]) == shared_prefix_saving(TINY, 2, [3]) == 0
+    # prefilling both: 2 x 7456 (the prompt of test_group_forward_flops_by_hand) less the prefix once
+    assert prefill_flops(TINY, [3, 3]) == 2 * 7456
+    assert prefill_flops(TINY, [3, 3], common_prefix=2) == 2 * 7456 - 4800
+    # a batch of the two groups: the same saving
+    assert batch_forward_flops(TINY, [3, 3, 3, 3], [2, 2, 3, 3], [0, 1, 0, 1], common_prefix=2) == 2 * 15680 - 4800
+    # the prefix must leave every prompt a token of its own
+    with pytest.raises(ValueError, match="common_prefix"):
+        prefill_flops(TINY, [3, 2], common_prefix=2)
+    with pytest.raises(ValueError, match="common_prefix"):
+        shared_prefix_saving(TINY, -1, [3, 3])
+
+
+def test_common_prefix_count_matches_the_packed_forward_flops():
+    """The count of a packed micro-batch (two prompts sharing a prefix, one row) equals torch's
+    FLOP counter on the packed forward up to the attention, which the sdpa kernel computes over the
+    whole row (counted separately here): the matrices and logits are exactly what the layout runs
+    (the prefix once, each prompt's rest once, each response but its last token)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from echotrain.runtime.packing import pack_layout, packed_log_probs
+
+    model = _tiny_llama()
+    shape = shape_of(model)
+    p_ids = torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 3, 6, 7]])
+    p_mask = torch.ones_like(p_ids)
+    r_ids = torch.tensor([[8, 9, 10], [11, 12, 0], [13, 0, 0]])
+    r_mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    layout = pack_layout(p_ids, p_mask, r_ids, r_mask)
+    # prefix 3 | rest 4 5 | 8 9 | rest 6 7 | 11 (responses without their last token)
+    assert layout.prefix_len == 3 and layout.input_ids.shape == (1, 3 + 2 + 2 + 2 + 1)
+    with FlopCounterMode(display=False) as fc:
+        packed_log_probs(model, p_ids, p_mask, r_ids, r_mask)
+    counted = batch_forward_flops(shape, [5, 5, 5], [3, 2, 1], [0, 1, 1], common_prefix=3)
+    tokens, logits = 10, 5  # the row's columns; logits at the 5 distinct predicting columns (a prompt's last: once)
+    S = layout.input_ids.shape[1]
+    attention_run = 4 * shape.n_layers * shape.n_heads * shape.d_head * S * S  # the kernel's full square
+    matrices = 2 * tokens * shape.n_layers * shape.layer_matrix_params + 2 * logits * shape.d_model * shape.vocab_size
+    assert fc.get_total_flops() == pytest.approx(matrices + attention_run, rel=0.001)
+    # the count differs from what ran only in the attention: the needed causal pairs, not the square
+    pairs = causal_pairs(5) + causal_pairs(2, 5) + causal_pairs(2, 3) + causal_pairs(1, 5) + causal_pairs(0, 5)
+    assert counted == matrices + 4 * shape.n_layers * shape.n_heads * shape.d_head * pairs
+
+
 def test_decode_bytes_by_hand():
     """Rows with p=3 and r=2, r=3 valid tokens, float32 weights and cache."""
     # steps = max(r) - 1 = 2, each reads 1232 weights x 4 bytes: 9856

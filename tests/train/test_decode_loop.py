@@ -30,8 +30,8 @@ def policy():
     return model, tok
 
 
-def _inputs(tok):
-    return R.encode_prompts(tok, [t for t in TEXTS for _ in range(G)], tok.pad_token_id)
+def _inputs(tok, texts=TEXTS):
+    return R.encode_prompts(tok, [t for t in texts for _ in range(G)], tok.pad_token_id)
 
 
 def _hf(model, tok, ids, attn, seed, shared, **kw):
@@ -44,7 +44,7 @@ def _hf(model, tok, ids, attn, seed, shared, **kw):
         hk.update(temperature=None, top_p=None, top_k=None)
     with torch.inference_mode():
         if shared:
-            hk["past_key_values"] = R._prefill(model, ids[::G], attn[::G], G)
+            hk["past_key_values"], ids, hk["attention_mask"] = R._prefill(model, ids[::G], attn[::G], G)
         with R.RolloutLogProbRecorder(model, kw.get("temperature", 1.0)) as rec:
             out = model.generate(ids, **hk)[:, ids.shape[1]:]
         return out, rec.finish(out), rec.entropy(out)
@@ -54,7 +54,9 @@ def _ours(model, tok, ids, attn, seed, shared, **kw):
     kw.setdefault("sampler", "multinomial")
     torch.manual_seed(seed)
     with torch.inference_mode():
-        pkv = R._prefill(model, ids[::G], attn[::G], G) if shared else None
+        pkv = None
+        if shared:
+            pkv, ids, attn = R._prefill(model, ids[::G], attn[::G], G)
         return sample_tokens(model, ids, attn, max_new_tokens=MAX_NEW, eos_token_ids=[tok.eos_token_id],
                              pad_token_id=tok.pad_token_id, past_key_values=pkv, **kw)
 
@@ -63,21 +65,28 @@ CASES = [dict(do_sample=False), dict(temperature=1.0), dict(temperature=0.7, top
          dict(temperature=1.3, top_k=7, top_p=0.9)]
 
 
+#: prompts sharing a long prefix (a system prompt): the prefill computes it once
+SHARED_TEXTS = ["Answer briefly, then stop. abc", "Answer briefly, then stop. hello world",
+                "Answer briefly, then stop. x", "Answer briefly, then stop. 12 34 56 7"]
+
+
+@pytest.mark.parametrize("texts", [TEXTS, SHARED_TEXTS], ids=["distinct", "common_prefix"])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
-def test_same_tokens_and_log_probs_as_generate(policy, kw, shared):
-    """Greedy and every sampling warper, with and without the shared-prompt cache: token ids
-    identical to ``generate``'s from the same seed (the RNG is consumed the same way), and the
-    recorded log-probs / entropies those of the in-generate recorder, up to float rounding."""
+def test_same_tokens_and_log_probs_as_generate(policy, kw, shared, texts):
+    """Greedy and every sampling warper, with and without the shared-prompt cache (of prompts
+    with and without a common prefix): token ids identical to ``generate``'s from the same seed
+    (the RNG is consumed the same way), and the recorded log-probs / entropies those of the
+    in-generate recorder, up to float rounding."""
     model, tok = policy
-    ids, attn = _inputs(tok)
+    ids, attn = _inputs(tok, texts)
     for seed in (3, 11):
         ref, ref_lp, ref_ent = _hf(model, tok, ids, attn, seed, shared, **kw)
         got = _ours(model, tok, ids, attn, seed, shared, **kw)
         assert torch.equal(got.tokens, ref)
         valid = R.response_mask_from_ids(ref, [tok.eos_token_id], tok.pad_token_id)[0].bool()
         lengths = valid.sum(1)
-        if kw.get("do_sample", True):  # the case really has rows ending at different steps
+        if kw.get("do_sample", True) and texts is TEXTS:  # the case really has rows ending at different steps
             assert int(lengths.min()) < MAX_NEW // 2 and int(lengths.max()) == MAX_NEW
         torch.testing.assert_close(got.log_prob[valid], ref_lp[valid], rtol=0, atol=1e-5)
         torch.testing.assert_close(got.entropy[valid], ref_ent[valid], rtol=0, atol=1e-5)
@@ -228,3 +237,73 @@ def test_inverse_cdf_first_tokens_follow_the_model(policy, kw):
     bins_p, bins_f = torch.cat([p[big], p[~big].sum()[None]]), torch.cat([freq[big], freq[~big].sum()[None]])
     assert int(big.sum()) >= 3
     assert ((bins_f - bins_p).abs() <= 5 * (bins_p * (1 - bins_p) / n).sqrt() + 1e-12).all(), (bins_f, bins_p)
+
+
+def test_prefill_computes_the_common_prefix_once(policy):
+    """_prefill of prompts sharing a prefix: one forward of the prefix (one row), one of the
+    prompts' rests but their last token, in the layout [prefix | padding | rest]; the decode from
+    that cache gives the tokens and log-probs of decoding the left-padded prompts from scratch."""
+    model, tok = policy
+    ids, attn = _inputs(tok, SHARED_TEXTS)
+    calls = []
+    h = model.register_forward_pre_hook(lambda m, a, k: calls.append(tuple((a[0] if a else k["input_ids"]).shape)), with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            cache, p_ids, p_attn = R._prefill(model, ids[::G], attn[::G], G)
+    finally:
+        h.remove()
+    real = [r[m.bool()].tolist() for r, m in zip(ids[::G], attn[::G])]
+    C = next(i for i in range(min(map(len, real))) if len({r[i] for r in real}) > 1)
+    W = max(len(r) for r in real) - C
+    assert C >= 10 and calls == [(1, C), (len(SHARED_TEXTS), W - 1)]
+    assert p_ids.shape == (len(ids), C + W) and torch.equal(p_attn.sum(1), attn.sum(1))
+    for row, r in zip(p_ids[::G], real):
+        assert row[:C].tolist() == r[:C] and row[-(len(r) - C):].tolist() == r[C:]
+    with torch.inference_mode():
+        torch.manual_seed(5)
+        ref = sample_tokens(model, ids, attn, max_new_tokens=MAX_NEW, eos_token_ids=[tok.eos_token_id],
+                            pad_token_id=tok.pad_token_id, sampler="multinomial")
+        torch.manual_seed(5)
+        got = sample_tokens(model, p_ids, p_attn, max_new_tokens=MAX_NEW, eos_token_ids=[tok.eos_token_id],
+                            pad_token_id=tok.pad_token_id, past_key_values=cache, sampler="multinomial")
+    assert torch.equal(got.tokens, ref.tokens)
+    torch.testing.assert_close(got.log_prob, ref.log_prob, rtol=0, atol=1e-5)
+
+
+def test_prefill_of_one_token_prompts_or_nothing_shared(policy):
+    """Nothing to share (no common prefix and G = 1) or nothing to prefill (one-token prompts):
+    no cache, the prompts as given."""
+    model, tok = policy
+    ids = torch.tensor([[5, 6], [7, 8]])
+    attn = torch.ones_like(ids)
+    with torch.inference_mode():
+        assert R._prefill(model, ids, attn, 1) == (None, ids, attn)
+        one = torch.tensor([[0, 5], [0, 7]]), torch.tensor([[0, 1], [0, 1]])
+        assert R._prefill(model, *one, 4) == (None, *one)
+
+
+def test_prefill_of_a_sliding_window_model_keeps_the_left_padded_layout(policy):
+    """A model whose attention window counts columns (Mistral's sliding window) gets no
+    common-prefix layout (padding between the prefix and a prompt's rest would push keys out of
+    its window): the prefill is the left-padded one, and decoding from it equals decoding the
+    prompts from scratch, with a window shorter than the prompts."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from echotrain.runtime.packing import has_window_attention
+
+    _, tok = policy
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                        max_position_embeddings=256, attn_implementation="sdpa")
+    model = MistralForCausalLM(cfg).eval()
+    assert has_window_attention(model)
+    ids, attn = _inputs(tok, SHARED_TEXTS)
+    with torch.inference_mode():
+        cache, p_ids, p_attn = R._prefill(model, ids[::G], attn[::G], G)
+        assert torch.equal(p_ids, ids) and torch.equal(p_attn, attn)  # left-padded, as given
+        kw = dict(max_new_tokens=6, eos_token_ids=[], pad_token_id=tok.pad_token_id, do_sample=False)
+        ref = sample_tokens(model, ids, attn, **kw)
+        got = sample_tokens(model, p_ids, p_attn, past_key_values=cache, **kw)
+    assert torch.equal(got.tokens, ref.tokens)
+    torch.testing.assert_close(got.log_prob, ref.log_prob, rtol=0, atol=1e-5)

@@ -161,3 +161,90 @@ def test_equal_prompt_ids_with_other_padding_are_other_prompts(tiny_model):
     assert not torch.allclose(plain[0], plain[1])  # the padding matters
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cached, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_layout_by_hand():
+    """Two prompts sharing [5, 6] (one left-padded), three responses: the common prefix once,
+    each prompt's rest, its responses after it; positions, blocks, segments and predictors as
+    counted by hand; the attention mask of the second prompt's response."""
+    from echotrain.runtime.packing import PAD, PREFIX, pack_layout
+
+    p_ids = torch.tensor([[5, 6, 7], [0, 5, 6], [5, 6, 7]])
+    p_mask = torch.tensor([[1, 1, 1], [0, 1, 1], [1, 1, 1]])
+    r_ids = torch.tensor([[11, 12], [13, 0], [14, 15]])
+    r_mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    L = pack_layout(p_ids, p_mask, r_ids, r_mask)
+    # prompts [5,6,7] (rows 0, 2) and [5,6] (row 1): C = min length - 1 = 1 (each keeps a token)
+    assert L.prefix_len == 1
+    # columns: 5 | 6 7 11 14 | 6 (a response's last token is a target only: 12, 13 and 15 are not inputs)
+    assert L.input_ids.tolist() == [[5, 6, 7, 11, 14, 6]]
+    assert L.position.tolist() == [[0, 1, 2, 3, 3, 1]]
+    assert L.block.tolist() == [[PREFIX, 0, 0, 0, 0, 1]]
+    assert L.segment.tolist() == [[PREFIX, -1, -1, 0, 2, -1]]
+    # row 0's tokens 11, 12 predicted by columns 2 (the prompt's last) and 3; row 1's 13 by 5; row 2's 14, 15 by 2, 4
+    assert L.predictor.tolist() == [2, 3, 5, 2, 4]
+    assert L.token_row.tolist() == [0, 0, 0, 0, 0]
+    mask = L.attention_mask()[0]
+    assert mask[5].nonzero().squeeze(1).tolist() == [0, 5]  # the second prompt's 6 sees the prefix and itself
+    assert mask[4].nonzero().squeeze(1).tolist() == [0, 1, 2, 4]  # 14: prefix, its prompt, not row 0's response
+    # a row cap of 5 tokens puts the second prompt in a row of its own, behind its own copy of the prefix
+    L2 = pack_layout(p_ids, p_mask, r_ids, r_mask, row_tokens=5)
+    assert L2.input_ids.tolist() == [[5, 6, 7, 11, 14], [5, 6, 0, 0, 0]]
+    assert L2.block[1].tolist() == [PREFIX, 1, PAD, PAD, PAD]
+    assert L2.predictor.tolist() == [2, 3, 1, 2, 4] and L2.token_row.tolist() == [0, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("row_tokens", [1024, 12])
+def test_common_prefix_packing_equals_separate_forwards(tiny_tokenizer, row_tokens, attn, monkeypatch):
+    """Prompts sharing a 6-token prefix (a system prompt), in one packed row or split over rows
+    (row_tokens=12), sdpa and eager attention: log-probs, entropies and gradients equal those of
+    one forward per sequence."""
+    from echotrain.runtime import packing
+
+    model = make_model(tiny_tokenizer, seed=6)
+    model.config._attn_implementation = attn
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, len(tiny_tokenizer), (6,), generator=g)
+    prompts = [torch.cat([shared, torch.randint(3, len(tiny_tokenizer), (n,), generator=g)]) for n in (2, 4, 1)]
+    which, lens = [2, 0, 1, 0, 2, 1], [3, 5, 1, 2, 6, 4]
+    P, T = 11, 7
+    p_ids = torch.zeros(6, P, dtype=torch.long)
+    p_mask = torch.zeros(6, P, dtype=torch.long)
+    r_ids = torch.zeros(6, T, dtype=torch.long)
+    r_mask = torch.zeros(6, T)
+    for i, (w, n) in enumerate(zip(which, lens)):
+        p_ids[i, P - len(prompts[w]):], p_mask[i, P - len(prompts[w]):] = prompts[w], 1
+        r_ids[i, :n], r_mask[i, :n] = torch.randint(3, len(tiny_tokenizer), (n,), generator=g), 1
+    layout = packing.pack_layout(p_ids, p_mask, r_ids, r_mask, row_tokens=row_tokens)
+    assert layout.prefix_len == 6 and len(layout.input_ids) == (1 if row_tokens == 1024 else 3)
+    monkeypatch.setattr(packing, "PACKED_ROW_TOKENS", row_tokens)
+    w = torch.randn(r_mask.shape, generator=g)
+    model.zero_grad()
+    ref_lp, ref_ent = _one_by_one(model, p_ids, p_mask, r_ids, r_mask, temperature=0.7)
+    (ref_lp * w * r_mask).sum().backward()
+    ref_g = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    lp, ent = packing.packed_log_probs(model, p_ids, p_mask, r_ids, r_mask, temperature=0.7, with_entropy=True)
+    (lp * w * r_mask).sum().backward()
+    m = r_mask.bool()
+    torch.testing.assert_close(lp[m], ref_lp[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent[m], ref_ent[m], atol=1e-5, rtol=0)
+    assert (lp[~m] == 0).all() and (ent[~m] == 0).all()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_g[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_packing_refuses_a_row_without_prompt_tokens(tiny_model):
+    p_ids, p_mask = torch.tensor([[0, 5], [0, 0]]), torch.tensor([[0, 1], [0, 0]])
+    r = torch.tensor([[7, 8], [7, 8]])
+    with pytest.raises(ValueError, match="prompt_mask: every row"):
+        packed_log_probs(tiny_model, p_ids, p_mask, r, torch.ones_like(r))
+
+
+def test_packing_with_no_response_token(tiny_model):
+    """All responses empty: zeros, no error (the forward keeps one column)."""
+    p_ids, p_mask = torch.tensor([[4, 5], [4, 6]]), torch.ones(2, 2, dtype=torch.long)
+    r = torch.zeros(2, 3, dtype=torch.long)
+    lp, ent = packed_log_probs(tiny_model, p_ids, p_mask, r, torch.zeros(2, 3), with_entropy=True)
+    assert lp.shape == (2, 3) and (lp == 0).all() and (ent == 0).all()

@@ -130,9 +130,11 @@ def test_sam_from_the_start_uses_two_passes(make_trainer, monkeypatch):
 
 def test_late_sam_that_never_switches_is_the_base_optimizer(make_trainer):
     """sam_start=1: every update is the base AdamW's; the run equals optimizer=adamw exactly.
-    (Both compute the second mini-batch's old log-probs with the no-grad pass: SAM turns the reuse
-    of the first mini-batch's forward off, and with it the sampler's numbers for the rest.)"""
-    a = make_trainer("adamw", steps=2, reuse_sampler_log_probs=False)
+    (Both compute every old log-prob with the no-grad pass: SAM turns the reuse of the first
+    mini-batch's forward off, and with it the sampler's numbers for the rest. The AdamW run is
+    told so: a reused forward packs the mini-batch's groups together, the no-grad pass the rows in
+    order, and prompts packed with other prompts round differently, ~1e-8.)"""
+    a = make_trainer("adamw", steps=2, reuse_sampler_log_probs=False, reuse_on_policy_log_probs=False)
     ra = a.train()
     b = make_trainer("never", steps=2, optimizer="late_sam", sam_start=1.0)
     rb = b.train()

@@ -52,6 +52,25 @@ def test_meter_counts_a_step_by_hand():
         assert spec.reduce == "step" and spec.volatile and spec.unit and spec.help
 
 
+def test_meter_counts_the_prompts_common_prefix_once():
+    """Two groups whose 3-token prompts share their first 2 tokens: each pass and the prefill count
+    the shared 2 tokens once (4800 FLOPs fewer, the hand count of the counts test)."""
+    peaks = Peaks(gemm_flops_per_s=1e4, copy_bytes_per_s=1e3, source="test", machine="m", dtype="float32", threads=1)
+    meter = UtilisationMeter(TINY, peaks, param_bytes=4, kv_bytes=4)
+    g = _group_batch()
+    ids = torch.tensor([[0, 0, 5, 6, 7]] * 2 + [[0, 0, 5, 6, 8]] * 2)
+    batch = RolloutBatch(prompt_ids=ids, prompt_mask=torch.cat([g.prompt_mask] * 2),
+                         response_ids=torch.zeros(4, 4, dtype=torch.long), response_mask=torch.cat([g.response_mask] * 2),
+                         group_index=torch.tensor([0, 0, 1, 1]), truncated=torch.zeros(4, dtype=torch.bool))
+    meter.log_prob_pass(batch, grad=True)
+    assert meter.update_flops == 3 * (2 * 15680 - 4800)
+    meter.generation(batch, [range(0, 4)])
+    assert meter.prefill_flops == 2 * 7456 - 4800
+    meter.reset()
+    meter.log_prob_pass(_group_batch(), grad=False)  # one prompt: nothing shared with another
+    assert meter.update_flops == 15680
+
+
 def test_generate_calls_follow_the_rollout_settings():
     assert generate_calls(8, 4, "stream", 0) == [range(0, 8)]
     assert generate_calls(8, 4, "group", 0) == [range(0, 4), range(4, 8)]

@@ -11,10 +11,10 @@ The trainer's use of them (``throughput/update_mfu``, ``throughput/decode_bw_uti
 from echotrain.roofline.counts import (TransformerShape, batch_forward_flops, causal_pairs, decode_bytes, decode_flops,
                                        decode_roofline_seconds,
                                        forward_flops,
-                                       group_forward_flops, prefill_flops, train_flops)
+                                       group_forward_flops, prefill_flops, shared_prefix_saving, train_flops)
 from echotrain.roofline.peaks import PEAKS_ENV, Peaks, PeaksOff, machine_peaks, measure_copy, measure_gemm
 from echotrain.roofline.shapes import LLAMA_STYLE, UnsupportedModel, shape_of
 
 __all__ = ["TransformerShape", "batch_forward_flops", "causal_pairs", "decode_bytes", "decode_flops", "decode_roofline_seconds", "forward_flops",
-           "group_forward_flops", "prefill_flops", "train_flops", "PEAKS_ENV", "Peaks", "PeaksOff", "machine_peaks",
+           "group_forward_flops", "prefill_flops", "shared_prefix_saving", "train_flops", "PEAKS_ENV", "Peaks", "PeaksOff", "machine_peaks",
            "measure_copy", "measure_gemm", "LLAMA_STYLE", "UnsupportedModel", "shape_of"]

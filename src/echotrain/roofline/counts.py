@@ -27,7 +27,9 @@ What a pass *needs* (so padding and repeated prompts show up as lost utilisation
 a group of G responses to one prompt of ``p`` tokens needs the prompt once (``p`` tokens, one
 logit: the last prompt position predicts the first response token) and per response of ``r``
 valid tokens its first ``r - 1`` tokens on top of the prompt (the last token predicts nothing)
-with ``r - 1`` logits (:func:`group_forward_flops`). Generation needs the same prefill, then
+with ``r - 1`` logits (:func:`group_forward_flops`); the first C tokens that every prompt of
+the pass shares (a system prompt, a few-shot example: ``common_prefix``) are needed once per
+pass, not once per prompt. Generation needs the same prefill, then
 ``max(r) - 1`` decode steps, each reading the weights once for the whole batch and, per row
 still generating, its KV cache (:func:`decode_bytes`), and per row the FLOPs of its new token
 (:func:`decode_flops`). A decode step is bound by the larger of bytes / bandwidth and FLOPs / GEMM
@@ -120,10 +122,32 @@ def forward_flops(shape: TransformerShape, n_tokens: int, attn_pairs: int, n_log
             + 2 * n_logits * s.d_model * s.vocab_size)
 
 
-def prefill_flops(shape: TransformerShape, prompt_lens: Sequence[int]) -> int:
+def prefill_flops(shape: TransformerShape, prompt_lens: Sequence[int], common_prefix: int = 0) -> int:
     """Forward FLOPs of prefilling each distinct prompt once: per prompt of ``p`` tokens
-    ``forward_flops(p tokens, causal_pairs(p), 1 logit)``."""
-    return sum(forward_flops(shape, p, causal_pairs(p), 1) for p in prompt_lens)
+    ``forward_flops(p tokens, causal_pairs(p), 1 logit)``, less the ``common_prefix`` tokens that
+    all prompts share computed once instead of once per prompt (:func:`shared_prefix_saving`).
+
+    Raises:
+        ValueError: ``common_prefix`` < 0 or not below every prompt's length.
+    """
+    total = sum(forward_flops(shape, p, causal_pairs(p), 1) for p in prompt_lens)
+    return total - shared_prefix_saving(shape, common_prefix, [int(p) for p in prompt_lens])
+
+
+def shared_prefix_saving(shape: TransformerShape, common_prefix: int, prompt_lens: Sequence[int]) -> int:
+    """FLOPs not needed when K prompts that share their first C = ``common_prefix`` tokens compute
+    them once: ``(K - 1) * forward_flops(C, causal_pairs(C), 0)``. Exact: a prompt's rest attends
+    to the C shared keys as before (``causal_pairs(p) = causal_pairs(C) + causal_pairs(p - C, C)``).
+
+    Raises:
+        ValueError: ``common_prefix`` < 0 or not below every prompt's length.
+    """
+    if common_prefix < 0 or (common_prefix and min(prompt_lens, default=0) <= common_prefix):
+        raise ValueError(f"common_prefix must be >= 0 and below every prompt's length, got {common_prefix} "
+                         f"for prompt lengths {list(prompt_lens)}")
+    if not common_prefix or len(prompt_lens) < 2:
+        return 0
+    return (len(prompt_lens) - 1) * forward_flops(shape, common_prefix, causal_pairs(common_prefix), 0)
 
 
 def group_forward_flops(shape: TransformerShape, prompt_len: int, response_lens: Sequence[int]) -> int:
@@ -139,16 +163,20 @@ def group_forward_flops(shape: TransformerShape, prompt_len: int, response_lens:
 
 
 def batch_forward_flops(shape: TransformerShape, prompt_lens: Sequence[int], response_lens: Sequence[int],
-                        group_index: Sequence[int]) -> int:
-    """:func:`group_forward_flops` summed over the groups of a batch of rows.
+                        group_index: Sequence[int], common_prefix: int = 0) -> int:
+    """:func:`group_forward_flops` summed over the groups of a batch of rows, less the groups'
+    ``common_prefix`` computed once (:func:`shared_prefix_saving`).
 
     Args:
         prompt_lens: (N,) real prompt tokens per row (rows of a group share the prompt).
         response_lens: (N,) valid response tokens per row.
         group_index: (N,) the group of each row; rows with the same id share the prompt.
+        common_prefix: the first tokens every group's prompt shares
+            (:func:`echotrain.runtime.packing.common_prefix_len`; 0: none).
 
     Raises:
-        ValueError: the three sequences differ in length.
+        ValueError: the three sequences differ in length; a ``common_prefix`` as in
+            :func:`shared_prefix_saving`.
     """
     if not len(prompt_lens) == len(response_lens) == len(group_index):
         raise ValueError(f"prompt_lens, response_lens and group_index must have one entry per row, got "
@@ -156,7 +184,8 @@ def batch_forward_flops(shape: TransformerShape, prompt_lens: Sequence[int], res
     groups: dict[int, tuple[int, list[int]]] = {}
     for p, r, g in zip(prompt_lens, response_lens, group_index):
         groups.setdefault(int(g), (int(p), []))[1].append(int(r))
-    return sum(group_forward_flops(shape, p, rs) for p, rs in groups.values())
+    return (sum(group_forward_flops(shape, p, rs) for p, rs in groups.values())
+            - shared_prefix_saving(shape, common_prefix, [p for p, _ in groups.values()]))
 
 
 def train_flops(forward: int) -> int:

@@ -102,15 +102,16 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     Args:
         model: a Hugging Face causal LM whose forward takes ``attention_mask``, ``position_ids``,
             ``past_key_values``, ``use_cache`` and ``logits_to_keep`` (a peft model of one works).
-        input_ids, attention_mask: (N, P) int64 prompts, left-padded.
+        input_ids, attention_mask: (N, P) int64 prompts, left-padded (or, with the prefill's
+            cache, in its layout ``[common prefix | padding | rest]``: padding may sit anywhere).
         max_new_tokens: >= 1.
         eos_token_ids: the ids that end a row (may be empty: every row runs ``max_new_tokens``).
         pad_token_id: written after a row's EOS.
         do_sample: False = greedy (argmax); temperature / top_k / top_p are then unused.
         temperature, top_k, top_p: sampling parameters (top_k = 0 and top_p = 1 disable theirs).
-        past_key_values: optional cache of ``input_ids[:, :-1]`` for all N rows (the shared-prompt
-            prefill of :func:`~echotrain.runtime.rollout.generate_rollouts`); the loop then runs
-            only the last prompt token first.
+        past_key_values: optional cache of ``input_ids[:, :-1]`` for all N rows (the prefill of
+            :func:`~echotrain.runtime.rollout._prefill`); the loop then runs only the last prompt
+            token first.
         record_log_prob: also return the sampler's log-probs and entropies.
         sampler: one of :data:`SAMPLERS` (module docstring).
 

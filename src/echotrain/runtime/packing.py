@@ -1,35 +1,41 @@
-"""Packed shared-prefix forward: each distinct prompt once, its responses packed after it.
+"""Packed shared-prefix forward: the prompts' common prefix and each distinct prompt once, the
+responses packed after their prompt.
 
-The G responses of a prompt group share the prompt. :func:`packed_log_probs` lays out one row
-per distinct prompt::
+The G responses of a prompt group share the prompt, and the prompts of a batch often share a
+prefix too (a system prompt, a few-shot exchange: 76 of the default task's ~88 prompt tokens).
+:func:`pack_layout` lays a batch out in packed rows::
 
-    [left padding | prompt | response 1 | response 2 | ... | response G | right padding]
+    [common prefix | prompt 1's rest | its responses | prompt 2's rest | its responses | ... | padding]
 
-and runs it under a block-causal attention mask: prompt tokens attend causally to the prompt;
-a response token attends to the prompt and causally to the earlier tokens of its *own*
-response only; padding attends to itself alone (so that no softmax row is empty). Position ids
-restart after the prompt for every response (``prompt_len + t``), so each response token sees
-exactly the keys, values and positions it sees in its own padded sequence: the log-probs and
-their gradients are those of G separate forwards, up to floating-point summation order. No
-response padding is computed, the prompt runs once, and logits are formed only at the
-positions that predict a response token (the last prompt token and the response tokens).
+and :func:`packed_log_probs` runs them under a block mask: every token attends causally to the
+common prefix; a prompt's own tokens and its responses attend to that prompt's rest; a
+response token attends causally to the earlier tokens of its *own* response only; padding
+attends to the prefix and padding (no softmax row is empty). Position ids are each token's
+position in its own unpadded ``prompt + response``, so each response token sees exactly the
+keys, values and positions of its own sequence: the log-probs and their gradients are those of
+separate forwards, up to floating-point summation order. No padding inside a row is computed,
+the common prefix runs once per row, every other prompt token once, a response's last token
+not at all (a target only), and logits are formed only at the columns that predict a response
+token. A row takes prompts (with their responses) while
+it stays within :data:`PACKED_ROW_TOKENS` tokens: attention costs a row's length squared.
 
-This is the same idea as the KV-cache path of
-:func:`echotrain.runtime.rollout.forward_log_probs` (the prompt once, its cache expanded to
-the G responses), with two differences that save compute: the responses are not padded to
-the longest one (the default job's responses average ~17 of at most 32 tokens), and no cache
-is expanded and concatenated. It needs a model that takes a custom 4-D attention mask: a
-Hugging Face causal LM with ``sdpa`` or ``eager`` attention and full attention in every layer
-(:func:`supports_packed_forward`).
+This is the same idea as the KV-cache path of :func:`echotrain.runtime.rollout.forward_log_probs`
+(each distinct prompt once, its cache expanded to the G responses), with three differences that
+save compute: the responses are not padded to the longest one (the default job's responses
+average ~17 of at most 32 tokens), no cache is expanded and concatenated, and the common prefix
+of different prompts runs once. It needs a model that takes a custom 4-D attention mask and a
+boolean ``logits_to_keep``: a Hugging Face causal LM with ``sdpa`` or ``eager`` attention and
+full attention in every layer (:func:`supports_packed_forward`).
 
 Source: the shared-prefix layout of "Prefix Grouper: Efficient GRPO Training through
-Shared-Prefix Forward" (Liu et al. 2025, arXiv 2506.05433), written here for packed
-responses under a 4-D mask.
+Shared-Prefix Forward" (Liu et al. 2025, arXiv 2506.05433), written here for packed responses
+and a prefix common to several prompts under a 4-D mask.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,7 +61,8 @@ def distinct_prompts(prompt_ids: torch.Tensor,
     """The distinct prompts of a batch: ``(ids (U, P), mask (U, P) int64, inverse (N,))``, rows
     equal in ids *and* mask (equal ids with another padding are another prompt: possible when the
     pad id is a real token, e.g. eos); ``inverse[i]`` is row i's prompt. Used by both shared-prefix
-    layouts (this module's and the KV-cache one of :func:`echotrain.runtime.rollout.forward_log_probs`)."""
+    layout of :func:`echotrain.runtime.rollout.forward_log_probs` (:func:`pack_layout` groups by
+    the real tokens alone)."""
     P = prompt_ids.shape[1]
     uniq, inv = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0,
                              return_inverse=True)
@@ -68,14 +75,21 @@ def supports_packed_forward(model: Any) -> bool:
     layer (a custom mask would replace the window), and ``position_ids`` and
     ``logits_to_keep`` arguments."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) not in PACKED_ATTENTION:
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        return False
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+    if getattr(config, "_attn_implementation", None) not in PACKED_ATTENTION or has_window_attention(model):
         return False
     return accepts_keyword(model, "position_ids") and accepts_keyword(model, "logits_to_keep")
+
+
+def has_window_attention(model: Any) -> bool:
+    """Whether some layer of ``model`` attends within a window (sliding-window or another
+    non-full attention): its window counts columns, not positions, so a layout with padding or
+    other prompts between a token and its keys would change what it sees (:func:`packed_log_probs`
+    and the common-prefix prefill of :func:`echotrain.runtime.rollout._prefill` do not apply)."""
+    config = getattr(model, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        return True
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
 
 
 def is_prefix_mask(response_mask: torch.Tensor) -> bool:
@@ -86,15 +100,167 @@ def is_prefix_mask(response_mask: torch.Tensor) -> bool:
                                                                device=response_mask.device) < lens))
 
 
+def common_prefix_len(prompts: list[torch.Tensor]) -> int:
+    """C: the leading tokens that every prompt shares, at most the shortest prompt's length - 1
+    (each prompt keeps a token of its own: its last token's output predicts the first response
+    token). The part that :func:`pack_layout`, the rollout prefill
+    (:func:`echotrain.runtime.rollout._prefill`) and the FLOP counts
+    (:mod:`echotrain.roofline.counts`) take once.
+
+    Args:
+        prompts: the prompts' real tokens, 1-D int64 tensors, each at least one token.
+
+    Raises:
+        ValueError: no prompts, or an empty one.
+    """
+    if not prompts or min(len(p) for p in prompts) < 1:
+        raise ValueError("prompts: need at least one prompt, each with at least one token")
+    C = min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        differ = (p[:C] != prompts[0][:C]).nonzero()
+        if len(differ):
+            C = int(differ[0])
+    return C
+
+
+def real_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[torch.Tensor]:
+    """The real tokens of each row (ids where ``prompt_mask`` is 1): a list of N 1-D tensors."""
+    return [row[m.bool()] for row, m in zip(prompt_ids, prompt_mask)]
+
+
+def common_prefix_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """:func:`common_prefix_len` of a batch's (N, P) left-padded prompts; 0 for a batch without
+    rows or with an empty prompt (the FLOP counts of :mod:`echotrain.train.utilisation`)."""
+    prompts = real_prompts(prompt_ids, prompt_mask)
+    return common_prefix_len(prompts) if prompts and min(len(p) for p in prompts) else 0
+
+
+#: ``block`` of the common prefix's columns (every later prompt and response token may attend them)
+PREFIX = -1
+#: ``block`` / ``segment`` of padding columns (attended by padding alone)
+PAD = -2
+#: a packed row takes the next prompt's block only while it stays within this many tokens (or
+#: holds no block yet): attention over a row costs its length squared, so long rows of prompts
+#: that share little are split. Our choice (docs/design/architecture.md, the runtime/packing.py entry).
+PACKED_ROW_TOKENS = 1024
+
+
+@dataclass
+class PackLayout:
+    """Where every token of a batch sits in its packed rows (R rows of S columns).
+
+    Attributes:
+        input_ids, position: (R, S) int64: token ids (0 on padding) and position ids (each
+            token's position in its own unpadded sequence ``prompt + response``).
+        block: (R, S) int64: :data:`PREFIX` for the common prefix, ``u`` for the rest of
+            distinct prompt ``u`` and its responses, :data:`PAD` for padding.
+        segment: (R, S) int64: ``n`` on the input tokens of response ``n`` (all but its last),
+            -1 on prompt tokens, :data:`PAD` on padding.
+        predictor: (M,) int64: for each of the M valid response tokens (the ones of ``response_mask`` in
+            row-major order), the column whose output predicts it (the last prompt column for a
+            response's first token, else the response's previous token).
+        token_row: (M,) int64: the packed row of each valid response token.
+        prefix_len: C, the tokens that every distinct prompt shares (at most its length - 1).
+    """
+
+    input_ids: torch.Tensor
+    position: torch.Tensor
+    block: torch.Tensor
+    segment: torch.Tensor
+    predictor: torch.Tensor
+    token_row: torch.Tensor
+    prefix_len: int
+
+    def attention_mask(self) -> torch.Tensor:
+        """(R, S, S) bool, True where query column i may attend key column j: causally, every
+        token sees the common prefix; a prompt's tokens and responses see its own prompt tokens;
+        a response token sees its own response; padding sees the prefix and padding."""
+        S = self.block.shape[1]
+        causal = torch.ones(S, S, dtype=torch.bool, device=self.block.device).tril()
+        bq, bk = self.block[:, :, None], self.block[:, None, :]
+        sq, sk = self.segment[:, :, None], self.segment[:, None, :]
+        return causal & ((bk == PREFIX) | ((bk == bq) & ((sk == -1) | (sk == sq))))
+
+
+def pack_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                response_mask: torch.Tensor, *, row_tokens: int | None = None) -> PackLayout:
+    """Lay a batch out in packed rows: ``[common prefix | prompt 1's rest | its responses |
+    prompt 2's rest | its responses | ... | padding]``, each response without its last token
+    (a target only: its output predicts nothing).
+
+    Args:
+        prompt_ids, prompt_mask: (N, P) int64, left-padded, each row at least one prompt token;
+            rows with the same prompt tokens share one block.
+        response_ids, response_mask: (N, T) int64, ``response_mask`` a prefix mask.
+        row_tokens: a row takes another block while it stays within this length (None:
+            :data:`PACKED_ROW_TOKENS`).
+
+    Returns:
+        :class:`PackLayout` on ``prompt_ids``' device.
+    """
+    device = prompt_ids.device  # built on the CPU (small tensors, Python loops), moved once
+    prompt_ids, prompt_mask, response_ids = prompt_ids.cpu(), prompt_mask.cpu(), response_ids.cpu()
+    row_tokens = PACKED_ROW_TOKENS if row_tokens is None else row_tokens
+    lens = response_mask.long().sum(-1).tolist()
+    block_of: dict[tuple, int] = {}  # distinct prompt tokens -> block, in order of first appearance
+    inv = [block_of.setdefault(tuple(r.tolist()), len(block_of)) for r in real_prompts(prompt_ids, prompt_mask)]
+    prompts = [torch.tensor(k, dtype=torch.long) for k in block_of]
+    members: list[list[int]] = [[] for _ in prompts]
+    for n, u in enumerate(inv):
+        members[u].append(n)
+    C = common_prefix_len(prompts)
+    # a response's last token is a target only (its output predicts nothing): not an input column
+    size = [len(p) - C + sum(max(lens[n] - 1, 0) for n in members[u]) for u, p in enumerate(prompts)]
+    rows: list[list[int]] = [[]]
+    filled = C
+    for u in range(len(prompts)):
+        if rows[-1] and filled + size[u] > row_tokens:
+            rows.append([])
+            filled = C
+        rows[-1].append(u)
+        filled += size[u]
+    R, S = len(rows), max(C + sum(size[u] for u in row) for row in rows)
+    input_ids = torch.zeros(R, S, dtype=torch.long)
+    position = torch.zeros(R, S, dtype=torch.long)
+    block = torch.full((R, S), PAD, dtype=torch.long)
+    segment = torch.full((R, S), PAD, dtype=torch.long)
+    predictor, token_row = [], []
+    for r, row in enumerate(rows):
+        input_ids[r, :C], position[r, :C] = prompts[row[0]][:C], torch.arange(C)
+        block[r, :C] = segment[r, :C] = PREFIX
+        c = C
+        for u in row:
+            rest = prompts[u][C:]
+            c2 = c + len(rest)
+            input_ids[r, c:c2], position[r, c:c2] = rest, torch.arange(C, len(prompts[u]))
+            block[r, c:c2], segment[r, c:c2] = u, -1
+            last_prompt, c = c2 - 1, c2
+            for n in members[u]:
+                L = lens[n]
+                k = max(L - 1, 0)  # input columns: every token but the last
+                input_ids[r, c:c + k] = response_ids[n, :k]
+                position[r, c:c + k] = torch.arange(len(prompts[u]), len(prompts[u]) + k)
+                block[r, c:c + k], segment[r, c:c + k] = u, n
+                predictor.append(torch.cat([torch.tensor([last_prompt]), torch.arange(c, c + k)])[:L])
+                token_row.append((n, r, L))
+                c += k
+    order = sorted(range(len(token_row)), key=lambda i: token_row[i][0])  # response order = row-major valid order
+    pred = torch.cat([predictor[i] for i in order]) if order else torch.zeros(0, dtype=torch.long)
+    trow = torch.cat([torch.full((token_row[i][2],), token_row[i][1]) for i in order]) if order \
+        else torch.zeros(0, dtype=torch.long)
+    return PackLayout(*(t.to(device) for t in (input_ids, position, block, segment, pred, trow)), C)
+
+
 def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                      response_mask: torch.Tensor, *, temperature: float = 1.0,
                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the response tokens, each distinct prompt run once with its responses packed.
+    """Log-probs of the response tokens: the prompts' common prefix once per packed row, each
+    distinct prompt's rest once, its responses packed after it.
 
     Args:
         model: a model for which :func:`supports_packed_forward` holds.
-        prompt_ids, prompt_mask: (N, P) int64, left-padded; rows with equal ids and mask share
-            one packed row (:func:`distinct_prompts`).
+        prompt_ids, prompt_mask: (N, P) int64, left-padded, at least one prompt token a row;
+            rows with the same prompt tokens (ids where the mask is 1) share one block.
         response_ids: (N, T) int64; response_mask: (N, T), 1 then 0 in every row
             (:func:`is_prefix_mask`).
         temperature: logits are divided by it before the log-softmax.
@@ -105,7 +271,8 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
         (``log_prob`` differentiable when grad is enabled); ``entropy`` (N, T) float32 or None.
 
     Raises:
-        ValueError: mismatched shapes, or a ``response_mask`` that is not a prefix mask.
+        ValueError: mismatched shapes, a ``response_mask`` that is not a prefix mask, or a row
+            without prompt tokens.
     """
     if response_ids.shape != response_mask.shape or prompt_ids.shape != prompt_mask.shape \
             or len(prompt_ids) != len(response_ids):
@@ -113,65 +280,36 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
                          f"response {tuple(response_ids.shape)} vs mask {tuple(response_mask.shape)}")
     if not is_prefix_mask(response_mask):
         raise ValueError("response_mask: each row must be ones then zeros to be packed")
+    if not bool(prompt_mask.bool().any(-1).all()):
+        raise ValueError("prompt_mask: every row needs at least one prompt token to be packed")
     device = prompt_ids.device
     N, T = response_ids.shape
-    P = prompt_ids.shape[1]
-    uniq, p_mask, inv = distinct_prompts(prompt_ids, prompt_mask)  # one packed row each
-    U = len(uniq)
-    lens = response_mask.sum(-1).long()
-    # offset of each response inside its packed row: exclusive cumsum over the rows of its prompt
-    order = torch.argsort(inv, stable=True)
-    excl = torch.cumsum(lens[order], 0) - lens[order]
-    group_start = torch.zeros(U, dtype=torch.long, device=device).scatter_reduce_(
-        0, inv[order], excl, reduce="amin", include_self=False)
-    offset = torch.empty_like(lens)
-    offset[order] = excl - group_start[inv[order]]
-    width = max(1, int(torch.zeros(U, dtype=torch.long, device=device).index_add_(0, inv, lens).max()))
-
-    valid = response_mask.bool()
-    t_idx = torch.arange(T, device=device).expand(N, T)
-    col = (offset[:, None] + t_idx)[valid]  # packed column of every valid response token
-    row = inv[:, None].expand(N, T)[valid]
-    packed_ids = torch.zeros(U, width, dtype=response_ids.dtype, device=device)
-    packed_ids[row, col] = response_ids[valid]
-    seg = torch.full((U, width), -1, dtype=torch.long, device=device)  # response id of each column
-    seg[row, col] = torch.arange(N, device=device)[:, None].expand(N, T)[valid]
-    pos_in_resp = torch.zeros(U, width, dtype=torch.long, device=device)
-    pos_in_resp[row, col] = t_idx[valid]
-
-    p_len = p_mask.sum(-1, keepdim=True)
-    input_ids = torch.cat([uniq, packed_ids], dim=1)
-    position_ids = torch.cat([(p_mask.cumsum(-1) - 1).clamp(min=0), p_len + pos_in_resp], dim=1)
-
-    S = P + width
-    seg_full = torch.cat([torch.full((U, P), -2, dtype=torch.long, device=device), seg], dim=1)
-    key_ok = torch.cat([p_mask.bool(), seg >= 0], dim=1)
-    is_prompt = torch.arange(S, device=device) < P
-    causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
-    allowed = causal & key_ok[:, None, :] & key_ok[:, :, None] \
-        & ((seg_full[:, :, None] == seg_full[:, None, :]) | is_prompt[None, None, :])
-    allowed |= torch.eye(S, dtype=torch.bool, device=device)  # padding: itself only (no empty softmax row)
-    mask = allowed[:, None]
+    layout = pack_layout(prompt_ids, prompt_mask, response_ids, response_mask)
+    R, S = layout.input_ids.shape
+    mask = layout.attention_mask()[:, None]
     if model.config._attn_implementation == "eager":  # additive float mask
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
-
-    # logits at columns P-1 .. P+width-2: index 0 predicts every response's first token
-    extra = {"use_cache": False} if accepts_keyword(model, "use_cache") else {}  # no cache of the packed row
-    logits = model(input_ids, attention_mask=mask, position_ids=position_ids,
-                   logits_to_keep=width + 1, **extra).logits[:, :-1, :].float()
+    # logits only at the columns that predict a response token: (K, V) in row-major column order
+    keep = torch.zeros(R, S, dtype=torch.bool, device=device)
+    keep[layout.token_row, layout.predictor] = True
+    if not keep.any():
+        keep[0, -1] = True  # no response token: one column, so that the forward has an output
+    where = (keep.flatten().long().cumsum(0) - 1)[layout.token_row * S + layout.predictor]  # (M,) into the K kept
+    extra = {"use_cache": False} if accepts_keyword(model, "use_cache") else {}  # no cache of the packed rows
+    logits = model(layout.input_ids, attention_mask=mask, position_ids=layout.position,
+                   logits_to_keep=keep, **extra).logits.float()
+    logits = logits.reshape(-1, logits.shape[-1])
     if temperature != 1.0:
         logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    pos = torch.where(t_idx == 0, 0, offset[:, None] + t_idx)  # (N, T) index into the kept logits
-    r_inv = inv[:, None].expand(N, T)
+    logp_all = torch.log_softmax(logits, dim=-1)  # (K, V)
+    valid = response_mask.bool()
     log_prob = torch.zeros(N, T, dtype=torch.float32, device=device)
-    log_prob = log_prob.masked_scatter(valid, logp_all[r_inv[valid], pos[valid], response_ids[valid]])
+    log_prob = log_prob.masked_scatter(valid, logp_all[where, response_ids[valid]])
     entropy = None
     if with_entropy:
         with torch.no_grad():
             lp = logp_all.detach()
-            ent_all = -(lp.exp() * lp).sum(-1)  # (U, width)
             entropy = torch.zeros(N, T, dtype=torch.float32, device=device)
-            entropy[valid] = ent_all[r_inv[valid], pos[valid]]
+            entropy[valid] = (-(lp.exp() * lp).sum(-1))[where]
     return log_prob, entropy

@@ -2,8 +2,8 @@
 
 Two functions the trainer calls, and the mask that both rely on:
 
-- :func:`generate_rollouts` samples every prompt x G completion in one decode call (KV cache,
-  left padding; echotrain's loop of :mod:`echotrain.runtime.decode`, rows leaving at EOS, or
+- :func:`generate_rollouts` samples every prompt x G completion in one decode call (KV cache
+  of the prompts' common prefix and their rests, :func:`_prefill`; echotrain's loop of :mod:`echotrain.runtime.decode`, rows leaving at EOS, or
   ``model.generate``) and returns a :class:`RolloutBatch` of padded tensors.
 - :func:`response_mask_from_ids` marks the valid response tokens: everything up to and
   including the first EOS; never padding, whether or not an EOS was produced.
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS, entropy_of, sample_tokens
-from echotrain.runtime.packing import (accepts_keyword, distinct_prompts, is_prefix_mask, packed_log_probs,
-                                       supports_packed_forward)
+from echotrain.runtime.packing import (accepts_keyword, common_prefix_len, distinct_prompts, has_window_attention,
+                                       is_prefix_mask, packed_log_probs, real_prompts, supports_packed_forward)
 
 
 @dataclass
@@ -277,10 +277,11 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
         temperature, top_p, top_k: sampling parameters (top_k=0 disables it).
         batch_size: rows per generate call; 0 = all.
         do_sample: False = greedy decoding (evaluation); temperature/top_p/top_k are then unused.
-        share_prefix: with G > 1, one generate call and a model taking ``past_key_values``:
-            prefill each distinct prompt once and hand ``generate`` its KV cache repeated G
-            times (the prompt prefill is most of the cost for short answers), instead of
-            prefilling B*G copies. Same distribution; tokens equal up to float rounding.
+        share_prefix: with one generate call and a model taking ``past_key_values``: prefill
+            the prompts' common prefix once and each prompt's rest once, and hand the decode
+            loop (or ``generate``) that KV cache repeated G times (:func:`_prefill`; the prompt
+            prefill is most of the cost for short answers), instead of prefilling B*G copies.
+            Same distribution; tokens equal up to float rounding.
         record_log_prob: when sampling, record the sampler's per-token log-probs
             (``rollout_log_prob``, :class:`RolloutLogProbRecorder`); False for evaluation, which
             needs none (and for a ``generate`` that does not run one forward per new token).
@@ -327,13 +328,16 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                 kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None)
             else:
                 kwargs.update(temperature=None, top_p=None, top_k=None)
+            gen_ids = ids[sl].to(device)  # the prompt layout handed to the decode loop / generate
             with torch.inference_mode():
-                if share_prefix and num_generations > 1 and chunk == len(texts) and ids.shape[1] > 1 \
-                        and _supports_shared_prefix(model):
-                    kwargs["past_key_values"] = _prefill(model, ids[::num_generations].to(device),
-                                                         attn[::num_generations].to(device), num_generations)
+                if share_prefix and chunk == len(texts) and ids.shape[1] > 1 and _supports_shared_prefix(model):
+                    cache, p_ids, p_attn = _prefill(model, ids[::num_generations].to(device),
+                                                    attn[::num_generations].to(device), num_generations)
+                    if cache is not None:
+                        kwargs.update(past_key_values=cache, attention_mask=p_attn)
+                        gen_ids = p_ids
                 if own_loop:
-                    dec = sample_tokens(model, ids[sl].to(device), kwargs["attention_mask"],
+                    dec = sample_tokens(model, gen_ids, kwargs["attention_mask"],
                                         max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=pad_id,
                                         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                         past_key_values=kwargs.get("past_key_values"),
@@ -346,8 +350,8 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                     # the sampler's own log-probs, recorded inside generate (whatever model generates)
                     recorder = RolloutLogProbRecorder(model, temperature) if do_sample and record_log_prob else None
                     with recorder or contextlib.nullcontext():
-                        out = model.generate(ids[sl].to(device), **kwargs)
-                    new_ids = out[:, ids.shape[1]:]
+                        out = model.generate(gen_ids, **kwargs)
+                    new_ids = out[:, gen_ids.shape[1]:]
                     if recorder is not None:
                         rollout_lps.append(recorder.finish(new_ids))
                         rollout_ents.append(recorder.entropy(new_ids))
@@ -367,14 +371,54 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                         rollout_entropy=rollout_entropy)
 
 
-def _prefill(model: Any, ids: torch.Tensor, attn: torch.Tensor, repeats: int) -> Any:
-    """KV cache of ``ids[:, :-1]`` (each distinct prompt once), repeated ``repeats`` times along
-    the batch; ``generate`` then only runs the last prompt token and the new ones."""
-    pos = (attn[:, :-1].cumsum(-1) - 1).clamp(min=0)
-    out = model(ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+def _prefill(model: Any, ids: torch.Tensor, attn: torch.Tensor, repeats: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """KV cache of B distinct prompts but their last token, the prompts' common prefix computed once.
+
+    The prompts are laid out as ``[common prefix | left padding | rest]`` (the same tokens and
+    positions as left-padded prompts: padding is masked wherever it sits; for a model with
+    window attention, whose window counts columns, the prefix is taken as empty, i.e. the
+    left-padded prompts): one forward of the
+    prefix (C tokens, shared by every prompt, at most the shortest prompt's length - 1), its
+    cache repeated B times, then one forward of every prompt's rest but its last token on top of
+    it; the cache is repeated ``repeats`` (G) times along the batch. The decode loop then runs
+    only the last prompt token and the new ones.
+
+    Args:
+        ids, attn: (B, P) int64, left-padded, each row at least one token.
+        repeats: G >= 1.
+
+    Returns:
+        ``(cache, ids, attention_mask)``: the cache of the B * G rows (None where nothing is
+        shared: no common prefix and G = 1) and the (B * G, C + W) prompt layout it belongs to.
+    """
+    real = real_prompts(ids, attn)
+    C = 0 if has_window_attention(model) else common_prefix_len(real)  # a window counts columns: no gap
+    if C == 0 and repeats == 1:
+        return None, ids, attn
+    rest = [r[C:] for r in real]
+    W = max(len(r) for r in rest)
+    B = len(real)
+    p_ids = ids.new_zeros(B, C + W)
+    p_attn = attn.new_zeros(B, C + W)
+    p_ids[:, :C], p_attn[:, :C] = real[0][:C], 1
+    for b, r in enumerate(rest):
+        p_ids[b, C + W - len(r):], p_attn[b, C + W - len(r):] = r, 1
+    cache = None
+    if C:
+        out = model(p_ids[:1, :C], attention_mask=p_attn[:1, :C], position_ids=torch.arange(C, device=ids.device)[None],
+                    use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(B)
+    if W > 1:
+        mask = p_attn[:, :C + W - 1]
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, C:]
+        out = model(p_ids[:, C:C + W - 1], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+    if cache is None:  # one-token prompts: nothing to prefill
+        return None, ids, attn
     cache.batch_repeat_interleave(repeats)
-    return cache
+    return cache, p_ids.repeat_interleave(repeats, 0), p_attn.repeat_interleave(repeats, 0)
 
 
 def concat_rollouts(batches: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
@@ -429,9 +473,10 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
     is run once (the G rollouts of a group share their prompt); gradients flow through the
     shared prompt exactly as through G copies, at a fraction of the compute. Two layouts share
     it: with ``pack`` (models with a custom 4-D mask,
-    :func:`echotrain.runtime.packing.supports_packed_forward`) one row per distinct prompt holds
-    the prompt and its responses back to back under a block-causal mask
-    (:func:`echotrain.runtime.packing.packed_log_probs`: no response padding, no cache); else,
+    :func:`echotrain.runtime.packing.supports_packed_forward`) the prompts' common prefix runs
+    once per packed row, each distinct prompt's rest once, with its responses back to back after
+    it under a block mask (:func:`echotrain.runtime.packing.packed_log_probs`: no response
+    padding, no cache); else,
     with ``kv_cache`` (models with ``past_key_values``), the prompt's key/value cache is expanded
     to the G responses.
 
@@ -462,7 +507,8 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
     response_ids, response_mask = response_ids[:, :T].to(device), response_mask[:, :T].long().to(device)
 
     uniq = p_mask = inv = None
-    if share_prefix and pack and supports_packed_forward(model) and is_prefix_mask(response_mask):
+    if share_prefix and pack and supports_packed_forward(model) and is_prefix_mask(response_mask) \
+            and bool(prompt_mask.bool().any(-1).all()):
         log_prob, entropy = packed_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                                              temperature=temperature, with_entropy=with_entropy)
         return F.pad(log_prob, (0, T_full - T)), (F.pad(entropy, (0, T_full - T)) if with_entropy else None)

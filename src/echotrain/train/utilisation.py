@@ -34,8 +34,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
                    summary=True, volatile=True,
                    panel="Utilisation", label='update / GEMM peak', when="model shape known, peaks measured",
                    help=("model FLOPs of the step's log-prob passes (old log-probs, reference, pre-pass: forward; "
-                        'update: forward + backward = 3x) / (time/update x measured GEMM FLOP/s); padding, repeated '
-                        'prompts, the optimizer and everything else in time/update count as lost utilisation')),
+                        'update: forward + backward = 3x; each prompt once per pass, the prompts\' common prefix '
+                        'once per pass) / (time/update x measured GEMM FLOP/s); padding, repeated prompts, the '
+                        'optimizer and everything else in time/update count as lost utilisation')),
     declare_metric('throughput/decode_bw_util', reduce="step", unit="fraction of the roofline bound (0-1)",
                    summary=True, volatile=True,
                    panel="Utilisation", label='generation / roofline bound', when="model shape known, peaks measured",
@@ -72,24 +73,29 @@ class UtilisationMeter:
 
     def log_prob_pass(self, batch: Any, grad: bool) -> None:
         """Count one log-prob forward of ``batch`` (a RolloutBatch; rows of one prompt group
-        share its prompt), x3 with ``grad`` (its backward follows)."""
+        share its prompt, the groups their common prefix), x3 with ``grad`` (its backward follows)."""
         from echotrain.roofline.counts import batch_forward_flops, train_flops
+        from echotrain.runtime.packing import common_prefix_of
 
         flops = batch_forward_flops(self.shape, batch.prompt_mask.sum(-1).tolist(),
-                                    batch.response_mask.sum(-1).long().tolist(), batch.group_index.tolist())
+                                    batch.response_mask.sum(-1).long().tolist(), batch.group_index.tolist(),
+                                    common_prefix=common_prefix_of(batch.prompt_ids, batch.prompt_mask))
         self.update_flops += train_flops(flops) if grad else flops
 
     def generation(self, batch: Any, calls: Sequence[range]) -> None:
         """Count a rollout round: ``batch`` (RolloutBatch) generated in ``calls`` (the rows of
-        each ``generate`` call). Prefill: each distinct prompt once; decode: per call."""
+        each ``generate`` call). Prefill: each distinct prompt once, their common prefix once;
+        decode: per call."""
         from echotrain.roofline.counts import decode_bytes, decode_flops, decode_roofline_seconds, prefill_flops
+        from echotrain.runtime.packing import common_prefix_of
 
         p = batch.prompt_mask.sum(-1).tolist()
         r = batch.response_mask.sum(-1).long().tolist()
         first: dict[int, int] = {}
         for i, g in enumerate(batch.group_index.tolist()):
             first.setdefault(int(g), i)
-        self.prefill_flops += prefill_flops(self.shape, [p[i] for i in first.values()])
+        self.prefill_flops += prefill_flops(self.shape, [p[i] for i in first.values()],
+                                            common_prefix=common_prefix_of(batch.prompt_ids, batch.prompt_mask))
         for rows in calls:
             pc, rc = p[rows.start:rows.stop], r[rows.start:rows.stop]
             nbytes = decode_bytes(self.shape, pc, rc, param_bytes=self.param_bytes, kv_bytes=self.kv_bytes)

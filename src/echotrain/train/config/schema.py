@@ -192,18 +192,25 @@ class TrainConfig:
     num_mini_batches: int = _f(2, "Optimizer steps per rollout batch and epoch (groups are split into this many mini-batches). "
                                "> 1 makes later mini-batches off-policy, where ECHO/GSPO differ from token PPO.", group="update")
     ppo_epochs: int = _f(1, "Passes over the rollout batch (PPO epochs). DAPO/GRPO use 1.", group="update")
-    micro_batch_size: int = _f(8, "Sequences per forward/backward; gradients accumulate over micro-batches with exact "
-                               "global normalisers (echotrain.rl.stepwise), so it changes memory, not the result.",
+    micro_batch_size: int = _f(32, "Sequences per forward/backward; gradients accumulate over micro-batches with exact "
+                               "global normalisers (echotrain.rl.stepwise), so it changes memory, not the result (up "
+                               "to float rounding). 32 = the default job's whole mini-batch: its 4 prompts share "
+                               "their common prefix in one packed row (pack_responses); measured against "
+                               "micro-batches of 8: the update 0.88x (float32; 0.79x in bfloat16 on an earlier "
+                               "revision) on 2 CPU cores (docs/benchmarks.md). Lower it when memory is short (long "
+                               "sequences, large models).",
                                group="update")
     share_prompt_prefix: bool = _f(True, "Compute each distinct prompt once per forward, for the G responses sharing it "
                                    "(exact: same log-probs and gradients; ~3x less compute when prompts are longer "
                                    "than responses): packed with them (pack_responses) or, where packing is not "
                                    "supported, its KV cache expanded to them (needs a model with past_key_values).",
                                    group="update")
-    pack_responses: bool = _f(True, "With share_prompt_prefix: one row per distinct prompt holding the prompt and its "
-                              "G responses back to back under a block-causal attention mask (each response sees the "
-                              "prompt and itself): no response padding, no KV-cache expansion, also under gradient "
-                              "checkpointing; exact up to float rounding. Needs a Hugging Face model with sdpa or "
+    pack_responses: bool = _f(True, "With share_prompt_prefix: packed rows holding the micro-batch's prompts' common "
+                              "prefix once, then each distinct prompt's rest followed by its G responses, under a "
+                              "block attention mask (each response sees the prefix, its prompt and itself): no "
+                              "response padding, no KV-cache expansion, the common prefix (a system prompt, a "
+                              "few-shot example) once per row, also under gradient checkpointing; exact up to "
+                              "float rounding (echotrain.runtime.packing). Needs a Hugging Face model with sdpa or "
                               "eager attention and full attention in every layer; otherwise the KV-cache layout.",
                               group="update")
     reuse_on_policy_log_probs: bool = _f(True, "Take the old log-probs (and entropy) of the first mini-batch of the first "

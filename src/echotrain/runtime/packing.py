@@ -139,6 +139,8 @@ def common_prefix_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int
 PREFIX = -1
 #: ``block`` / ``segment`` of padding columns (attended by padding alone)
 PAD = -2
+#: ``segment`` of prompt columns (the common prefix's and each prompt's rest)
+PROMPT = -1
 #: a packed row takes the next prompt's block only while it stays within this many tokens (or
 #: holds no block yet): attention over a row costs its length squared, so long rows of prompts
 #: that share little are split. Our choice (docs/design/architecture.md, the runtime/packing.py entry).
@@ -155,7 +157,7 @@ class PackLayout:
         block: (R, S) int64: :data:`PREFIX` for the common prefix, ``u`` for the rest of
             distinct prompt ``u`` and its responses, :data:`PAD` for padding.
         segment: (R, S) int64: ``n`` on the input tokens of response ``n`` (all but its last),
-            -1 on prompt tokens, :data:`PAD` on padding.
+            :data:`PROMPT` on prompt tokens, :data:`PAD` on padding.
         predictor: (M,) int64: for each of the M valid response tokens (the ones of ``response_mask`` in
             row-major order), the column whose output predicts it (the last prompt column for a
             response's first token, else the response's previous token).
@@ -179,7 +181,7 @@ class PackLayout:
         causal = torch.ones(S, S, dtype=torch.bool, device=self.block.device).tril()
         bq, bk = self.block[:, :, None], self.block[:, None, :]
         sq, sk = self.segment[:, :, None], self.segment[:, None, :]
-        return causal & ((bk == PREFIX) | ((bk == bq) & ((sk == -1) | (sk == sq))))
+        return causal & ((bk == PREFIX) | ((bk == bq) & ((sk == PROMPT) | (sk == sq))))
 
 
 def pack_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
@@ -224,16 +226,17 @@ def pack_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_id
     position = torch.zeros(R, S, dtype=torch.long)
     block = torch.full((R, S), PAD, dtype=torch.long)
     segment = torch.full((R, S), PAD, dtype=torch.long)
-    predictor, token_row = [], []
+    predictor = [torch.zeros(0, dtype=torch.long)] * len(lens)  # per response, in row order
+    token_row = [torch.zeros(0, dtype=torch.long)] * len(lens)
     for r, row in enumerate(rows):
         input_ids[r, :C], position[r, :C] = prompts[row[0]][:C], torch.arange(C)
-        block[r, :C] = segment[r, :C] = PREFIX
+        block[r, :C], segment[r, :C] = PREFIX, PROMPT
         c = C
         for u in row:
             rest = prompts[u][C:]
             c2 = c + len(rest)
             input_ids[r, c:c2], position[r, c:c2] = rest, torch.arange(C, len(prompts[u]))
-            block[r, c:c2], segment[r, c:c2] = u, -1
+            block[r, c:c2], segment[r, c:c2] = u, PROMPT
             last_prompt, c = c2 - 1, c2
             for n in members[u]:
                 L = lens[n]
@@ -241,14 +244,12 @@ def pack_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_id
                 input_ids[r, c:c + k] = response_ids[n, :k]
                 position[r, c:c + k] = torch.arange(len(prompts[u]), len(prompts[u]) + k)
                 block[r, c:c + k], segment[r, c:c + k] = u, n
-                predictor.append(torch.cat([torch.tensor([last_prompt]), torch.arange(c, c + k)])[:L])
-                token_row.append((n, r, L))
+                predictor[n] = torch.cat([torch.tensor([last_prompt]), torch.arange(c, c + k)])[:L]
+                token_row[n] = torch.full((L,), r)
                 c += k
-    order = sorted(range(len(token_row)), key=lambda i: token_row[i][0])  # response order = row-major valid order
-    pred = torch.cat([predictor[i] for i in order]) if order else torch.zeros(0, dtype=torch.long)
-    trow = torch.cat([torch.full((token_row[i][2],), token_row[i][1]) for i in order]) if order \
-        else torch.zeros(0, dtype=torch.long)
-    return PackLayout(*(t.to(device) for t in (input_ids, position, block, segment, pred, trow)), C)
+    # concatenated in response order = the row-major order of response_mask's ones
+    return PackLayout(*(t.to(device) for t in (input_ids, position, block, segment, torch.cat(predictor),
+                                               torch.cat(token_row))), C)
 
 
 def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,

@@ -1,8 +1,9 @@
 """The update's layouts of a prompt group, A/B in one process: the KV-cache layout (each distinct
 prompt once, its cache expanded to the G padded responses) against the packed layout (the
 prompts' common prefix once per row, each prompt's rest and its responses back to back under a
-block mask, no response padding; ``pack_responses``), and optionally the plain forward (every
-row prompt + response).
+block mask, no response padding; ``pack_responses``), the packed layout with its attention as
+one masked call over the whole row (``packed_attention=mask``) instead of one call per block
+(``blocks``, the default), and optionally the plain forward (every row prompt + response).
 
 What is timed: the with-grad forward + backward of all 64 rows of the default job's first step
 (embedded SmolLM2-135M-Instruct, the default task, B = 8 x G = 8 rollouts of 32 new tokens at
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
                                   temperature=cfg.temperature)
     micro = [batch.select(torch.arange(i, min(i + cfg.micro_batch_size, len(batch))))
              for i in range(0, len(batch), cfg.micro_batch_size)]
-    layouts = {"kv cache": {"pack": False}, "packed": {"pack": True}}
+    layouts = {"kv cache": {"pack": False}, "packed": {"pack": True},
+               "packed, whole-row mask": {"pack": True, "packed_attention": "mask"}}
     if args.plain:
         layouts["plain"] = {"share_prefix": False}
 
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     packed = sum(int((pack_layout(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask).block > PAD).sum())
                  for mb in micro)  # the common prefix once per row, each prompt's rest once, no padding
-    tokens = {"kv cache": uniq_tokens + padded, "packed": packed,
+    tokens = {"kv cache": uniq_tokens + padded, "packed": packed, "packed, whole-row mask": packed,
               "plain": int(batch.prompt_mask.sum()) + padded}
     print(f"# model {cfg.model or 'the default (SmolLM2-135M-Instruct)'}, {len(batch)} rows in micro-batches of "
           f"{cfg.micro_batch_size}, {args.threads} threads, OpenMP wait {wait}, load avg {os.getloadavg()[0]:.1f}, "

@@ -44,7 +44,7 @@ def test_packing_benchmark_runs_and_reports_ratios():
     res = _load("bench_packing").main(["--model", "testbed", "--task", "testbed", "--prompts", "2",
                                        "--generations", "2", "--max-new-tokens", "4", "--reps", "1",
                                        "--threads", "1", "--plain"])
-    assert set(res) == {"kv cache", "packed", "plain"}
+    assert set(res) == {"kv cache", "packed", "packed, whole-row mask", "plain"}
     assert res["kv cache"]["ratio"] == 1.0
     assert res["plain"]["ratio"] == pytest.approx(res["plain"]["median_s"] / res["kv cache"]["median_s"])
     assert res["plain"]["tokens"] > res["kv cache"]["tokens"] >= res["packed"]["tokens"]
@@ -88,3 +88,13 @@ def test_prefill_benchmark_runs_both_arms_on_the_same_tokens():
         assert res[what]["per prompt"]["ratio"] == 1.0 and res[what]["same_tokens"] is True
     C = res["common_prefix"]
     assert res["prefill_tokens"]["common prefix"] == res["prefill_tokens"]["per prompt"] - C * (2 - 1)
+
+
+def test_adamw_fused_benchmark_times_every_arm_from_one_state():
+    """The A/B of AdamW's kernels runs on the testbed model; ratios are to the for-loop arm and
+    the three arms end within float rounding of each other (the same update)."""
+    res = _load("bench_adamw_fused").main(["--model", "testbed", "--reps", "1", "--steps", "2", "--threads", "1"])
+    assert set(res) == {"for-loop (foreach=False)", "foreach", "fused"}
+    assert res["for-loop (foreach=False)"]["ratio"] == 1.0
+    assert res["fused"]["ratio"] == pytest.approx(res["fused"]["median_s"] / res["for-loop (foreach=False)"]["median_s"])
+    assert all(r["max_param_diff"] < 1e-6 for r in res.values())

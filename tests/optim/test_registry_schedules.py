@@ -18,14 +18,14 @@ from echotrain.optim.registry import (
 from echotrain.optim.sam import SAM
 from echotrain.optim.schedules import LR_DECAYS, step_decay, warmup_decay
 
-SETTINGS = dict(lr=0.1, weight_decay=0.01, betas=(0.8, 0.9), eps=1e-6, rho=0.2, model=None, sam_start=0.5,
+SETTINGS = dict(lr=0.1, weight_decay=0.01, betas=(0.8, 0.9), eps=1e-6, fused=True, rho=0.2, model=None, sam_start=0.5,
                 sam_start_unit="fraction", total_steps=8, restart_momentum=False)
 
 
 def test_entries_say_which_wrap_a_base_and_what_they_take():
     assert base_optimizer_names() == ["adamw", "adamw4bit", "sgd"]
     assert [n for n, s in OPTIMIZERS.items() if s.wraps_base] == ["sam", "late_sam"]
-    assert optimizer_spec("adamw").takes == ("betas", "eps") and optimizer_spec("sgd").takes == ()
+    assert optimizer_spec("adamw").takes == ("betas", "eps", "fused") and optimizer_spec("sgd").takes == ()
     assert optimizer_spec("late_sam").load() is LateSAM
     with pytest.raises(ValueError, match="optimizer='adam' is unknown"):
         optimizer_spec("adam")
@@ -36,7 +36,7 @@ def test_build_from_settings_passes_only_declared_keys():
     opt = build_from_settings("adamw", [w], SETTINGS, base="sgd")  # base ignored: adamw wraps nothing
     assert isinstance(opt, torch.optim.AdamW)
     g = opt.param_groups[0]
-    assert (g["lr"], g["weight_decay"], g["betas"], g["eps"]) == (0.1, 0.01, (0.8, 0.9), 1e-6)
+    assert (g["lr"], g["weight_decay"], g["betas"], g["eps"], g["fused"]) == (0.1, 0.01, (0.8, 0.9), 1e-6, True)
     sgd = build_from_settings("sgd", [torch.zeros(1, requires_grad=True)], SETTINGS)
     assert type(sgd) is torch.optim.SGD and sgd.param_groups[0]["momentum"] == 0
 
@@ -46,6 +46,7 @@ def test_wrapping_optimizers_get_their_base_and_its_settings():
     sam = build_from_settings("sam", [w], SETTINGS, base="adamw")
     assert type(sam) is SAM and isinstance(sam.base_optimizer, torch.optim.AdamW)
     assert sam.param_groups[0]["rho"] == 0.2 and sam.param_groups[0]["betas"] == (0.8, 0.9)
+    assert sam.base_optimizer.param_groups[0]["fused"] is True
     # "eps" is also SAM's own argument, so it lands there (as before issue 11), not on the base
     assert sam.eps == 1e-6 and sam.param_groups[0]["eps"] == 1e-8
     late = build_from_settings("late_sam", [torch.zeros(1, requires_grad=True)], SETTINGS, base="sgd")

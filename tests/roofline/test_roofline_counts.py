@@ -60,11 +60,14 @@ def test_common_prefix_is_counted_once_by_hand():
         shared_prefix_saving(TINY, -1, [3, 3])
 
 
-def test_common_prefix_count_matches_the_packed_forward_flops():
+@pytest.mark.parametrize("attention", ["blocks", "mask"])
+def test_common_prefix_count_matches_the_packed_forward_flops(attention):
     """The count of a packed micro-batch (two prompts sharing a prefix, one row) equals torch's
-    FLOP counter on the packed forward up to the attention, which the sdpa kernel computes over the
-    whole row (counted separately here): the matrices and logits are exactly what the layout runs
-    (the prefix once, each prompt's rest once, each response but its last token)."""
+    FLOP counter on the packed forward up to the attention, which runs more query-key pairs than
+    are needed (counted separately here): with the whole-row mask the kernel's full square, with
+    the block attention each piece's queries x keys (prefix 3 x 3, block 1: 4 x (3 + 4), block 2:
+    3 x (3 + 3)). The matrices and logits are exactly what the layout runs (the prefix once, each
+    prompt's rest once, each response but its last token)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from echotrain.runtime.packing import pack_layout, packed_log_probs
@@ -79,11 +82,12 @@ def test_common_prefix_count_matches_the_packed_forward_flops():
     # prefix 3 | rest 4 5 | 8 9 | rest 6 7 | 11 (responses without their last token)
     assert layout.prefix_len == 3 and layout.input_ids.shape == (1, 3 + 2 + 2 + 2 + 1)
     with FlopCounterMode(display=False) as fc:
-        packed_log_probs(model, p_ids, p_mask, r_ids, r_mask)
+        packed_log_probs(model, p_ids, p_mask, r_ids, r_mask, attention=attention)
     counted = batch_forward_flops(shape, [5, 5, 5], [3, 2, 1], [0, 1, 1], common_prefix=3)
     tokens, logits = 10, 5  # the row's columns; logits at the 5 distinct predicting columns (a prompt's last: once)
     S = layout.input_ids.shape[1]
-    attention_run = 4 * shape.n_layers * shape.n_heads * shape.d_head * S * S  # the kernel's full square
+    run_pairs = S * S if attention == "mask" else 3 * 3 + 4 * 7 + 3 * 6
+    attention_run = 4 * shape.n_layers * shape.n_heads * shape.d_head * run_pairs
     matrices = 2 * tokens * shape.n_layers * shape.layer_matrix_params + 2 * logits * shape.d_model * shape.vocab_size
     assert fc.get_total_flops() == pytest.approx(matrices + attention_run, rel=0.001)
     # the count differs from what ran only in the attention: the needed causal pairs, not the square

@@ -208,3 +208,21 @@ def test_adamw4bit_trains_the_tiny_model(make_trainer, make_tiny_model, tiny_tok
     moved = max((p32[k] - init[k]).abs().max() for k in init)
     assert moved > 1e-2  # two updates of lr 1e-2
     assert max((p4[k] - p32[k]).abs().max() for k in init) < 0.5 * moved
+
+
+def test_adamw_is_fused_by_default_and_the_same_update(make_trainer):
+    """adam_fused (default on) builds torch's fused AdamW; adam_fused=false the one-op-at-a-time
+    AdamW; two steps of each from the same start give the same weights up to float rounding and
+    the same metrics."""
+    runs, init = {}, {}
+    for fused in (True, False):
+        t = make_trainer(f"fused-{fused}", steps=2, adam_fused=fused, lr=1e-3)
+        assert bool(t.optimizer.param_groups[0]["fused"]) is fused
+        init = params_of(t)
+        runs[fused] = (t, t.train())
+    pa, pb = params_of(runs[True][0]), params_of(runs[False][0])
+    assert all(not torch.equal(pa[k], init[k]) for k in pa)  # every tensor moved
+    for k in pa:
+        torch.testing.assert_close(pa[k], pb[k], atol=1e-6, rtol=1e-5, msg=k)
+    for ra, rb in zip(runs[True][1], runs[False][1]):
+        assert ra["reward/mean"] == rb["reward/mean"]

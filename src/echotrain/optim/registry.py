@@ -77,7 +77,7 @@ def register_optimizer(name: str, target: str, *, takes: Iterable[str] = (), wra
 #: the settings of the Adam family and of SAM, for registrations
 ADAM_SETTINGS = ("betas", "eps")
 SAM_SETTINGS = ("rho", "model")
-register_optimizer("adamw", "torch.optim:AdamW", takes=ADAM_SETTINGS)
+register_optimizer("adamw", "torch.optim:AdamW", takes=ADAM_SETTINGS + ("fused",))  # fused: the adam_fused setting
 register_optimizer("sgd", "torch.optim:SGD")
 # adamw4bit, sam and late_sam register in their own modules (imported by echotrain.optim)
 

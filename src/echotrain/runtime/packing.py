@@ -34,14 +34,21 @@ and a prefix common to several prompts under a 4-D mask.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from echotrain.runtime.block_attention import block_attention, blocks_of
+
 #: attention implementations whose forward applies a custom 4-D mask as given
 PACKED_ATTENTION = ("sdpa", "eager")
+#: the values of the ``packed_attention`` setting: how a packed row's attention runs.
+#: ``blocks``: one call per block against the keys it may see (:mod:`echotrain.runtime.block_attention`);
+#: ``mask``: one call over the whole row under the block mask
+PACKED_ATTENTION_MODES = ("blocks", "mask")
 
 
 def accepts_keyword(model: Any, name: str) -> bool:
@@ -254,7 +261,7 @@ def pack_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_id
 
 def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                      response_mask: torch.Tensor, *, temperature: float = 1.0,
-                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     with_entropy: bool = False, attention: str = "blocks") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the response tokens: the prompts' common prefix once per packed row, each
     distinct prompt's rest once, its responses packed after it.
 
@@ -266,15 +273,20 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
             (:func:`is_prefix_mask`).
         temperature: logits are divided by it before the log-softmax.
         with_entropy: also return the entropy of each position's distribution (no grad).
+        attention: one of :data:`PACKED_ATTENTION_MODES`: ``blocks`` runs each row's attention
+            block by block (:mod:`echotrain.runtime.block_attention`; the whole-row ``mask``
+            under gradient checkpointing, whose recomputation would not see the blocks).
 
     Returns:
         ``(log_prob, entropy)``: (N, T) float32 on the model's device, 0 off ``response_mask``
         (``log_prob`` differentiable when grad is enabled); ``entropy`` (N, T) float32 or None.
 
     Raises:
-        ValueError: mismatched shapes, a ``response_mask`` that is not a prefix mask, or a row
-            without prompt tokens.
+        ValueError: mismatched shapes, a ``response_mask`` that is not a prefix mask, a row
+            without prompt tokens, or an unknown ``attention``.
     """
+    if attention not in PACKED_ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {PACKED_ATTENTION_MODES}, got {attention!r}")
     if response_ids.shape != response_mask.shape or prompt_ids.shape != prompt_mask.shape \
             or len(prompt_ids) != len(response_ids):
         raise ValueError(f"shape mismatch: prompt {tuple(prompt_ids.shape)} vs mask {tuple(prompt_mask.shape)}, "
@@ -297,9 +309,18 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     if not keep.any():
         keep[0, -1] = True  # no response token: one column, so that the forward has an output
     where = (keep.flatten().long().cumsum(0) - 1)[layout.token_row * S + layout.predictor]  # (M,) into the K kept
-    extra = {"use_cache": False} if accepts_keyword(model, "use_cache") else {}  # no cache of the packed rows
-    logits = model(layout.input_ids, attention_mask=mask, position_ids=layout.position,
-                   logits_to_keep=keep, **extra).logits.float()
+    extra: dict[str, Any] = {"use_cache": False} if accepts_keyword(model, "use_cache") else {}  # no cache
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    switch = contextlib.nullcontext()
+    checkpointing = getattr(base, "is_activation_checkpointing", None)  # transformers >= 5.x's name
+    if checkpointing is None:
+        checkpointing = getattr(base, "is_gradient_checkpointing", False)
+    if attention == "blocks" and not checkpointing:
+        extra["packed_pieces"] = blocks_of(layout.block, layout.prefix_len, mask, model.config._attn_implementation)
+        switch = block_attention(model)
+    with switch:
+        logits = model(layout.input_ids, attention_mask=mask, position_ids=layout.position,
+                       logits_to_keep=keep, **extra).logits.float()
     logits = logits.reshape(-1, logits.shape[-1])
     if temperature != 1.0:
         logits = logits / temperature

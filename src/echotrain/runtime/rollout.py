@@ -460,8 +460,8 @@ def _supports_decode_loop(model: Any) -> bool:
 
 def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                       response_mask: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False,
-                      share_prefix: bool = True, pack: bool = True,
-                      kv_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      share_prefix: bool = True, pack: bool = True, kv_cache: bool = True,
+                      packed_attention: str = "blocks") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of the response tokens under ``model``.
 
     Runs prompt + response through the model with position ids that skip the left padding (as
@@ -488,6 +488,8 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
         share_prefix: compute each distinct prompt once (falls back to one full forward when
             no layout below applies or no prompt repeats).
         pack: prefer the packed layout where the model supports it.
+        packed_attention: how the packed layout's attention runs
+            (:data:`echotrain.runtime.packing.PACKED_ATTENTION_MODES`).
         kv_cache: allow the KV-cache layout (off under gradient checkpointing, where
             transformers turns the cache off).
 
@@ -510,7 +512,8 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
     if share_prefix and pack and supports_packed_forward(model) and is_prefix_mask(response_mask) \
             and bool(prompt_mask.bool().any(-1).all()):
         log_prob, entropy = packed_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask,
-                                             temperature=temperature, with_entropy=with_entropy)
+                                             temperature=temperature, with_entropy=with_entropy,
+                                             attention=packed_attention)
         return F.pad(log_prob, (0, T_full - T)), (F.pad(entropy, (0, T_full - T)) if with_entropy else None)
     if share_prefix and kv_cache and _supports_shared_prefix(model):
         uniq, p_mask, inv = distinct_prompts(prompt_ids, prompt_mask)

@@ -219,7 +219,7 @@ class Trainer:
         cfg = self.cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
         settings = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                        eps=cfg.adam_eps, rho=cfg.sam_rho, model=self.model, sam_start=cfg.sam_start,
+                        eps=cfg.adam_eps, fused=cfg.adam_fused, rho=cfg.sam_rho, model=self.model, sam_start=cfg.sam_start,
                         sam_start_unit="fraction", total_steps=self.total_updates,
                         restart_momentum=cfg.sam_restart_momentum)
         return build_from_settings(cfg.optimizer, params, settings, base=cfg.sam_base)

@@ -66,6 +66,7 @@ def policy_log_probs(model: Any, batch: RolloutBatch, cfg: TrainConfig, with_ent
         return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                  batch.response_mask, temperature=cfg.temperature, with_entropy=with_entropy,
                                  share_prefix=cfg.share_prompt_prefix, pack=cfg.pack_responses,
+                                 packed_attention=cfg.packed_attention,
                                  # transformers turns the KV cache off under checkpointing
                                  kv_cache=not (grad and cfg.gradient_checkpointing))
 

@@ -22,6 +22,7 @@ from echotrain.optim.schedules import LR_DECAYS
 from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, with_policy_loss_fields
 from echotrain.runtime.precision import AUTOCAST_CHOICES
 from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS
+from echotrain.runtime.packing import PACKED_ATTENTION_MODES
 
 #: The values of the ``log_prob_prepass`` setting (:func:`echotrain.train.update.retains_prepass_graph`).
 LOG_PROB_PREPASSES = ("forward", "retain")
@@ -213,6 +214,15 @@ class TrainConfig:
                               "float rounding (echotrain.runtime.packing). Needs a Hugging Face model with sdpa or "
                               "eager attention and full attention in every layer; otherwise the KV-cache layout.",
                               group="update")
+    packed_attention: str = _f("blocks", "How a packed row's attention runs: blocks = one attention call per prompt "
+                               "block, its queries against the common prefix and its own block only "
+                               "(echotrain.runtime.block_attention); mask = one call over the whole row under the "
+                               "block mask, computing every query against every key (most of them masked: about "
+                               "3/4 on the default job's rows of ~680 columns). The same function up to float "
+                               "rounding; the default job's update 0.87x (float32) / 0.86x (bfloat16) of mask's "
+                               "time on 2 CPU cores (docs/benchmarks.md). Under gradient_checkpointing always mask "
+                               "(the recomputation does not see the blocks). Ours.", choices=PACKED_ATTENTION_MODES,
+                               group="update")
     reuse_on_policy_log_probs: bool = _f(True, "Take the old log-probs (and entropy) of the first mini-batch of the first "
                                          "epoch from its own with-grad forward, detached, instead of a separate "
                                          "no-grad pass: no update has happened yet, so they are the same numbers "
@@ -263,6 +273,11 @@ class TrainConfig:
     adam_beta1: float = _f(0.9, "AdamW beta1.", group="update")
     adam_beta2: float = _f(0.99, "AdamW beta2 (0.99 is common in RLVR recipes, e.g. TRL's GRPO examples).", group="update")
     adam_eps: float = _f(1e-8, "AdamW epsilon.", group="update")
+    adam_fused: bool = _f(True, "optimizer=adamw (also as sam_base): torch's fused AdamW kernel (torch.optim.AdamW("
+                          "fused=True)), one pass over each parameter's four tensors per step instead of one "
+                          "operation at a time: the default model's AdamW step 0.25x as long on 2 CPU cores "
+                          "(benchmarks/bench_adamw_fused.py). The same update up to float rounding. Off for a device "
+                          "torch has no fused kernel for.", group="update")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value before each optimizer step; 0 disables. "
                               "verl/TRL: 1.0.", group="update")
     lr_scheduler: str = _f("constant", "Learning-rate schedule over optimizer steps (after warmup).",

@@ -1,0 +1,157 @@
+"""A packed row's attention block by block (echotrain.runtime.block_attention) against one
+masked call over the whole row, and the pieces it cuts a row into."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from echotrain.runtime import block_attention as ba
+from echotrain.runtime import packing
+from echotrain.runtime.packing import PAD, PREFIX, pack_layout, packed_log_probs
+
+from tests.train.conftest import make_model
+
+
+def _prefix_batch(vocab: int, seed: int = 0, shared_len: int = 6):
+    """3 prompts sharing ``shared_len`` tokens (rests of 2, 4, 1), 6 rows (groups interleaved),
+    responses of 1-6 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab, (shared_len,), generator=g)
+    prompts = [torch.cat([shared, torch.randint(3, vocab, (n,), generator=g)]) for n in (2, 4, 1)]
+    which, lens = [2, 0, 1, 0, 2, 1], [3, 5, 1, 2, 6, 4]
+    P, T = shared_len + 5, 7
+    p_ids = torch.zeros(6, P, dtype=torch.long)
+    p_mask = torch.zeros(6, P, dtype=torch.long)
+    r_ids = torch.zeros(6, T, dtype=torch.long)
+    r_mask = torch.zeros(6, T)
+    for i, (w, n) in enumerate(zip(which, lens)):
+        p_ids[i, P - len(prompts[w]):], p_mask[i, P - len(prompts[w]):] = prompts[w], 1
+        r_ids[i, :n], r_mask[i, :n] = torch.randint(3, vocab, (n,), generator=g), 1
+    return p_ids, p_mask, r_ids, r_mask
+
+
+def test_pieces_by_hand():
+    """Row 0: prefix of 2, block 0 (3 columns), block 1 (2), padding (2); row 1: prefix, block 2
+    (4 columns), no padding. Pieces tile each row; each block sees the prefix and itself."""
+    block = torch.tensor([[PREFIX, PREFIX, 0, 0, 0, 1, 1, PAD, PAD],
+                          [PREFIX, PREFIX, 2, 2, 2, 2, PAD, PAD, PAD]])
+    block[1, 6:] = 2  # row 1: its block fills the row
+    mask = torch.rand(2, 1, 9, 9) > 0.5
+    pp = ba.blocks_of(block, 2, mask, "sdpa")
+    assert pp.inner == "sdpa" and len(pp.pieces) == 2
+    spans = [[(p.start, p.stop, p.keys) for p in row] for row in pp.pieces]
+    assert spans[0] == [(0, 2, ((0, 2),)), (2, 5, ((0, 2), (2, 5))), (5, 7, ((0, 2), (5, 7))),
+                        (7, 9, ((0, 2), (7, 9)))]
+    assert spans[1] == [(0, 2, ((0, 2),)), (2, 9, ((0, 2), (2, 9)))]
+    p = pp.pieces[0][2]  # block 1 of row 0: queries 5-6, keys 0, 1, 5, 6
+    assert torch.equal(p.mask, mask[0:1, :, 5:7][..., [0, 1, 5, 6]])
+    assert all(q.row == r for r, row in enumerate(pp.pieces) for q in row)
+    # no common prefix: each block sees itself only
+    pp0 = ba.blocks_of(torch.tensor([[0, 0, 1, PAD]]), 0, torch.ones(1, 1, 4, 4, dtype=torch.bool), "eager")
+    assert [(p.start, p.stop, p.keys) for p in pp0.pieces[0]] == [(0, 2, ((0, 2),)), (2, 3, ((2, 3),)),
+                                                                   (3, 4, ((3, 4),))]
+
+
+def test_pieces_refuse_bad_input():
+    with pytest.raises(ValueError, match="mask: expected shape"):
+        ba.blocks_of(torch.zeros(1, 4, dtype=torch.long), 0, torch.ones(1, 4, 4, dtype=torch.bool), "sdpa")
+    with pytest.raises(ValueError, match="not contiguous"):
+        ba.blocks_of(torch.tensor([[0, 1, 0]]), 0, torch.ones(1, 1, 3, 3, dtype=torch.bool), "sdpa")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("row_tokens,shared_len", [(1024, 6), (12, 6), (1024, 0)])
+def test_blocks_equal_the_whole_row_mask(tiny_tokenizer, attn, row_tokens, shared_len, monkeypatch):
+    """Log-probs, entropies and every gradient with packed_attention=blocks equal those of the
+    whole-row mask: one row, rows split by the cap (with padding), and prompts without a common
+    prefix; sdpa and eager. The blocks really run: the inner attention is called once per piece
+    and layer, with the pieces' query lengths, and the model's implementation is restored."""
+    model = make_model(tiny_tokenizer, seed=7)
+    model.config._attn_implementation = attn
+    monkeypatch.setattr(packing, "PACKED_ROW_TOKENS", row_tokens)
+    batch = _prefix_batch(len(tiny_tokenizer), seed=1, shared_len=shared_len)
+    w = torch.randn(batch[3].shape, generator=torch.Generator().manual_seed(2))
+    out = {}
+    calls: list[int] = []
+    inner = ba._inner_function
+
+    def counting(name, module):
+        f = inner(name, module)
+
+        def run(m, q, *a, **k):
+            calls.append(q.shape[2])
+            return f(m, q, *a, **k)
+        return run
+    monkeypatch.setattr(ba, "_inner_function", counting)
+    for mode in ("mask", "blocks"):
+        calls.clear()
+        model.zero_grad()
+        lp, ent = packed_log_probs(model, *batch, temperature=0.9, with_entropy=True, attention=mode)
+        (lp * w * batch[3]).sum().backward()
+        out[mode] = (lp.detach(), ent, {k: p.grad.clone() for k, p in model.named_parameters()}, list(calls))
+        assert model.config._attn_implementation == attn
+    layout = pack_layout(*batch, row_tokens=row_tokens)
+    pieces = ba.blocks_of(layout.block, layout.prefix_len, layout.attention_mask()[:, None], attn).pieces
+    assert out["mask"][3] == []  # the model's own attention, not ours
+    assert out["blocks"][3] == [p.stop - p.start for row in pieces for p in row] * model.config.num_hidden_layers
+    m = batch[3].bool()
+    torch.testing.assert_close(out["blocks"][0][m], out["mask"][0][m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["blocks"][1][m], out["mask"][1][m], atol=1e-5, rtol=0)
+    for k, g in out["mask"][2].items():
+        torch.testing.assert_close(out["blocks"][2][k], g, atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_attention_implementation_restored_after_an_error(tiny_model):
+    """The switch is undone when the forward raises, and packed_log_probs refuses an unknown mode."""
+    batch = _prefix_batch(tiny_model.config.vocab_size)
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+    handle = tiny_model.model.layers[0].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            packed_log_probs(tiny_model, *batch)
+    finally:
+        handle.remove()
+    assert tiny_model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        packed_log_probs(tiny_model, *batch, attention="dense")
+
+
+def test_without_pieces_it_is_sdpa(tiny_model):
+    """A forward that passes no pieces while the switch is on gets sdpa over the whole rows."""
+    ids = torch.tensor([[5, 6, 7, 8]])
+    ref = tiny_model(ids).logits
+    with ba.block_attention(tiny_model):
+        assert tiny_model.config._attn_implementation == ba.BLOCK_ATTENTION
+        got = tiny_model(ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+
+
+def test_gradient_checkpointing_keeps_the_whole_row_mask(tiny_tokenizer, monkeypatch):
+    """Under gradient checkpointing the packed forward does not switch (the backward's
+    recomputation would run without the blocks); gradients equal the plain forward's."""
+    from echotrain.runtime.rollout import forward_log_probs
+    from echotrain.train.features import checkpointed_forward, enable_gradient_checkpointing
+
+    model = make_model(tiny_tokenizer, seed=8)
+    batch = _prefix_batch(len(tiny_tokenizer), seed=3)
+    switched = []
+    monkeypatch.setattr(packing, "block_attention", lambda m: switched.append(1) or ba.block_attention(m))
+    model.zero_grad()
+    lp, _ = forward_log_probs(model, *batch, share_prefix=False)
+    (lp * batch[3]).sum().backward()
+    ref = {k: p.grad.clone() for k, p in model.named_parameters()}
+    with torch.no_grad():
+        forward_log_probs(model, *batch)
+    assert switched == [1]  # without checkpointing the packed forward switches to the blocks
+    switched.clear()
+    enable_gradient_checkpointing(model)
+    model.zero_grad()
+    with checkpointed_forward(model):
+        lp, _ = forward_log_probs(model, *batch, kv_cache=False)
+    (lp * batch[3]).sum().backward()
+    assert switched == []
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[k], atol=1e-5, rtol=1e-4, msg=k)

@@ -38,8 +38,8 @@ def test_pieces_by_hand():
                           [PREFIX, PREFIX, 2, 2, 2, 2, PAD, PAD, PAD]])
     block[1, 6:] = 2  # row 1: its block fills the row
     mask = torch.rand(2, 1, 9, 9) > 0.5
-    pp = ba.blocks_of(block, 2, mask, "sdpa")
-    assert pp.inner == "sdpa" and len(pp.pieces) == 2
+    pp = ba.blocks_of(block, 2, mask)
+    assert pp.mask is mask and pp.used == 0 and len(pp.pieces) == 2
     spans = [[(p.start, p.stop, p.keys) for p in row] for row in pp.pieces]
     assert spans[0] == [(0, 2, ((0, 2),)), (2, 5, ((0, 2), (2, 5))), (5, 7, ((0, 2), (5, 7))),
                         (7, 9, ((0, 2), (7, 9)))]
@@ -48,16 +48,48 @@ def test_pieces_by_hand():
     assert torch.equal(p.mask, mask[0:1, :, 5:7][..., [0, 1, 5, 6]])
     assert all(q.row == r for r, row in enumerate(pp.pieces) for q in row)
     # no common prefix: each block sees itself only
-    pp0 = ba.blocks_of(torch.tensor([[0, 0, 1, PAD]]), 0, torch.ones(1, 1, 4, 4, dtype=torch.bool), "eager")
+    pp0 = ba.blocks_of(torch.tensor([[0, 0, 1, PAD]]), 0, torch.ones(1, 1, 4, 4, dtype=torch.bool))
     assert [(p.start, p.stop, p.keys) for p in pp0.pieces[0]] == [(0, 2, ((0, 2),)), (2, 3, ((2, 3),)),
                                                                    (3, 4, ((3, 4),))]
 
 
 def test_pieces_refuse_bad_input():
     with pytest.raises(ValueError, match="mask: expected shape"):
-        ba.blocks_of(torch.zeros(1, 4, dtype=torch.long), 0, torch.ones(1, 4, 4, dtype=torch.bool), "sdpa")
+        ba.blocks_of(torch.zeros(1, 4, dtype=torch.long), 0, torch.ones(1, 4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="not contiguous"):
-        ba.blocks_of(torch.tensor([[0, 1, 0]]), 0, torch.ones(1, 1, 3, 3, dtype=torch.bool), "sdpa")
+        ba.blocks_of(torch.tensor([[0, 1, 0]]), 0, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+
+
+def _sdpa_entry():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS["sdpa"], "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
+def _compare_modes(model, batch, monkeypatch, row_tokens=1024):
+    """Run packed_log_probs with the whole-row mask and with the blocks; return both results and
+    the PackedPieces of the blocks run (None when none were built)."""
+    monkeypatch.setattr(packing, "PACKED_ROW_TOKENS", row_tokens)
+    built = []
+    real = packing.blocks_of
+    monkeypatch.setattr(packing, "blocks_of", lambda *a: built.append(real(*a)) or built[-1])
+    w = torch.randn(batch[3].shape, generator=torch.Generator().manual_seed(2))
+    before = _sdpa_entry()
+    out = {}
+    for mode in ("mask", "blocks"):
+        model.zero_grad()
+        lp, ent = packed_log_probs(model, *batch, temperature=0.9, with_entropy=True, attention=mode)
+        (lp * w * batch[3]).sum().backward()
+        out[mode] = (lp.detach(), ent, {k: p.grad.clone() for k, p in model.named_parameters()
+                                         if p.grad is not None})
+        assert _sdpa_entry() == before  # the registry as it was
+    m = batch[3].bool()
+    torch.testing.assert_close(out["blocks"][0][m], out["mask"][0][m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["blocks"][1][m], out["mask"][1][m], atol=1e-5, rtol=0)
+    assert out["blocks"][2].keys() == out["mask"][2].keys() and out["mask"][2]
+    for k, g in out["mask"][2].items():
+        torch.testing.assert_close(out["blocks"][2][k], g, atol=1e-5, rtol=1e-4, msg=k)
+    return built[0] if built else None
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -65,45 +97,63 @@ def test_pieces_refuse_bad_input():
 def test_blocks_equal_the_whole_row_mask(tiny_tokenizer, attn, row_tokens, shared_len, monkeypatch):
     """Log-probs, entropies and every gradient with packed_attention=blocks equal those of the
     whole-row mask: one row, rows split by the cap (with padding), and prompts without a common
-    prefix; sdpa and eager. The blocks really run: the inner attention is called once per piece
-    and layer, with the pieces' query lengths, and the model's implementation is restored."""
+    prefix. With sdpa the pieces really run (once per layer, each piece one inner call of its
+    query length); eager models keep the whole-row mask (no pieces built)."""
     model = make_model(tiny_tokenizer, seed=7)
     model.config._attn_implementation = attn
-    monkeypatch.setattr(packing, "PACKED_ROW_TOKENS", row_tokens)
     batch = _prefix_batch(len(tiny_tokenizer), seed=1, shared_len=shared_len)
-    w = torch.randn(batch[3].shape, generator=torch.Generator().manual_seed(2))
-    out = {}
     calls: list[int] = []
-    inner = ba._inner_function
+    real = ba.block_attention_forward
 
-    def counting(name, module):
-        f = inner(name, module)
+    def spy(module, query, *a, inner, **k):
+        return real(module, query, *a, inner=lambda m, q, *x, **y: calls.append(q.shape[2]) or inner(m, q, *x, **y),
+                    **k)
+    monkeypatch.setattr(ba, "block_attention_forward", spy)
+    pp = _compare_modes(model, batch, monkeypatch, row_tokens)
+    if attn == "eager":
+        assert pp is None and calls == []
+        return
+    layers = model.config.num_hidden_layers
+    assert pp.used == layers
+    assert calls == [p.stop - p.start for row in pp.pieces for p in row] * layers
+    assert len(pp.pieces) == (3 if row_tokens == 12 else 1)
 
-        def run(m, q, *a, **k):
-            calls.append(q.shape[2])
-            return f(m, q, *a, **k)
-        return run
-    monkeypatch.setattr(ba, "_inner_function", counting)
-    for mode in ("mask", "blocks"):
-        calls.clear()
-        model.zero_grad()
-        lp, ent = packed_log_probs(model, *batch, temperature=0.9, with_entropy=True, attention=mode)
-        (lp * w * batch[3]).sum().backward()
-        out[mode] = (lp.detach(), ent, {k: p.grad.clone() for k, p in model.named_parameters()}, list(calls))
-        assert model.config._attn_implementation == attn
-    layout = pack_layout(*batch, row_tokens=row_tokens)
-    pieces = ba.blocks_of(layout.block, layout.prefix_len, layout.attention_mask()[:, None], attn).pieces
-    assert out["mask"][3] == []  # the model's own attention, not ours
-    assert out["blocks"][3] == [p.stop - p.start for row in pieces for p in row] * model.config.num_hidden_layers
-    m = batch[3].bool()
-    torch.testing.assert_close(out["blocks"][0][m], out["mask"][0][m], atol=1e-5, rtol=0)
-    torch.testing.assert_close(out["blocks"][1][m], out["mask"][1][m], atol=1e-5, rtol=0)
-    for k, g in out["mask"][2].items():
-        torch.testing.assert_close(out["blocks"][2][k], g, atol=1e-5, rtol=1e-4, msg=k)
+
+def test_blocks_through_lora(tiny_tokenizer, monkeypatch):
+    """A peft (LoRA) model: the pieces reach the attention through peft's forward; the same
+    log-probs and LoRA gradients as the whole-row mask."""
+    peft = pytest.importorskip("peft")
+    model = make_model(tiny_tokenizer, seed=9)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                                       init_lora_weights=False))
+    pp = _compare_modes(model, _prefix_batch(len(tiny_tokenizer), seed=5), monkeypatch)
+    assert pp.used == model.get_base_model().config.num_hidden_layers
+
+
+def test_models_the_blocks_do_not_fit_compute_what_they_did(tiny_tokenizer, monkeypatch):
+    """A model that branches on the name "sdpa" and changes the mask itself (Falcon) and one whose
+    layers drop the forward's keywords (StableLM): the pieces never run (used == 0) and the
+    results equal the whole-row mask's."""
+    from transformers import FalconConfig, FalconForCausalLM, StableLmConfig, StableLmForCausalLM
+
+    V = len(tiny_tokenizer)
+    torch.manual_seed(0)
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            alibi=False, new_decoder_architecture=False, multi_query=True,
+                                            attn_implementation="sdpa"))
+    stablelm = StableLmForCausalLM(StableLmConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  attn_implementation="sdpa"))
+    for model in (falcon, stablelm):
+        assert packing.supports_packed_forward(model)
+        model.eval()
+        pp = _compare_modes(model, _prefix_batch(V, seed=6), monkeypatch)
+        assert pp is not None and pp.used == 0, type(model).__name__
 
 
 def test_attention_implementation_restored_after_an_error(tiny_model):
-    """The switch is undone when the forward raises, and packed_log_probs refuses an unknown mode."""
+    """The wrapper leaves transformers' attention registry when the forward raises, and
+    packed_log_probs refuses an unknown mode."""
     batch = _prefix_batch(tiny_model.config.vocab_size)
 
     def boom(*a, **k):
@@ -115,18 +165,22 @@ def test_attention_implementation_restored_after_an_error(tiny_model):
     finally:
         handle.remove()
     assert tiny_model.config._attn_implementation == "sdpa"
+    assert _sdpa_entry()[1] is False  # our wrapper left transformers' registry
     with pytest.raises(ValueError, match="attention must be one of"):
         packed_log_probs(tiny_model, *batch, attention="dense")
 
 
 def test_without_pieces_it_is_sdpa(tiny_model):
-    """A forward that passes no pieces while the switch is on gets sdpa over the whole rows."""
+    """A forward that passes no pieces while the wrapper is in place gets sdpa over the whole
+    rows, bit for bit, and the registry holds the previous entry again afterwards."""
     ids = torch.tensor([[5, 6, 7, 8]])
     ref = tiny_model(ids).logits
-    with ba.block_attention(tiny_model):
-        assert tiny_model.config._attn_implementation == ba.BLOCK_ATTENTION
+    before = _sdpa_entry()
+    with ba.block_attention():
+        assert _sdpa_entry()[0] is not before[0]
         got = tiny_model(ids).logits
-    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+    assert _sdpa_entry() == before
+    assert torch.equal(got, ref)
 
 
 def test_gradient_checkpointing_keeps_the_whole_row_mask(tiny_tokenizer, monkeypatch):
@@ -138,7 +192,7 @@ def test_gradient_checkpointing_keeps_the_whole_row_mask(tiny_tokenizer, monkeyp
     model = make_model(tiny_tokenizer, seed=8)
     batch = _prefix_batch(len(tiny_tokenizer), seed=3)
     switched = []
-    monkeypatch.setattr(packing, "block_attention", lambda m: switched.append(1) or ba.block_attention(m))
+    monkeypatch.setattr(packing, "block_attention", lambda: switched.append(1) or ba.block_attention())
     model.zero_grad()
     lp, _ = forward_log_probs(model, *batch, share_prefix=False)
     (lp * batch[3]).sum().backward()

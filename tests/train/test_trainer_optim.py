@@ -211,12 +211,16 @@ def test_adamw4bit_trains_the_tiny_model(make_trainer, make_tiny_model, tiny_tok
 
 
 def test_adamw_is_fused_by_default_and_the_same_update(make_trainer):
-    """adam_fused (default on) builds torch's fused AdamW; adam_fused=false the one-op-at-a-time
-    AdamW; two steps of each from the same start give the same weights up to float rounding and
-    the same metrics."""
+    """adam_fused is on by default and builds torch's fused AdamW; adam_fused=false the
+    one-op-at-a-time AdamW; two steps of each from the same start move every tensor and give the
+    same weights up to float rounding."""
+    from echotrain.train.config.schema import TrainConfig
+
+    assert TrainConfig().adam_fused is True
     runs, init = {}, {}
     for fused in (True, False):
-        t = make_trainer(f"fused-{fused}", steps=2, adam_fused=fused, lr=1e-3)
+        over = {} if fused else {"adam_fused": False}
+        t = make_trainer(f"fused-{fused}", steps=2, lr=1e-3, **over)
         assert bool(t.optimizer.param_groups[0]["fused"]) is fused
         init = params_of(t)
         runs[fused] = (t, t.train())
@@ -226,3 +230,31 @@ def test_adamw_is_fused_by_default_and_the_same_update(make_trainer):
         torch.testing.assert_close(pa[k], pb[k], atol=1e-6, rtol=1e-5, msg=k)
     for ra, rb in zip(runs[True][1], runs[False][1]):
         assert ra["reward/mean"] == rb["reward/mean"]
+
+
+@pytest.mark.parametrize("saved,resumed", [(False, True), (True, False)])
+def test_resume_takes_adam_fused_from_the_setting(make_trainer, saved, resumed):
+    """A run resumed with the other adam_fused than its checkpoint's runs as the setting says
+    (torch's load_state_dict would keep the checkpoint's flag) and continues to the same weights
+    up to float rounding as the uninterrupted run."""
+    over = dict(steps=2, save_every=1, lr=1e-3)
+    full = make_trainer("full", adam_fused=saved, **over)
+    full.train()
+
+    class Killed(Exception):
+        pass
+
+    def kill(step, record):
+        if step == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        make_trainer("killed", adam_fused=saved, callbacks=[kill], **over).train()
+    t = make_trainer("killed", resume=True, adam_fused=resumed, **over)
+    assert t.start_step == 1
+    assert bool(t.optimizer.param_groups[0]["fused"]) is resumed
+    assert all(st["step"].dtype == torch.float32 for st in t.optimizer.state.values())
+    t.train()
+    pa, pb = params_of(full), params_of(t)
+    for k in pa:
+        torch.testing.assert_close(pb[k], pa[k], atol=1e-6, rtol=1e-5, msg=k)

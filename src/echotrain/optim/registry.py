@@ -149,3 +149,29 @@ def build_from_settings(name: str, params: Iterable[Any], settings: Mapping[str,
     if spec.wraps_base:
         kwargs["base_optimizer"] = inner.name
     return spec.load()(params, **kwargs)
+
+
+def set_adamw_fused(optimizer: torch.optim.Optimizer, fused: bool) -> None:
+    """Make every ``torch.optim.AdamW`` in ``optimizer`` (itself, or the ``base_optimizer`` SAM
+    wraps) fused or not, as the ``adam_fused`` setting says. Needed after ``load_state_dict``:
+    torch takes each param group's ``fused`` flag from the checkpoint, so a run resumed from a
+    checkpoint written with the other setting would silently keep the old one. A fused AdamW keeps
+    ``step`` as a float32 tensor on the parameter's device (torch's layout for fused state); it is
+    moved there when switching on.
+
+    Args:
+        optimizer: the trainer's optimizer.
+        fused: the ``adam_fused`` setting.
+    """
+    for opt in (optimizer, getattr(optimizer, "base_optimizer", None)):
+        if not isinstance(opt, torch.optim.AdamW):
+            continue
+        for group in opt.param_groups:
+            group["fused"] = True if fused else None
+            if fused:
+                group["foreach"] = None  # torch refuses fused together with foreach
+                for p in group["params"]:
+                    st = opt.state.get(p, {})
+                    if "step" in st:
+                        st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+

@@ -12,14 +12,18 @@ slice of the same mask, and the outputs are concatenated along the row. The func
 same (every query sees exactly the keys the mask allows); only floating-point summation order
 differs.
 
-How it reaches the model: :func:`block_attention_forward` is registered in transformers'
-``AttentionInterface`` as :data:`BLOCK_ATTENTION`; :func:`blocks_of` builds the pieces from a
-:class:`~echotrain.runtime.packing.PackLayout` and the mask; :func:`block_attention` switches the
-model's attention implementation to it for one forward, which passes the pieces as the keyword
-``packed_pieces`` (transformers hands a forward's extra keywords down to the attention function).
-Each piece runs the model's own implementation (``sdpa`` or ``eager``) on its slices, so grouped
-query heads, scaling and the mask's format are the model's. Not used under gradient checkpointing:
-the backward's recomputation reads the attention implementation again, after the switch is undone
+How it reaches the model: for the packed forward only, :func:`block_attention` puts a wrapper
+in front of the ``sdpa`` entry of transformers' ``ALL_ATTENTION_FUNCTIONS`` (the function every
+attention module with ``sdpa`` looks up at each call) and the forward passes the pieces
+(:func:`blocks_of`) as the keyword ``packed_pieces``, which transformers hands down to the
+attention function. The wrapper, :func:`block_attention_forward`, runs the pieces only when it
+gets them *and* the very mask tensor they were cut from; any other call (no pieces: a model
+whose layers drop the forward's keywords; another mask: a model that changed it, e.g. added a
+position bias) runs the original ``sdpa`` unchanged, so a model the blocks do not fit computes
+what it computed before, only without the saving. The model's own configuration is not touched
+(a model that branches on the name ``"sdpa"`` keeps its branch). ``eager`` models keep the
+whole-row mask (their function is the modelling file's, not the registry's). Not used under
+gradient checkpointing: the backward's recomputation runs after the wrapper is removed
 (:func:`echotrain.runtime.packing.packed_log_probs` then keeps the whole-row mask).
 
 Source: ours (the block-sparse structure of Prefix Grouper's shared-prefix attention, arXiv
@@ -29,15 +33,11 @@ Source: ours (the block-sparse structure of Prefix Grouper's shared-prefix atten
 from __future__ import annotations
 
 import contextlib
-import sys
+import functools
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-
-#: the name under which :func:`block_attention_forward` is registered in transformers' AttentionInterface
-BLOCK_ATTENTION = "echotrain_packed_blocks"
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -58,20 +58,23 @@ class Piece:
     mask: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class PackedPieces:
-    """The pieces of every packed row and the attention implementation each runs.
+    """The pieces of every packed row, the mask they were cut from, and how often they ran.
 
     Attributes:
         pieces: per row, its :class:`Piece` list (tiling the row's columns in order).
-        inner: the model's own attention implementation (``"sdpa"`` or ``"eager"``).
+        mask: the (R, 1, S, S) mask the forward gets: the pieces run only for this very tensor.
+        used: attention calls that ran the pieces (one per layer when the model takes them);
+            counted by :func:`block_attention_forward`.
     """
 
     pieces: tuple[tuple[Piece, ...], ...]
-    inner: str
+    mask: torch.Tensor
+    used: int = 0
 
 
-def blocks_of(block: torch.Tensor, prefix_len: int, mask: torch.Tensor, inner: str) -> PackedPieces:
+def blocks_of(block: torch.Tensor, prefix_len: int, mask: torch.Tensor) -> PackedPieces:
     """The pieces of packed rows: the common prefix, each prompt block, the padding.
 
     Args:
@@ -79,7 +82,6 @@ def blocks_of(block: torch.Tensor, prefix_len: int, mask: torch.Tensor, inner: s
             prefix's columns first, then each block's columns contiguous, padding last.
         prefix_len: C, the prefix's columns ``[0, C)`` (0: no prefix).
         mask: (R, 1, S, S) the attention mask the forward gets (bool or additive float).
-        inner: the model's attention implementation, ``"sdpa"`` or ``"eager"``.
 
     Returns:
         :class:`PackedPieces`; a block's (and the padding's) queries attend ``[0, C)`` and their
@@ -108,45 +110,30 @@ def blocks_of(block: torch.Tensor, prefix_len: int, mask: torch.Tensor, inner: s
             cols = torch.cat([torch.arange(k0, k1, device=mask.device) for k0, k1 in keys])
             pieces.append(Piece(r, a, b, keys, mask[r:r + 1, :, a:b][..., cols]))
         rows.append(tuple(pieces))
-    return PackedPieces(tuple(rows), inner)
-
-
-def _inner_function(name: str, module: Any) -> Any:
-    """The attention function the model runs for ``name``: transformers' ``sdpa``, or for
-    ``eager`` the ``eager_attention_forward`` of the module's own modelling file (the default its
-    attention falls back to)."""
-    if name == "sdpa":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward
-    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if own is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward as own
-    return own
+    return PackedPieces(tuple(rows), mask)
 
 
 def block_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                            packed_pieces: PackedPieces | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function interface, one call per :class:`Piece`.
+                            attention_mask: torch.Tensor | None, *args: Any, packed_pieces: PackedPieces | None = None,
+                            inner: Callable[..., Any], **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """transformers' attention-function interface: one ``inner`` call per :class:`Piece`, or
+    ``inner`` itself.
 
     Args:
-        module: the attention module (its ``num_key_value_groups`` etc. are read by the inner
-            function).
+        module: the attention module (read by ``inner``: grouped query heads etc.).
         query: (R, H, S, D); key, value: (R, H_kv, S, D) (after rotary embeddings).
-        attention_mask: the whole rows' mask (used only without ``packed_pieces``).
-        dropout, scaling: as transformers passes them.
-        packed_pieces: from :func:`blocks_of`; None (a forward that did not pass it) runs
-            ``sdpa`` on the whole rows.
-        **kwargs: the forward's other keywords, handed to the inner function.
+        attention_mask: the mask the model passes; the pieces run only when it is
+            ``packed_pieces.mask`` itself.
+        *args, **kwargs: what transformers passes (dropout, scaling, ...), handed to ``inner``.
+        packed_pieces: from :func:`blocks_of`, or None.
+        inner: the attention function wrapped (transformers' ``sdpa_attention_forward``).
 
     Returns:
-        ``(output (R, S, H, D), None)``, the layout transformers' functions return.
+        ``(output (R, S, H, D), None)`` from the pieces, else whatever ``inner`` returns.
     """
-    if packed_pieces is None:
-        return _inner_function("sdpa", module)(module, query, key, value, attention_mask, dropout=dropout,
-                                               scaling=scaling, **kwargs)
-    inner = _inner_function(packed_pieces.inner, module)
+    if packed_pieces is None or attention_mask is not packed_pieces.mask:
+        return inner(module, query, key, value, attention_mask, *args, **kwargs)
+    packed_pieces.used += 1
     rows = []
     for pieces in packed_pieces.pieces:
         outs = []
@@ -157,35 +144,27 @@ def block_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
             else:
                 k = torch.cat([key[r, :, a:b] for a, b in p.keys], dim=2)
                 v = torch.cat([value[r, :, a:b] for a, b in p.keys], dim=2)
-            out, _ = inner(module, query[r, :, p.start:p.stop], k, v, p.mask, dropout=dropout, scaling=scaling,
-                           **kwargs)
+            out, _ = inner(module, query[r, :, p.start:p.stop], k, v, p.mask, *args, **kwargs)
             outs.append(out)
         rows.append(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
     return (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]), None
 
 
-def register() -> None:
-    """Register :func:`block_attention_forward` (and ``sdpa``'s mask function, used only when a
-    forward builds its own mask) under :data:`BLOCK_ATTENTION`; idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(BLOCK_ATTENTION, block_attention_forward)
-    if BLOCK_ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(BLOCK_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
 @contextlib.contextmanager
-def block_attention(model: Any) -> Iterator[None]:
-    """Within the block, ``model`` (or the model a peft model wraps) uses
-    :func:`block_attention_forward`; its attention implementation is restored on exit, also
-    after an exception. Not thread-safe: no other forward of ``model`` may run meanwhile."""
-    register()
-    get_base = getattr(model, "get_base_model", None)
-    config = (get_base() if callable(get_base) else model).config
-    before = config._attn_implementation
-    config._attn_implementation = BLOCK_ATTENTION
+def block_attention() -> Iterator[None]:
+    """Within the block, the ``sdpa`` entry of transformers' ``ALL_ATTENTION_FUNCTIONS`` is
+    :func:`block_attention_forward` around the previous entry; restored on exit, also after an
+    exception. Calls without pieces (every other model and forward meanwhile) run the previous
+    entry unchanged."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    had_local = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
+    previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = functools.partial(block_attention_forward, inner=previous)
     try:
         yield
     finally:
-        config._attn_implementation = before
+        if had_local:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
+        else:
+            del ALL_ATTENTION_FUNCTIONS["sdpa"]

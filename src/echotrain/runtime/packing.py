@@ -274,8 +274,9 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
         temperature: logits are divided by it before the log-softmax.
         with_entropy: also return the entropy of each position's distribution (no grad).
         attention: one of :data:`PACKED_ATTENTION_MODES`: ``blocks`` runs each row's attention
-            block by block (:mod:`echotrain.runtime.block_attention`; the whole-row ``mask``
-            under gradient checkpointing, whose recomputation would not see the blocks).
+            block by block (:mod:`echotrain.runtime.block_attention`) for ``sdpa`` models; the
+            whole-row ``mask`` for ``eager`` ones and for a with-grad forward under gradient
+            checkpointing (whose recomputation would not see the blocks).
 
     Returns:
         ``(log_prob, entropy)``: (N, T) float32 on the model's device, 0 off ``response_mask``
@@ -311,13 +312,15 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     where = (keep.flatten().long().cumsum(0) - 1)[layout.token_row * S + layout.predictor]  # (M,) into the K kept
     extra: dict[str, Any] = {"use_cache": False} if accepts_keyword(model, "use_cache") else {}  # no cache
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    switch = contextlib.nullcontext()
     checkpointing = getattr(base, "is_activation_checkpointing", None)  # transformers >= 5.x's name
     if checkpointing is None:
         checkpointing = getattr(base, "is_gradient_checkpointing", False)
-    if attention == "blocks" and not checkpointing:
-        extra["packed_pieces"] = blocks_of(layout.block, layout.prefix_len, mask, model.config._attn_implementation)
-        switch = block_attention(model)
+    # under checkpointing the with-grad forward is recomputed in the backward, without the blocks
+    recomputed = checkpointing and base.training and torch.is_grad_enabled()
+    switch = contextlib.nullcontext()
+    if attention == "blocks" and model.config._attn_implementation == "sdpa" and not recomputed:
+        extra["packed_pieces"] = blocks_of(layout.block, layout.prefix_len, mask)
+        switch = block_attention()
     with switch:
         logits = model(layout.input_ids, attention_mask=mask, position_ids=layout.position,
                        logits_to_keep=keep, **extra).logits.float()

@@ -169,6 +169,9 @@ class Trainer:
                                           scheduler=self.scheduler, data=self.prompts, dist=self.dist,
                                           device=self.device,
                                           extra_state=lambda extra: self.rollouts.load_state_dict(extra.get("rollouts")))
+            from echotrain.optim.registry import set_adamw_fused
+
+            set_adamw_fused(self.optimizer, cfg.adam_fused)  # the checkpoint's groups carry the old flag
         self.logger: Any = NullLogger()
         if self.dist.is_main:  # rank 0 alone writes the run directory
             # the run directory actually used, so the saved config reruns / resumes into it

@@ -214,14 +214,15 @@ class TrainConfig:
                               "float rounding (echotrain.runtime.packing). Needs a Hugging Face model with sdpa or "
                               "eager attention and full attention in every layer; otherwise the KV-cache layout.",
                               group="update")
-    packed_attention: str = _f("blocks", "How a packed row's attention runs: blocks = one attention call per prompt "
+    packed_attention: str = _f("blocks", "How a packed row's attention runs: blocks = one sdpa call per prompt "
                                "block, its queries against the common prefix and its own block only "
-                               "(echotrain.runtime.block_attention); mask = one call over the whole row under the "
+                               "(echotrain.runtime.block_attention; sdpa models whose layers pass the mask and "
+                               "keywords through, else as mask); mask = one call over the whole row under the "
                                "block mask, computing every query against every key (most of them masked: about "
                                "3/4 on the default job's rows of ~680 columns). The same function up to float "
                                "rounding; the default job's update 0.87x (float32) / 0.86x (bfloat16) of mask's "
-                               "time on 2 CPU cores (docs/benchmarks.md). Under gradient_checkpointing always mask "
-                               "(the recomputation does not see the blocks). Ours.", choices=PACKED_ATTENTION_MODES,
+                               "time on 2 CPU cores (docs/benchmarks.md). A with-grad forward under gradient_checkpointing "
+                               "uses mask (the recomputation does not see the blocks). Ours.", choices=PACKED_ATTENTION_MODES,
                                group="update")
     reuse_on_policy_log_probs: bool = _f(True, "Take the old log-probs (and entropy) of the first mini-batch of the first "
                                          "epoch from its own with-grad forward, detached, instead of a separate "
@@ -275,9 +276,10 @@ class TrainConfig:
     adam_eps: float = _f(1e-8, "AdamW epsilon.", group="update")
     adam_fused: bool = _f(True, "optimizer=adamw (also as sam_base): torch's fused AdamW kernel (torch.optim.AdamW("
                           "fused=True)), one pass over each parameter's four tensors per step instead of one "
-                          "operation at a time: the default model's AdamW step 0.25x as long on 2 CPU cores "
-                          "(benchmarks/bench_adamw_fused.py). The same update up to float rounding. Off for a device "
-                          "torch has no fused kernel for.", group="update")
+                          "operation at a time: the default model's AdamW step 0.26x as long on 2 CPU cores "
+                          "(benchmarks/bench_adamw_fused.py; docs/benchmarks.md). The same update up to float "
+                          "rounding; a resumed run takes this setting, not the checkpoint's. Set it false on a "
+                          "device without a fused kernel (torch raises there).", group="update")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value before each optimizer step; 0 disables. "
                               "verl/TRL: 1.0.", group="update")
     lr_scheduler: str = _f("constant", "Learning-rate schedule over optimizer steps (after warmup).",

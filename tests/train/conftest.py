@@ -52,6 +52,24 @@ def make_model(tokenizer, seed: int = 0, hidden_size: int = 32, intermediate_siz
     return model
 
 
+def prefix_batch(vocab: int, seed: int = 0, shared_len: int = 6):
+    """3 prompts sharing ``shared_len`` tokens (rests of 2, 4, 1), 6 rows (groups interleaved),
+    responses of 1-6 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab, (shared_len,), generator=g)
+    prompts = [torch.cat([shared, torch.randint(3, vocab, (n,), generator=g)]) for n in (2, 4, 1)]
+    which, lens = [2, 0, 1, 0, 2, 1], [3, 5, 1, 2, 6, 4]
+    P, T = shared_len + 5, 7
+    p_ids = torch.zeros(6, P, dtype=torch.long)
+    p_mask = torch.zeros(6, P, dtype=torch.long)
+    r_ids = torch.zeros(6, T, dtype=torch.long)
+    r_mask = torch.zeros(6, T)
+    for i, (w, n) in enumerate(zip(which, lens)):
+        p_ids[i, P - len(prompts[w]):], p_mask[i, P - len(prompts[w]):] = prompts[w], 1
+        r_ids[i, :n], r_mask[i, :n] = torch.randint(3, vocab, (n,), generator=g), 1
+    return p_ids, p_mask, r_ids, r_mask
+
+
 @dataclass
 class Ex:
     messages: list

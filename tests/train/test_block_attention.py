@@ -10,25 +10,7 @@ from echotrain.runtime import block_attention as ba
 from echotrain.runtime import packing
 from echotrain.runtime.packing import PAD, PREFIX, pack_layout, packed_log_probs
 
-from tests.train.conftest import make_model
-
-
-def _prefix_batch(vocab: int, seed: int = 0, shared_len: int = 6):
-    """3 prompts sharing ``shared_len`` tokens (rests of 2, 4, 1), 6 rows (groups interleaved),
-    responses of 1-6 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(3, vocab, (shared_len,), generator=g)
-    prompts = [torch.cat([shared, torch.randint(3, vocab, (n,), generator=g)]) for n in (2, 4, 1)]
-    which, lens = [2, 0, 1, 0, 2, 1], [3, 5, 1, 2, 6, 4]
-    P, T = shared_len + 5, 7
-    p_ids = torch.zeros(6, P, dtype=torch.long)
-    p_mask = torch.zeros(6, P, dtype=torch.long)
-    r_ids = torch.zeros(6, T, dtype=torch.long)
-    r_mask = torch.zeros(6, T)
-    for i, (w, n) in enumerate(zip(which, lens)):
-        p_ids[i, P - len(prompts[w]):], p_mask[i, P - len(prompts[w]):] = prompts[w], 1
-        r_ids[i, :n], r_mask[i, :n] = torch.randint(3, vocab, (n,), generator=g), 1
-    return p_ids, p_mask, r_ids, r_mask
+from tests.train.conftest import make_model, prefix_batch
 
 
 def test_pieces_by_hand():
@@ -101,7 +83,7 @@ def test_blocks_equal_the_whole_row_mask(tiny_tokenizer, attn, row_tokens, share
     query length); eager models keep the whole-row mask (no pieces built)."""
     model = make_model(tiny_tokenizer, seed=7)
     model.config._attn_implementation = attn
-    batch = _prefix_batch(len(tiny_tokenizer), seed=1, shared_len=shared_len)
+    batch = prefix_batch(len(tiny_tokenizer), seed=1, shared_len=shared_len)
     calls: list[int] = []
     real = ba.block_attention_forward
 
@@ -126,7 +108,7 @@ def test_blocks_through_lora(tiny_tokenizer, monkeypatch):
     model = make_model(tiny_tokenizer, seed=9)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                                                        init_lora_weights=False))
-    pp = _compare_modes(model, _prefix_batch(len(tiny_tokenizer), seed=5), monkeypatch)
+    pp = _compare_modes(model, prefix_batch(len(tiny_tokenizer), seed=5), monkeypatch)
     assert pp.used == model.get_base_model().config.num_hidden_layers
 
 
@@ -147,14 +129,14 @@ def test_models_the_blocks_do_not_fit_compute_what_they_did(tiny_tokenizer, monk
     for model in (falcon, stablelm):
         assert packing.supports_packed_forward(model)
         model.eval()
-        pp = _compare_modes(model, _prefix_batch(V, seed=6), monkeypatch)
+        pp = _compare_modes(model, prefix_batch(V, seed=6), monkeypatch)
         assert pp is not None and pp.used == 0, type(model).__name__
 
 
 def test_attention_implementation_restored_after_an_error(tiny_model):
     """The wrapper leaves transformers' attention registry when the forward raises, and
     packed_log_probs refuses an unknown mode."""
-    batch = _prefix_batch(tiny_model.config.vocab_size)
+    batch = prefix_batch(tiny_model.config.vocab_size)
 
     def boom(*a, **k):
         raise RuntimeError("boom")
@@ -190,7 +172,7 @@ def test_gradient_checkpointing_keeps_the_whole_row_mask(tiny_tokenizer, monkeyp
     from echotrain.train.features import checkpointed_forward, enable_gradient_checkpointing
 
     model = make_model(tiny_tokenizer, seed=8)
-    batch = _prefix_batch(len(tiny_tokenizer), seed=3)
+    batch = prefix_batch(len(tiny_tokenizer), seed=3)
     switched = []
     monkeypatch.setattr(packing, "block_attention", lambda: switched.append(1) or ba.block_attention())
     model.zero_grad()

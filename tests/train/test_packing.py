@@ -8,7 +8,7 @@ import torch
 from echotrain.runtime.packing import is_prefix_mask, packed_log_probs, supports_packed_forward
 from echotrain.runtime.rollout import forward_log_probs
 
-from tests.train.conftest import make_model
+from tests.train.conftest import make_model, prefix_batch
 
 
 def _batch(vocab: int, seed: int = 0):
@@ -204,18 +204,8 @@ def test_common_prefix_packing_equals_separate_forwards(tiny_tokenizer, row_toke
 
     model = make_model(tiny_tokenizer, seed=6)
     model.config._attn_implementation = attn
+    p_ids, p_mask, r_ids, r_mask = prefix_batch(len(tiny_tokenizer), seed=4, shared_len=6)
     g = torch.Generator().manual_seed(4)
-    shared = torch.randint(3, len(tiny_tokenizer), (6,), generator=g)
-    prompts = [torch.cat([shared, torch.randint(3, len(tiny_tokenizer), (n,), generator=g)]) for n in (2, 4, 1)]
-    which, lens = [2, 0, 1, 0, 2, 1], [3, 5, 1, 2, 6, 4]
-    P, T = 11, 7
-    p_ids = torch.zeros(6, P, dtype=torch.long)
-    p_mask = torch.zeros(6, P, dtype=torch.long)
-    r_ids = torch.zeros(6, T, dtype=torch.long)
-    r_mask = torch.zeros(6, T)
-    for i, (w, n) in enumerate(zip(which, lens)):
-        p_ids[i, P - len(prompts[w]):], p_mask[i, P - len(prompts[w]):] = prompts[w], 1
-        r_ids[i, :n], r_mask[i, :n] = torch.randint(3, len(tiny_tokenizer), (n,), generator=g), 1
     layout = packing.pack_layout(p_ids, p_mask, r_ids, r_mask, row_tokens=row_tokens)
     assert layout.prefix_len == 6 and len(layout.input_ids) == (1 if row_tokens == 1024 else 3)
     monkeypatch.setattr(packing, "PACKED_ROW_TOKENS", row_tokens)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+
 @dataclass(frozen=True)
 class Piece:
     """One attention call of a packed row.
@@ -47,8 +48,8 @@ class Piece:
         row: the packed row (index into dim 0 of query / key / value).
         start, stop: the query columns ``[start, stop)``; a row's pieces tile ``[0, S)`` in order.
         keys: the key column ranges ``((a, b), ...)`` it attends, in column order.
-        mask: (1, 1, stop - start, K) slice of the row's mask (its dtype and format, bool for
-            ``sdpa``, additive float for ``eager``) at those queries and the K key columns.
+        mask: (1, 1, stop - start, K) slice of the row's mask (its dtype and format: bool for
+            ``sdpa``) at those queries and the K key columns.
     """
 
     row: int

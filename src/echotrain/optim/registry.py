@@ -174,4 +174,3 @@ def set_adamw_fused(optimizer: torch.optim.Optimizer, fused: bool) -> None:
                     st = opt.state.get(p, {})
                     if "step" in st:
                         st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
-

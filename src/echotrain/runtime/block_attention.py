@@ -94,22 +94,20 @@ def blocks_of(block: torch.Tensor, prefix_len: int, mask: torch.Tensor) -> Packe
     R, S = block.shape
     if mask.shape != (R, 1, S, S):
         raise ValueError(f"mask: expected shape {(R, 1, S, S)}, got {tuple(mask.shape)}")
+    C = prefix_len
     rows = []
     for r in range(R):
-        ids = block[r].tolist()
-        spans: list[tuple[int, int]] = [(0, prefix_len)] if prefix_len else []
-        start = prefix_len
-        for c in range(prefix_len + 1, S + 1):
-            if c == S or ids[c] != ids[start]:
-                spans.append((start, c))
-                start = c
-        if len({ids[a] for a, _ in spans[1 if prefix_len else 0:]}) != len(spans) - (1 if prefix_len else 0):
+        # the runs of equal block ids after the prefix: each prompt block, then the padding
+        ids, counts = torch.unique_consecutive(block[r, C:].cpu(), return_counts=True)
+        if len(set(ids.tolist())) != len(ids):
             raise ValueError("block: a block's columns are not contiguous in its row")
+        bounds = (C + torch.cat([counts.new_zeros(1), counts.cumsum(0)])).tolist()
+        spans = ([(0, C)] if C else []) + list(zip(bounds[:-1], bounds[1:]))
         pieces = []
         for a, b in spans:
-            keys = ((a, b),) if a == 0 or not prefix_len else ((0, prefix_len), (a, b))
-            cols = torch.cat([torch.arange(k0, k1, device=mask.device) for k0, k1 in keys])
-            pieces.append(Piece(r, a, b, keys, mask[r:r + 1, :, a:b][..., cols]))
+            keys = ((a, b),) if a == 0 or not C else ((0, C), (a, b))
+            sub = torch.cat([mask[r:r + 1, :, a:b, k0:k1] for k0, k1 in keys], dim=-1)
+            pieces.append(Piece(r, a, b, keys, sub))
         rows.append(tuple(pieces))
     return PackedPieces(tuple(rows), mask)
 
@@ -140,15 +138,11 @@ def block_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         outs = []
         for p in pieces:
             r = slice(p.row, p.row + 1)
-            if len(p.keys) == 1:
-                k, v = key[r, :, p.keys[0][0]:p.keys[0][1]], value[r, :, p.keys[0][0]:p.keys[0][1]]
-            else:
-                k = torch.cat([key[r, :, a:b] for a, b in p.keys], dim=2)
-                v = torch.cat([value[r, :, a:b] for a, b in p.keys], dim=2)
-            out, _ = inner(module, query[r, :, p.start:p.stop], k, v, p.mask, *args, **kwargs)
-            outs.append(out)
-        rows.append(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
-    return (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]), None
+            k = torch.cat([key[r, :, a:b] for a, b in p.keys], dim=2)
+            v = torch.cat([value[r, :, a:b] for a, b in p.keys], dim=2)
+            outs.append(inner(module, query[r, :, p.start:p.stop], k, v, p.mask, *args, **kwargs)[0])
+        rows.append(torch.cat(outs, dim=1))
+    return torch.cat(rows, dim=0), None
 
 
 @contextlib.contextmanager

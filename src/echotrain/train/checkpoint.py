@@ -6,12 +6,19 @@ model, optimizer and scheduler state dicts, every RNG state (python, numpy, torc
 the data position and the step. It is written to a temporary file in the same folder, flushed
 to disk (``fsync``), renamed over the final name and the folder fsynced, so a run killed at any
 moment (or a power loss) leaves either the old or the new checkpoint, never a torn one.
+
+:class:`CheckpointWriter` (the trainer's, ``async_save``) does the writing in a background thread:
+``save`` copies the states to CPU memory (:func:`cpu_snapshot`, ~0.1 s a GB) and returns, and
+training goes on while the copy is serialised, fsynced and renamed; one write at a time, and the
+next ``save`` and ``wait`` join the one before and raise its error.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import random
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,21 +64,16 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
         torch.save(obj, tmp)
 
 
-def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, data_state: dict[str, Any], keep_last: int = 1,
-                    extra: dict[str, Any] | None = None, model_state: dict[str, Any] | None = None) -> Path:
-    """Write the checkpoint of ``step`` atomically, then delete all but the last ``keep_last``.
-
-    ``model_state`` replaces ``model.state_dict()`` (e.g. LoRA: the adapter weights only);
-    ``extra`` holds trainer data (e.g. ``world_size`` and every data-parallel rank's RNG states).
-
-    Returns:
-        The checkpoint path.
-    """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    path = Path(run_dir) / "checkpoints" / f"step_{step:08d}.pt"
-    state = {
+def checkpoint_state(step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                     data_state: dict[str, Any], extra: dict[str, Any] | None = None,
+                     model_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint file holds: ``step``, the ``model`` (or ``model_state``: e.g. LoRA, the
+    adapter weights only), ``optimizer`` and ``scheduler`` state dicts, every RNG state now
+    (:func:`rng_state`), ``data`` (``data_state``: the prompt stream position) and ``extra``
+    (trainer data, e.g. ``world_size`` and every data-parallel rank's RNG states). The tensors are
+    the live ones (state dicts share storage with the parameters): :func:`cpu_snapshot` them
+    before training goes on."""
+    return {
         "step": step,
         "model": model.state_dict() if model_state is None else model_state,
         "optimizer": optimizer.state_dict(),
@@ -80,6 +82,54 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         "data": dict(data_state),
         "extra": dict(extra or {}),
     }
+
+
+def cpu_snapshot(obj: Any) -> Any:
+    """A copy of ``obj`` that later in-place updates of its tensors cannot change: dicts, lists
+    and tuples rebuilt, every tensor copied to CPU memory (detached, same dtype, shape and
+    strides), other leaves deep-copied (a dict keeps its type and attributes, e.g. the
+    ``_metadata`` of a state dict). Tensors that are the same view of one storage (tied
+    weights: a model's embedding and LM head) stay one tensor, so ``torch.save`` still writes
+    them once."""
+    memo: dict[tuple, torch.Tensor] = {}
+
+    def snap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            key = (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(),
+                   x.dtype) if x.numel() else None
+            if key is not None and key in memo:
+                return memo[key]
+            out = x.detach().to("cpu", copy=True)
+            if key is not None:
+                memo[key] = out
+            return out
+        if isinstance(x, dict):
+            out = copy.copy(x)  # the same type, its attributes kept (a state dict's ``_metadata``)
+            for k, v in x.items():
+                out[k] = snap(v)
+            for name, value in list(getattr(out, "__dict__", {}).items()):
+                setattr(out, name, copy.deepcopy(value))
+            return out
+        if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+            return type(x)(snap(v) for v in x)
+        return copy.deepcopy(x)
+
+    return snap(obj)
+
+
+def write_checkpoint(state: dict[str, Any], run_dir: str | os.PathLike, keep_last: int = 1) -> Path:
+    """Write ``state`` (:func:`checkpoint_state`) as ``<run_dir>/checkpoints/step_<state["step"]>.pt``
+    atomically (:func:`atomic_torch_save`), then delete all but the last ``keep_last``.
+
+    Returns:
+        The checkpoint path.
+
+    Raises:
+        ValueError: ``keep_last < 1``.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    path = checkpoint_path(run_dir, int(state["step"]))
     atomic_torch_save(state, path)
     removed = False
     for old in list_checkpoints(run_dir)[:-keep_last]:
@@ -88,6 +138,99 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     if removed:
         fsync_dir(path.parent)
     return path
+
+
+def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
+    """``<run_dir>/checkpoints/step_<step, 8 digits>.pt``."""
+    return Path(run_dir) / "checkpoints" / f"step_{step:08d}.pt"
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, data_state: dict[str, Any], keep_last: int = 1,
+                    extra: dict[str, Any] | None = None, model_state: dict[str, Any] | None = None) -> Path:
+    """Write the checkpoint of ``step`` now, atomically, then delete all but the last ``keep_last``
+    (:func:`checkpoint_state` says what it holds; :class:`CheckpointWriter` writes in the background).
+
+    Returns:
+        The checkpoint path.
+
+    Raises:
+        ValueError: ``keep_last < 1``.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    state = checkpoint_state(step, model=model, optimizer=optimizer, scheduler=scheduler, data_state=data_state,
+                             extra=extra, model_state=model_state)
+    return write_checkpoint(state, run_dir, keep_last)
+
+
+class CheckpointWriter:
+    """Writes checkpoints, in a background thread when ``background`` (the ``async_save`` setting).
+
+    :meth:`save` builds the checkpoint's state (:func:`checkpoint_state`; RNG states of this
+    moment) and, in the background mode, copies it to CPU memory (:func:`cpu_snapshot`: memory of
+    the checkpoint's size while the write lasts) and starts a thread that runs
+    :func:`write_checkpoint` (``torch.save``, fsync, rename, keep-last-k), then returns; training
+    goes on meanwhile. At most one write runs: :meth:`save` first waits for the one before.
+    :meth:`wait` blocks until the write in flight is done; the trainer calls it before a run ends
+    (also when it fails), so a run that raises still finishes the checkpoint it started. The thread
+    is not a daemon: the interpreter waits for it at exit. A write that fails raises from the next
+    :meth:`save` or :meth:`wait` (``RuntimeError`` naming the file, the write's error as its cause);
+    the file is then the old checkpoint or absent, never torn (atomic writes).
+    """
+
+    def __init__(self, background: bool = True):
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._path: Path | None = None
+
+    @property
+    def pending(self) -> Path | None:
+        """The path being written in the background, or None."""
+        return self._path if self._thread is not None and self._thread.is_alive() else None
+
+    def save(self, run_dir: str | os.PathLike, step: int, *, keep_last: int = 1, **state_args: Any) -> Path:
+        """Checkpoint ``step`` (keyword arguments of :func:`checkpoint_state`); returns its path,
+        which holds the file once :meth:`wait` returns (at once when not ``background``).
+
+        Raises:
+            ValueError: ``keep_last < 1``.
+            RuntimeError: the previous background write failed.
+        """
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.wait()
+        state = checkpoint_state(step, **state_args)
+        if not self.background:
+            return write_checkpoint(state, run_dir, keep_last)
+        state = cpu_snapshot(state)
+        path = checkpoint_path(run_dir, step)
+
+        def write() -> None:
+            try:
+                write_checkpoint(state, run_dir, keep_last)
+            except BaseException as err:  # handed to the training thread by wait()
+                self._error = err
+
+        self._path, self._error = path, None
+        self._thread = threading.Thread(target=write, name=f"echotrain-checkpoint-{step}", daemon=False)
+        self._thread.start()
+        return path
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is done.
+
+        Raises:
+            RuntimeError: that write failed (its exception is the cause).
+        """
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"writing checkpoint {self._path} failed: {error}") from error
 
 
 def restart_schedule(scheduler: Any, saved: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ import torch
 from echotrain.optim.sam import SAM
 from echotrain.rl import compute_advantages, overlong_reward_penalty, truncated_response_mask
 from echotrain.rl.objectives import loss_step_stats
-from echotrain.train.checkpoint import resume_from, save_checkpoint, seed_everything
+from echotrain.train.checkpoint import CheckpointWriter, resume_from, seed_everything
 from echotrain.train.collect import Collector, PromptStream, default_reward_fn
 from echotrain.train.config import TrainConfig, save_config
 from echotrain.train.dist import init_distributed, rank_seed
@@ -159,6 +159,8 @@ class Trainer:
         if cfg.async_rollouts:  # a worker process generates while this process trains (train/async_rollouts.py)
             self.rollouts = self._async_rollouts(tokenizer, reward_fn, pad_id)
         self.start_step = 0
+        #: writes checkpoints, in a background thread with ``async_save`` (train/checkpoint.py)
+        self.checkpoints = CheckpointWriter(background=cfg.async_save)
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.dist.barrier()
@@ -365,7 +367,9 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def save(self, step: int) -> Path:
         """Checkpoint after ``step`` (atomic, keep-last-k), written by rank 0 with every rank's RNG
-        state. With LoRA the model part is the adapters only. Returns the path (on every rank)."""
+        state. With LoRA the model part is the adapters only. With ``async_save`` the file is
+        written in the background: it is complete once ``self.checkpoints.wait()`` returns (the end
+        of :meth:`train` waits). Returns the path (on every rank)."""
         from echotrain.train.checkpoint import rng_state
 
         rngs = self.dist.gather(rng_state())
@@ -375,9 +379,10 @@ class Trainer:
             if self.cfg.staleness or self.cfg.async_rollouts:  # the rollouts generated ahead (train/lag.py;
                 # every rank holds the same) / the async mode and its regeneration stream
                 extra["rollouts"] = self.rollouts.state_dict()
-            path = save_checkpoint(self.run_dir, step, model=self.model, optimizer=self.optimizer,
-                                   scheduler=self.scheduler, data_state=self.prompts.state_dict(),
-                                   keep_last=self.cfg.keep_last, extra=extra, model_state=model_state(self.model))
+            path = self.checkpoints.save(self.run_dir, step, model=self.model, optimizer=self.optimizer,
+                                         scheduler=self.scheduler, data_state=self.prompts.state_dict(),
+                                         keep_last=self.cfg.keep_last, extra=extra,
+                                         model_state=model_state(self.model))
         self.dist.barrier()
         return path
 
@@ -420,14 +425,31 @@ class Trainer:
                     last_saved = step
                     if cfg.plots and step != cfg.steps and main:
                         self.write_plots()
+        except BaseException:
+            self.checkpoints.wait()  # a checkpoint being written in the background is finished first
+            raise
         finally:
             self.rollouts.close()  # async: stop the worker
             bar.close()
             self.logger.close()
+        try:  # the stability flags, plots and final model are written while the last checkpoint is
+            records, stability = self._final_outputs()
+        finally:
+            self.checkpoints.wait()
+        self.train_seconds = time.perf_counter() - t0
+        if main and cfg.progress:
+            print_summary(records, self.run_dir, self.train_seconds, evals=read_jsonl(self.run_dir / "eval.jsonl"),
+                          steps_run=(self.start_step + 1, cfg.steps), stability=stability)
+        return records
+
+    def _final_outputs(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """After the last step: all metrics records, and on rank 0 the stability flags
+        (stability.json, returned), the plots and the final model; other ranks return None flags."""
+        cfg = self.cfg
         self.dist.barrier()
         records = read_jsonl(self.run_dir / "metrics.jsonl")
-        if not main:
-            return records
+        if not self.dist.is_main:
+            return records, None
         stability = stability_flags(records, evals=read_jsonl(self.run_dir / "eval.jsonl"))
         write_json_atomic(self.run_dir / "stability.json", stability)
         if cfg.plots:
@@ -436,11 +458,7 @@ class Trainer:
             save_final_model(self.model, self.run_dir / "final_model", merged=cfg.lora_merge_final)
             if hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(self.run_dir / "final_model")
-        self.train_seconds = time.perf_counter() - t0
-        if cfg.progress:
-            print_summary(records, self.run_dir, self.train_seconds, evals=read_jsonl(self.run_dir / "eval.jsonl"),
-                          steps_run=(self.start_step + 1, cfg.steps), stability=stability)
-        return records
+        return records, stability
 
     def write_plots(self, records: list[dict[str, Any]] | None = None) -> list[Path]:
         from echotrain.train.plots import plot_metrics

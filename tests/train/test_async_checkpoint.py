@@ -1,0 +1,178 @@
+"""Checkpoints written in a background thread (``async_save``): the snapshot, the writer, the trainer."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import pytest
+import torch
+
+import echotrain.train.checkpoint as ckpt
+from echotrain.runtime.checkpoints import list_checkpoints, load_checkpoint
+from echotrain.train.checkpoint import CheckpointWriter, cpu_snapshot, save_checkpoint
+
+BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=8,
+            num_mini_batches=2, lr=1e-2, temperature=1.0, device="cpu", progress=False, plots=False,
+            save_final_model=False, log_samples=0, seed=0, eval_prompts=0)
+
+
+def test_cpu_snapshot_copies_tensors_keeps_ties_types_and_metadata():
+    w = torch.arange(6.0).view(2, 3)
+    sd = collections.OrderedDict(embed=w, head=w, bias=torch.ones(3), row=w[1], t=(torch.zeros(2), [1, 2]))
+    sd._metadata = {"": {"version": 1}}
+    leaf = {"draws": [1, 2]}
+    snap = cpu_snapshot({"model": sd, "data": leaf, "n": 3})
+    w.add_(100)  # in-place updates after the snapshot (the optimizer's next step) do not reach it
+    sd["bias"].zero_()
+    leaf["draws"].append(3)
+    m = snap["model"]
+    assert type(m) is collections.OrderedDict and m._metadata == {"": {"version": 1}}
+    assert m._metadata is not sd._metadata
+    assert torch.equal(m["embed"], torch.arange(6.0).view(2, 3)) and torch.equal(m["bias"], torch.ones(3))
+    assert m["embed"] is m["head"]  # tied: one tensor, written once by torch.save
+    assert m["row"] is not m["embed"] and torch.equal(m["row"], torch.tensor([3.0, 4.0, 5.0]))
+    assert type(m["t"]) is tuple and torch.equal(m["t"][0], torch.zeros(2)) and m["t"][1] == [1, 2]
+    assert snap["data"] == {"draws": [1, 2]} and snap["n"] == 3
+
+
+def test_cpu_snapshot_file_size_keeps_tied_weights_once(tmp_path):
+    w = torch.randn(256, 256)
+    torch.save(cpu_snapshot({"a": w, "b": w}), tmp_path / "tied.pt")
+    torch.save(cpu_snapshot({"a": w, "b": w.clone()}), tmp_path / "two.pt")
+    one, two = (tmp_path / "tied.pt").stat().st_size, (tmp_path / "two.pt").stat().st_size
+    assert two - one > 0.9 * w.numel() * 4
+
+
+def _opt_and_model(tiny_model):
+    opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-2)
+    for p in tiny_model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return opt
+
+
+def test_background_write_holds_the_state_at_save_time(tmp_path, tiny_model, monkeypatch):
+    """The file holds the parameters and AdamW moments of the moment save() was called, although
+    the training thread changes them in place before the (slowed) write runs."""
+    opt = _opt_and_model(tiny_model)
+    before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    exp_avg = {i: s["exp_avg"].clone() for i, s in enumerate(opt.state.values())}
+    release = threading.Event()
+    write = ckpt.write_checkpoint
+
+    def slow_write(*args, **kwargs):
+        release.wait(10)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", slow_write)
+    writer = CheckpointWriter(background=True)
+    path = writer.save(tmp_path, 7, model=tiny_model, optimizer=opt, scheduler=None, data_state={"draws": 7})
+    assert writer.pending == path and not path.exists()  # returned before writing
+    opt.step()  # the next update, in place
+    release.set()
+    writer.wait()
+    assert writer.pending is None
+    state = load_checkpoint(path)
+    assert state["step"] == 7 and state["data"] == {"draws": 7}
+    assert all(torch.equal(state["model"][k], before[k]) for k in before)
+    assert any(not torch.equal(v, before[k]) for k, v in tiny_model.state_dict().items())  # it did move
+    assert all(torch.equal(state["optimizer"]["state"][i]["exp_avg"], exp_avg[i]) for i in exp_avg)
+
+
+def test_background_write_equals_a_synchronous_one(tmp_path, tiny_model):
+    opt = _opt_and_model(tiny_model)
+    torch.manual_seed(3)
+    sync = save_checkpoint(tmp_path / "sync", 2, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+    torch.manual_seed(3)
+    writer = CheckpointWriter(background=True)
+    bg = writer.save(tmp_path / "bg", 2, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+    writer.wait()
+    a, b = load_checkpoint(sync), load_checkpoint(bg)
+    assert a.keys() == b.keys() and a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    for i, s in a["optimizer"]["state"].items():
+        assert all(torch.equal(s[k], b["optimizer"]["state"][i][k]) for k in s)
+
+
+def test_writer_keeps_last_k_and_one_write_at_a_time(tmp_path, tiny_model):
+    opt = _opt_and_model(tiny_model)
+    writer = CheckpointWriter(background=True)
+    for step in (1, 2, 3):
+        writer.save(tmp_path, step, model=tiny_model, optimizer=opt, scheduler=None, data_state={}, keep_last=2)
+    writer.wait()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002.pt", "step_00000003.pt"]
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if "tmp" in p.name]
+    with pytest.raises(ValueError, match="keep_last"):
+        writer.save(tmp_path, 4, model=tiny_model, optimizer=opt, scheduler=None, data_state={}, keep_last=0)
+
+
+def test_synchronous_writer_writes_before_returning(tmp_path, tiny_model):
+    opt = _opt_and_model(tiny_model)
+    writer = CheckpointWriter(background=False)
+    path = writer.save(tmp_path, 1, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+    assert path.is_file() and writer.pending is None
+
+
+def test_a_failed_background_write_raises_from_wait_and_next_save(tmp_path, tiny_model):
+    opt = _opt_and_model(tiny_model)
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")  # checkpoints/ cannot be created under it
+    writer = CheckpointWriter(background=True)
+    writer.save(blocked, 1, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+    with pytest.raises(RuntimeError, match="writing checkpoint .*step_00000001.pt failed") as info:
+        writer.wait()
+    assert isinstance(info.value.__cause__, OSError)
+    writer.wait()  # reported once
+    writer.save(blocked, 2, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+    with pytest.raises(RuntimeError, match="step_00000002.pt"):
+        writer.save(tmp_path, 3, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+
+
+def test_async_save_is_the_default_and_runs_resume_exactly(build_trainer, tmp_path):
+    """The default trainer writes in the background; a run resumed from such a checkpoint
+    continues exactly as the uninterrupted run, and as one written synchronously."""
+    full = build_trainer(BASE, "full", save_every=1, keep_last=3)
+    assert full.cfg.async_save and full.checkpoints.background
+    records = full.train()
+    sync = build_trainer(BASE, "sync", save_every=1, async_save=False)
+    assert not sync.checkpoints.background
+    sync_records = sync.train()
+    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "step_00000003.pt")
+    b = load_checkpoint(tmp_path / "sync" / "checkpoints" / "step_00000003.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    (tmp_path / "full" / "checkpoints" / "step_00000003.pt").unlink()  # resume from step 2's
+    resumed = build_trainer(BASE, "full", resume=True, save_every=1)
+    assert resumed.start_step == 2
+    again = resumed.train()
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/"))}
+    assert [strip(r) for r in again] == [strip(r) for r in records]
+    assert [strip(r) for r in sync_records] == [strip(r) for r in records]
+
+
+def test_a_failing_step_finishes_the_checkpoint_in_flight(build_trainer, tmp_path, monkeypatch):
+    """A step that raises after a background save began: train() waits for that write before the
+    error leaves it, so the checkpoint is complete when the caller sees the error."""
+    write = ckpt.write_checkpoint
+    release = threading.Event()
+
+    def slow_write(*args, **kwargs):
+        release.wait(10)  # step 1's write starts only once step 2 has failed
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", slow_write)
+
+    class Killed(Exception):
+        pass
+
+    def kill(step, record):
+        if step == 2:
+            release.set()
+            raise Killed
+
+    with pytest.raises(Killed):
+        build_trainer(BASE, "killed", save_every=1, callbacks=[kill]).train()
+    assert [p.name for p in list_checkpoints(tmp_path / "killed")] == ["step_00000001.pt"]
+    assert load_checkpoint(tmp_path / "killed" / "checkpoints" / "step_00000001.pt")["step"] == 1

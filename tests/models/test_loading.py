@@ -197,3 +197,28 @@ def test_any_gguf_file_is_converted_into_the_cache(tmp_path, monkeypatch):
     assert len(seen) == 2
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         load_policy(tmp_path / "missing.gguf")
+
+
+@needs_smollm2
+def test_first_conversion_leaves_the_global_rngs_as_they_were(tmp_path):
+    """The first load converts the GGUF file (from_pretrained initialises weights, drawing from
+    torch's RNG); later loads read the converted copy and draw nothing. load_policy keeps the
+    global RNGs either way, so a seeded run on a fresh machine samples what every later run does
+    (before the fix the first run of `echotrain train` drew other rollouts than the second)."""
+    import random
+
+    import numpy as np
+
+    def draws():
+        return float(torch.rand(())), random.random(), float(np.random.rand())
+
+    def seed():
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+
+    seed()
+    expected = draws()
+    for load in ("cold", "warm"):
+        seed()
+        load_policy(cache_dir=tmp_path)
+        assert draws() == expected, load
+    assert (tmp_path / "models" / DEFAULT_MODEL / "config.json").is_file()

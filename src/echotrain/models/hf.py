@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import random
 from pathlib import Path
+from typing import Iterator
 
+import numpy as np
 import torch
 
 from echotrain.models.gguf import DEFAULT_MODEL, EMBEDDED_MODELS, load_embedded, load_gguf_file
@@ -101,15 +105,41 @@ def load_policy(
         tokenizer with a pad token, ``padding_side="left"`` and the model's chat template.
         ``model.generation_config.pad_token_id`` is set to the tokenizer's.
 
+    The global random number generators (python, numpy, torch's CPU one and, when loading to
+    CUDA, the CUDA ones) are as before the call: converting a model on first use draws random
+    numbers (``from_pretrained`` initialises weights before it fills them), loading the
+    converted copy does not, and a seeded run must draw the same rollouts either way.
+
     Raises:
         TypeError: ``dtype`` is not a ``torch.dtype``.
         FileNotFoundError: the embedded model's package or the ``.gguf`` file is missing.
         OSError: the hub id / folder cannot be loaded (offline, typo); the message names it.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    with global_rng_kept(device):
+        return _load_policy(name_or_path, dtype=dtype, cache_dir=cache_dir, device=device)
+
+
+@contextlib.contextmanager
+def global_rng_kept(device: str | torch.device = "cpu") -> Iterator[None]:
+    """Restore python's, numpy's and torch's global RNG states (and the CUDA devices' when
+    ``device`` is a CUDA device) on exit, also when the body raises."""
+    py, npy = random.getstate(), np.random.get_state()
+    cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    try:
+        with torch.random.fork_rng(devices=None if cuda else []):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
+def _load_policy(name_or_path: str | Path | None, *, dtype: torch.dtype, cache_dir: str | Path | None,
+                 device: str | torch.device):
+    """:func:`load_policy` without its argument check and RNG guard."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     name = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
     kind = LOCAL_MODELS.get(name)
     if kind == "testbed":  # echotrain.models.testbed: shipped weights, else built and cached on first use

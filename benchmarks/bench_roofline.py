@@ -28,7 +28,7 @@ Work per phase is counted by :mod:`echotrain.roofline.counts` (model FLOPs for t
 and FLOPs for decode, each step bound by the larger of bytes / bandwidth and FLOPs / GEMM rate
 (:func:`echotrain.roofline.counts.decode_roofline_seconds`); bytes for
 AdamW: 28 bytes a parameter, read weight, grad, m, v and write weight, m, v in float32). The peaks are measured in the same run (:func:`echotrain.roofline.machine_peaks` with
-``refresh``): GEMM FLOP/s for the compute dtype and copy bytes/s. ``util`` = roofline time
+``refresh``): GEMM FLOP/s for the compute dtype and memory bytes/s. ``util`` = roofline time
 (work / peak) / measured wall time; ``CPU s`` is the process's CPU time in the phase (all
 threads: about threads x wall when the process had the cores to itself). The last line gives
 the run's two figures as the trainer computes them (``throughput/update_mfu``, ``throughput/decode_bw_util``).
@@ -189,7 +189,7 @@ def main() -> None:
     n_params = sum(q.numel() for q in model.parameters() if q.requires_grad)
     b_opt = 28 * n_params * len(splits)
 
-    F, B = peaks.gemm_flops_per_s, peaks.copy_bytes_per_s
+    F, B = peaks.gemm_flops_per_s, peaks.mem_bytes_per_s
 
     def gf(x):
         return f"{x / 1e9:.1f} GFLOP"
@@ -200,7 +200,7 @@ def main() -> None:
     # (phase, wall s, work, bound by, roofline s)
     d_bw, d_fl = b_decode / B, f_decode / F
     d_roof = decode_roofline_seconds(shape, p, r, param_bytes=param.element_size(), kv_bytes=kv_bytes,
-                                     gemm_flops_per_s=F, copy_bytes_per_s=B)  # per step max
+                                     gemm_flops_per_s=F, mem_bytes_per_s=B)  # per step max
     rows = [("prefill", t_prefill, gf(f_prefill), "GEMM", f_prefill / F),
             ("decode", t_decode, f"{gb(b_decode)}, {gf(f_decode)}", "per step", d_roof),
             ("old log-probs", t_old, gf(f_old), "GEMM", f_old / F),
@@ -210,7 +210,7 @@ def main() -> None:
             ("optimizer", t_opt, gb(b_opt), "bandwidth", b_opt / B)]
     total = sum(x[1] for x in rows)
     print(f"# peaks ({peaks.dtype}, {peaks.threads} threads, {peaks.source}): GEMM {F / 1e9:.1f} GFLOP/s, "
-          f"copy {B / 1e9:.1f} GB/s; compute dtype {dtype}, OpenMP wait {wait}, load avg {os.getloadavg()[0]:.1f}")
+          f"memory {B / 1e9:.1f} GB/s; compute dtype {dtype}, OpenMP wait {wait}, load avg {os.getloadavg()[0]:.1f}")
     print(f"# decode_loop={cfg.decode_loop}; batch: {cfg.prompts_per_step} prompts x {G}, prompt tokens mean {sum(p) / len(p):.0f}, "
           f"response tokens mean {sum(r) / len(r):.1f} (max {max(r)}), {len(splits)} mini-batches of micro-batch "
           f"{cfg.micro_batch_size}; decode: all bytes / bandwidth {d_bw:.2f} s, all FLOPs / GEMM {d_fl:.2f} s, "

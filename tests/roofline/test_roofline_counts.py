@@ -200,7 +200,7 @@ def test_decode_roofline_takes_the_larger_bound_step_by_step():
     step 2: bytes 1232*4 + 16*4*5 = 5248;       FLOPs 2*2*576 + 4*2*2*4*5 + 160 = 2784"""
     def roof(flops_per_s, bytes_per_s):
         return decode_roofline_seconds(TINY, [3, 3], [2, 3], param_bytes=4, kv_bytes=4,
-                                       gemm_flops_per_s=flops_per_s, copy_bytes_per_s=bytes_per_s)
+                                       gemm_flops_per_s=flops_per_s, mem_bytes_per_s=bytes_per_s)
 
     assert 5440 + 5440 + 5248 + 2784 == decode_bytes(TINY, [3, 3], [2, 3], param_bytes=4, kv_bytes=4) \
         + decode_flops(TINY, [3, 3], [2, 3])

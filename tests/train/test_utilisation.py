@@ -28,7 +28,7 @@ def _group_batch() -> RolloutBatch:
 
 
 def test_meter_counts_a_step_by_hand():
-    peaks = Peaks(gemm_flops_per_s=1e4, copy_bytes_per_s=1e3, source="test", machine="m", dtype="float32", threads=1)
+    peaks = Peaks(gemm_flops_per_s=1e4, mem_bytes_per_s=1e3, source="test", machine="m", dtype="float32", threads=1)
     meter = UtilisationMeter(TINY, peaks, param_bytes=4, kv_bytes=4)
     batch = _group_batch()
     meter.log_prob_pass(batch, grad=False)  # old log-probs: 15680 FLOPs (the hand count; padding not counted)
@@ -55,7 +55,7 @@ def test_meter_counts_a_step_by_hand():
 def test_meter_counts_the_prompts_common_prefix_once():
     """Two groups whose 3-token prompts share their first 2 tokens: each pass and the prefill count
     the shared 2 tokens once (4800 FLOPs fewer, the hand count of the counts test)."""
-    peaks = Peaks(gemm_flops_per_s=1e4, copy_bytes_per_s=1e3, source="test", machine="m", dtype="float32", threads=1)
+    peaks = Peaks(gemm_flops_per_s=1e4, mem_bytes_per_s=1e3, source="test", machine="m", dtype="float32", threads=1)
     meter = UtilisationMeter(TINY, peaks, param_bytes=4, kv_bytes=4)
     g = _group_batch()
     ids = torch.tensor([[0, 0, 5, 6, 7]] * 2 + [[0, 0, 5, 6, 8]] * 2)
@@ -93,7 +93,7 @@ def test_unknown_architecture_and_peaks_off_fail_soft(monkeypatch):
     assert meter is None and "off" in info["disabled"]
     monkeypatch.setenv(peaks_mod.PEAKS_ENV, "fast")
     meter, info = build_meter(looped, None, torch.device("cpu"))
-    assert meter is None and "GEMM_FLOPS,COPY_BYTES" in info["disabled"]
+    assert meter is None and "GEMM_FLOPS,MEM_BYTES" in info["disabled"]
     monkeypatch.delenv(peaks_mod.PEAKS_ENV)
     meter, info = build_meter(looped, None, torch.device("cpu"), is_main=False)  # measures nothing
     assert meter is None and "rank 0" in info["disabled"]
@@ -103,28 +103,44 @@ def test_peaks_are_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
     monkeypatch.delenv(peaks_mod.PEAKS_ENV, raising=False)
     calls = []
     monkeypatch.setattr(peaks_mod, "measure_gemm", lambda dtype, device: calls.append("gemm") or 2e9)
-    monkeypatch.setattr(peaks_mod, "measure_copy", lambda device: calls.append("copy") or 3e9)
+    monkeypatch.setattr(peaks_mod, "measure_bandwidth", lambda device: calls.append("copy") or 3e9)
     first = peaks_mod.machine_peaks(torch.float32, torch.device("cpu"), threads=1, cache_dir=tmp_path)
     second = peaks_mod.machine_peaks(torch.float32, torch.device("cpu"), threads=1, cache_dir=tmp_path)
     assert calls == ["gemm", "copy"]  # measured once
-    assert (first.gemm_flops_per_s, first.copy_bytes_per_s) == (second.gemm_flops_per_s, second.copy_bytes_per_s) \
+    assert (first.gemm_flops_per_s, first.mem_bytes_per_s) == (second.gemm_flops_per_s, second.mem_bytes_per_s) \
         == (2e9, 3e9)
     assert first.source.startswith("measured") and second.source.startswith("cached")
     (path,) = (tmp_path / "roofline").iterdir()
-    assert path.name.endswith("-float32-t1.json") and json.loads(path.read_text())["copy_bytes_per_s"] == 3e9
+    assert path.name.endswith("-float32-t1.json") and json.loads(path.read_text())["mem_bytes_per_s"] == 3e9
     # another thread count is another machine state: measured again
     peaks_mod.machine_peaks(torch.float32, torch.device("cpu"), threads=2, cache_dir=tmp_path)
     assert len(calls) == 4
     # refresh keeps the best figure of each kind: a lower GEMM (a loaded moment), a higher bandwidth
     monkeypatch.setattr(peaks_mod, "measure_gemm", lambda dtype, device: 1e9)
-    monkeypatch.setattr(peaks_mod, "measure_copy", lambda device: 4e9)
+    monkeypatch.setattr(peaks_mod, "measure_bandwidth", lambda device: 4e9)
     best = peaks_mod.machine_peaks(torch.float32, torch.device("cpu"), threads=1, cache_dir=tmp_path, refresh=True)
-    assert (best.gemm_flops_per_s, best.copy_bytes_per_s) == (2e9, 4e9) and "best of 2" in best.source
+    assert (best.gemm_flops_per_s, best.mem_bytes_per_s) == (2e9, 4e9) and "best of 2" in best.source
 
 
 def test_the_measurements_are_positive_rates():
     assert peaks_mod.measure_gemm(torch.float32, torch.device("cpu"), n=64, repeats=1, seconds=0) > 0
-    assert peaks_mod.measure_copy(torch.device("cpu"), mib=1, repeats=1, seconds=0) > 0
+    assert peaks_mod.measure_bandwidth(torch.device("cpu"), mib=1, repeats=1, seconds=0) > 0
+
+
+@pytest.mark.parametrize("seconds, best", [((1.0, 1.0, 1.0), 3), ((0.25, 1.0, 1.0), 8), ((1.0, 1.0, 0.1), 10)])
+def test_bandwidth_is_the_best_of_copy_in_place_add_and_read(monkeypatch, seconds, best):
+    """Each kernel counted by the MiB it moves (copy 2, in-place add 3, sum 1 per MiB of tensor),
+    the fastest rate kept: e.g. copy in 0.25 s moves 2 MiB -> 8 MiB/s beats the add's 3 MiB/s."""
+    calls = iter(seconds)
+    kinds = []
+
+    def fake_best(fn, device, repeats, s):
+        kinds.append(fn)
+        return next(calls)
+
+    monkeypatch.setattr(peaks_mod, "_best_seconds", fake_best)
+    assert peaks_mod.measure_bandwidth(torch.device("cpu"), mib=1) == best * 2**20
+    assert len(kinds) == 3
 
 
 def _check_run(run_dir, n_layers: int) -> None:

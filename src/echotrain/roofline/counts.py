@@ -247,11 +247,11 @@ def decode_flops(shape: TransformerShape, prompt_lens: Sequence[int], response_l
 
 def decode_roofline_seconds(shape: TransformerShape, prompt_lens: Sequence[int], response_lens: Sequence[int], *,
                             param_bytes: int, kv_bytes: int, gemm_flops_per_s: float,
-                            copy_bytes_per_s: float) -> float:
+                            mem_bytes_per_s: float) -> float:
     """Roofline time of the decode steps of one ``generate`` call: per step s = 1..max(r) - 1, with
     A_s the rows still generating (r_i - 1 >= s),
 
-        max( (decode_weights * param_bytes + kv_width * kv_bytes * sum_{i in A_s} (p_i + s)) / copy_bytes_per_s,
+        max( (decode_weights * param_bytes + kv_width * kv_bytes * sum_{i in A_s} (p_i + s)) / mem_bytes_per_s,
              sum_{i in A_s} forward_flops(1 token, p_i + s pairs, 1 logit) / gemm_flops_per_s )
 
     summed over the steps. Over all steps the two numerators add up to :func:`decode_bytes` and
@@ -265,9 +265,9 @@ def decode_roofline_seconds(shape: TransformerShape, prompt_lens: Sequence[int],
         raise ValueError(f"prompt_lens and response_lens differ in length: {len(prompt_lens)} vs {len(response_lens)}")
     if param_bytes < 1 or kv_bytes < 1:
         raise ValueError(f"param_bytes and kv_bytes must be >= 1, got {param_bytes}, {kv_bytes}")
-    if not (gemm_flops_per_s > 0 and copy_bytes_per_s > 0):
+    if not (gemm_flops_per_s > 0 and mem_bytes_per_s > 0):
         raise ValueError(f"peaks must be > 0, got gemm_flops_per_s={gemm_flops_per_s}, "
-                         f"copy_bytes_per_s={copy_bytes_per_s}")
+                         f"mem_bytes_per_s={mem_bytes_per_s}")
     rows = [(int(p), max(int(r) - 1, 0)) for p, r in zip(prompt_lens, response_lens)]
     steps = max((n for _, n in rows), default=0)
     weights = shape.decode_weights * param_bytes
@@ -276,5 +276,5 @@ def decode_roofline_seconds(shape: TransformerShape, prompt_lens: Sequence[int],
         contexts = [p + s for p, n in rows if n >= s]
         nbytes = weights + shape.kv_width * kv_bytes * sum(contexts)
         flops = sum(forward_flops(shape, 1, c, 1) for c in contexts)
-        total += max(nbytes / copy_bytes_per_s, flops / gemm_flops_per_s)
+        total += max(nbytes / mem_bytes_per_s, flops / gemm_flops_per_s)
     return total

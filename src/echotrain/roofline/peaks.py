@@ -1,18 +1,23 @@
-"""The machine's two roofline peaks, measured once and cached: GEMM rate and copy bandwidth.
+"""The machine's two roofline peaks, measured once and cached: GEMM rate and memory bandwidth.
 
 - GEMM rate (FLOP/s): the best of ``torch.mm`` calls over half a second, two ``n x n`` matrices
   (``2 n^3`` FLOPs each; n = 1024 on CPU, 4096 on CUDA) in the dtype the run computes in, on the
   thread count in use.
-- copy bandwidth (bytes/s): the best of ``dst.copy_(src)`` calls over half a second of a 256 MiB
-  float32 tensor, counted as read + write (``2 x 256 MiB``), the "copy" figure of STREAM
-  (McCalpin 1995).
+- memory bandwidth (bytes/s): the best rate of three streaming kernels over 256 MiB float32
+  tensors, each counted by the bytes it reads and writes: ``dst.copy_(src)`` (2 x 256 MiB, the
+  "copy" figure of STREAM, McCalpin 1995), ``a.add_(b)`` (3 x 256 MiB, in place) and ``a.sum()``
+  (256 MiB read). A copy writes lines it never read, which a CPU first fetches (write-allocate),
+  so copy alone understates what a kernel that updates in place or only reads moves: on a 2-core
+  AMD EPYC (AVX-512) copy gave 40-67 GB/s, the in-place add 106 GB/s, the sum 73-76 GB/s and
+  torch's fused AdamW step (7 streams in place) 98 GB/s; against copy alone the optimizer's
+  utilisation read 1.6 (docs/benchmarks.md).
 
 Both are what torch reaches on this machine for these shapes, not vendor peak figures. A loaded
 machine measures lower, so a figure measured under load can make a utilisation exceed 1 later,
 when the machine is quieter (``benchmarks/bench_roofline.py`` re-measures and keeps the best).
 :func:`machine_peaks` caches them in
 ``<$ECHOTRAIN_CACHE or ~/.cache/echotrain>/roofline/<machine>-<dtype>-t<threads>.json``
-(a second or two the first time). ``ECHOTRAIN_ROOFLINE_PEAKS=GEMM_FLOPS,COPY_BYTES`` (e.g.
+(a second or two the first time). ``ECHOTRAIN_ROOFLINE_PEAKS=GEMM_FLOPS,MEM_BYTES`` (e.g.
 ``1e12,1e11``) uses those figures and measures nothing (tests set it, so they are fast and
 deterministic); ``ECHOTRAIN_ROOFLINE_PEAKS=off`` turns the utilisation figures off.
 """
@@ -30,18 +35,18 @@ from pathlib import Path
 
 import torch
 
-#: environment variable: ``GEMM_FLOPS,COPY_BYTES`` to use instead of measuring, or ``off``
+#: environment variable: ``GEMM_FLOPS,MEM_BYTES`` to use instead of measuring, or ``off``
 PEAKS_ENV = "ECHOTRAIN_ROOFLINE_PEAKS"
 
 
 @dataclass(frozen=True)
 class Peaks:
-    """Measured peaks. ``gemm_flops_per_s``: FLOP/s; ``copy_bytes_per_s``: bytes/s (read + write);
+    """Measured peaks. ``gemm_flops_per_s``: FLOP/s; ``mem_bytes_per_s``: bytes/s (read + written);
     ``source``: where they came from (a cache file, a fresh measurement, or the env variable);
     ``machine``, ``dtype``, ``threads``: what they were measured for."""
 
     gemm_flops_per_s: float
-    copy_bytes_per_s: float
+    mem_bytes_per_s: float
     source: str
     machine: str
     dtype: str
@@ -108,14 +113,21 @@ def measure_gemm(dtype: torch.dtype, device: torch.device, n: int | None = None,
     return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), device, repeats, seconds)
 
 
-def measure_copy(device: torch.device, mib: int = 256, repeats: int = 5, seconds: float = 0.5) -> float:
-    """Best bytes/s of copies of a ``mib`` MiB float32 tensor on ``device`` (read + write counted:
-    ``2 * mib`` MiB per copy), after one warm-up; at least ``repeats`` copies and ``seconds``."""
+def measure_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5, seconds: float = 0.5) -> float:
+    """Best bytes/s on ``device`` of three streaming kernels over ``mib`` MiB float32 tensors, each
+    counted by what it reads and writes: ``dst.copy_(src)`` (2 x ``mib`` MiB), ``a.add_(b)`` (3 x,
+    in place: no write-allocate) and ``a.sum()`` (1 x, read only); after one warm-up each, at
+    least ``repeats`` calls and ``seconds`` per kernel. Why three: the module docstring."""
     numel = mib * 2**20 // 4
-    src = torch.ones(numel, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return 2 * src.numel() * src.element_size() / _best_seconds(lambda: dst.copy_(src), device, repeats, seconds)
+    a = torch.ones(numel, device=device)
+    b = torch.ones_like(a)
+    nbytes = a.numel() * a.element_size()
+    kernels = ((2, lambda: a.copy_(b)), (3, lambda: a.add_(b)), (1, lambda: a.sum()))
+    best = 0.0
+    for streams, fn in kernels:
+        fn()
+        best = max(best, streams * nbytes / _best_seconds(fn, device, repeats, seconds))
+    return best
 
 
 def _from_env(value: str, machine: str, dtype: str, threads: int) -> Peaks:
@@ -126,7 +138,7 @@ def _from_env(value: str, machine: str, dtype: str, threads: int) -> Peaks:
         if not (flops > 0 and bw > 0):
             raise ValueError
     except ValueError:
-        raise ValueError(f"{PEAKS_ENV}={value!r}: expected 'GEMM_FLOPS,COPY_BYTES' (two positive numbers, "
+        raise ValueError(f"{PEAKS_ENV}={value!r}: expected 'GEMM_FLOPS,MEM_BYTES' (two positive numbers, "
                          "e.g. 1e12,1e11) or 'off'") from None
     return Peaks(flops, bw, f"{PEAKS_ENV} (not measured)", machine, dtype, threads)
 
@@ -157,7 +169,7 @@ def machine_peaks(dtype: torch.dtype, device: torch.device, threads: int | None 
     if path.is_file():
         try:
             d = json.loads(path.read_text())
-            old = (float(d["gemm_flops_per_s"]), float(d["copy_bytes_per_s"]), d.get("measured_at", "?"),
+            old = (float(d["gemm_flops_per_s"]), float(d["mem_bytes_per_s"]), d.get("measured_at", "?"),
                    int(d.get("measurements", 1)))
         except (ValueError, KeyError, TypeError):
             old = None  # a damaged cache file: measure again
@@ -167,7 +179,7 @@ def machine_peaks(dtype: torch.dtype, device: torch.device, threads: int | None 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        flops, bw = measure_gemm(dtype, device), measure_copy(device)
+        flops, bw = measure_gemm(dtype, device), measure_bandwidth(device)
     finally:
         torch.set_num_threads(previous)
     count = 1
@@ -177,7 +189,7 @@ def machine_peaks(dtype: torch.dtype, device: torch.device, threads: int | None 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"gemm_flops_per_s": flops, "copy_bytes_per_s": bw, "measured_at": stamp,
+        tmp.write_text(json.dumps({"gemm_flops_per_s": flops, "mem_bytes_per_s": bw, "measured_at": stamp,
                                    "measurements": count, "machine": machine, "dtype": dname, "threads": threads,
                                    "torch": torch.__version__}, indent=2) + "\n")
         os.replace(tmp, path)

@@ -42,7 +42,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
                    panel="Utilisation", label='generation / roofline bound', when="model shape known, peaks measured",
                    help=("generation's roofline time / time/generation: prefill FLOPs at the GEMM peak, plus per "
                         'decode step the larger of its bytes (the weights once, the KV cache of the rows still '
-                        'generating) at the copy bandwidth and its FLOPs at the GEMM peak; with few rows decode is '
+                        'generating) at the memory bandwidth and its FLOPs at the GEMM peak; with few rows decode is '
                         'bandwidth-bound and this is achieved / peak bandwidth, with many (the default 64 on a CPU) '
                         'it is compute-bound')),
 )}
@@ -104,7 +104,7 @@ class UtilisationMeter:
             self.decode_flops += flops
             self.decode_seconds += decode_roofline_seconds(
                 self.shape, pc, rc, param_bytes=self.param_bytes, kv_bytes=self.kv_bytes,
-                gemm_flops_per_s=self.peaks.gemm_flops_per_s, copy_bytes_per_s=self.peaks.copy_bytes_per_s)
+                gemm_flops_per_s=self.peaks.gemm_flops_per_s, mem_bytes_per_s=self.peaks.mem_bytes_per_s)
 
     def step_metrics(self, time_generation: float, time_update: float) -> dict[str, float]:
         """The figures of :data:`METRICS` for the counted step (then the counters restart);

@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
         med = statistics.median(times[name])
         diff = max((abs(records[name][k] - records[names[0]][k]) for k in loss_keys if k in records[name]), default=0.0)
         print(f"| {name} | {med:.2f} | {med / base:.2f} | {diff:.1e} | {', '.join(f'{t:.2f}' for t in times[name])} |")
-        out[name] = {"median_s": med, "ratio": med / base, "max_metric_diff": diff}
+        settings = {k: v for k, v in arms[name].to_dict().items() if cfg.to_dict().get(k) != v}
+        out[name] = {"median_s": med, "ratio": med / base, "max_metric_diff": diff, "settings": settings}
     return out
 
 

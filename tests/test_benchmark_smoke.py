@@ -74,7 +74,9 @@ def test_update_passes_benchmark_takes_arms_of_any_setting():
                                              "--arm", "mb8:micro_batch_size=8,log_prob_prepass=retain"])
     assert list(res) == ["mb2", "mb8"]
     assert res["mb2"]["ratio"] == 1.0 and res["mb2"]["max_metric_diff"] == 0.0
-    assert 0 < res["mb8"]["max_metric_diff"] < 1e-4  # not bit-equal: other summation order
+    assert res["mb8"]["max_metric_diff"] < 1e-4  # the same update up to the summation order
+    assert res["mb2"]["settings"] == {"micro_batch_size": 2}  # each arm ran its own settings
+    assert res["mb8"]["settings"] == {"micro_batch_size": 8, "log_prob_prepass": "retain"}
 
 
 def test_prefill_benchmark_runs_both_arms_on_the_same_tokens():
@@ -98,3 +100,14 @@ def test_adamw_fused_benchmark_times_every_arm_from_one_state():
     assert res["for-loop (foreach=False)"]["ratio"] == 1.0
     assert res["fused"]["ratio"] == pytest.approx(res["fused"]["median_s"] / res["for-loop (foreach=False)"]["median_s"])
     assert all(r["max_param_diff"] < 1e-6 for r in res.values())
+
+
+def test_bandwidth_benchmark_reports_each_kernel_against_the_peak():
+    """The peak is the best of copy, in-place add, in-place mul and sum: those four are <= 1 of it, one is 1."""
+    res = _load("bench_bandwidth").main(["--threads", "1", "--mib", "4", "--params", "4096", "--rounds", "1",
+                                         "--repeats", "2"])
+    (r,) = res["rounds"]
+    peak_kernels = [r[k]["of_peak"] for k in ("copy_ (2)", "in-place add_ (3)", "in-place mul_ (2)",
+                                                     "read-only sum (1)")]
+    assert max(peak_kernels) == 1.0 and all(0 < v <= 1.0 for v in peak_kernels)
+    assert len(r) == 6 and all(v["gb_s"] > 0 for v in r.values())

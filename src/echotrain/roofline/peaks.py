@@ -3,21 +3,22 @@
 - GEMM rate (FLOP/s): the best of ``torch.mm`` calls over half a second, two ``n x n`` matrices
   (``2 n^3`` FLOPs each; n = 1024 on CPU, 4096 on CUDA) in the dtype the run computes in, on the
   thread count in use.
-- memory bandwidth (bytes/s): the best rate of three streaming kernels over 256 MiB float32
+- memory bandwidth (bytes/s): the best rate of four streaming kernels over 256 MiB float32
   tensors, each counted by the bytes it reads and writes: ``dst.copy_(src)`` (2 x 256 MiB, the
-  "copy" figure of STREAM, McCalpin 1995), ``a.add_(b)`` (3 x 256 MiB, in place) and ``a.sum()``
-  (256 MiB read). A copy writes lines it never read, which a CPU first fetches (write-allocate),
-  so copy alone understates what a kernel that updates in place or only reads moves: on a 2-core
-  AMD EPYC (AVX-512) copy gave 40-67 GB/s, the in-place add 106 GB/s, the sum 73-76 GB/s and
-  torch's fused AdamW step (7 streams in place) 98 GB/s; against copy alone the optimizer's
-  utilisation read 1.6 (docs/benchmarks.md).
+  "copy" figure of STREAM, McCalpin 1995), in place ``a.add_(b)`` (3 x) and ``a.mul_(1)`` (2 x),
+  and ``a.sum()`` (256 MiB read). A copy writes lines it never read, which a CPU first fetches
+  (write-allocate), so copy alone understates what a kernel that updates in place or only reads
+  moves: on a 2-core AMD EPYC (AVX-512) copy gave 34-67 GB/s, the in-place kernels 43-116 GB/s
+  and torch's fused AdamW step (7 streams in place) 38-98 GB/s, in the same processes
+  (``benchmarks/bench_bandwidth.py``); against copy alone the optimizer's utilisation read 1.6
+  (docs/benchmarks.md).
 
 Both are what torch reaches on this machine for these shapes, not vendor peak figures. A loaded
 machine measures lower, so a figure measured under load can make a utilisation exceed 1 later,
 when the machine is quieter (``benchmarks/bench_roofline.py`` re-measures and keeps the best).
 :func:`machine_peaks` caches them in
 ``<$ECHOTRAIN_CACHE or ~/.cache/echotrain>/roofline/<machine>-<dtype>-t<threads>.json``
-(a second or two the first time). ``ECHOTRAIN_ROOFLINE_PEAKS=GEMM_FLOPS,MEM_BYTES`` (e.g.
+(two or three seconds the first time). ``ECHOTRAIN_ROOFLINE_PEAKS=GEMM_FLOPS,MEM_BYTES`` (e.g.
 ``1e12,1e11``) uses those figures and measures nothing (tests set it, so they are fast and
 deterministic); ``ECHOTRAIN_ROOFLINE_PEAKS=off`` turns the utilisation figures off.
 """
@@ -114,15 +115,16 @@ def measure_gemm(dtype: torch.dtype, device: torch.device, n: int | None = None,
 
 
 def measure_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5, seconds: float = 0.5) -> float:
-    """Best bytes/s on ``device`` of three streaming kernels over ``mib`` MiB float32 tensors, each
-    counted by what it reads and writes: ``dst.copy_(src)`` (2 x ``mib`` MiB), ``a.add_(b)`` (3 x,
-    in place: no write-allocate) and ``a.sum()`` (1 x, read only); after one warm-up each, at
-    least ``repeats`` calls and ``seconds`` per kernel. Why three: the module docstring."""
+    """Best bytes/s on ``device`` of four streaming kernels over ``mib`` MiB float32 tensors, each
+    counted by what it reads and writes: ``dst.copy_(src)`` (2 x ``mib`` MiB), in place (no
+    write-allocate) ``a.add_(b)`` (3 x) and ``a.mul_(1)`` (2 x), and ``a.sum()`` (1 x, read only);
+    after one warm-up each, at least ``repeats`` calls and ``seconds`` per kernel. Why several:
+    the module docstring."""
     numel = mib * 2**20 // 4
     a = torch.ones(numel, device=device)
     b = torch.ones_like(a)
     nbytes = a.numel() * a.element_size()
-    kernels = ((2, lambda: a.copy_(b)), (3, lambda: a.add_(b)), (1, lambda: a.sum()))
+    kernels = ((2, lambda: a.copy_(b)), (3, lambda: a.add_(b)), (2, lambda: a.mul_(1.0)), (1, lambda: a.sum()))
     best = 0.0
     for streams, fn in kernels:
         fn()

@@ -176,3 +176,21 @@ def test_a_failing_step_finishes_the_checkpoint_in_flight(build_trainer, tmp_pat
         build_trainer(BASE, "killed", save_every=1, callbacks=[kill]).train()
     assert [p.name for p in list_checkpoints(tmp_path / "killed")] == ["step_00000001.pt"]
     assert load_checkpoint(tmp_path / "killed" / "checkpoints" / "step_00000001.pt")["step"] == 1
+
+
+def test_cli_writes_the_same_checkpoints_with_and_without_async_save(tmp_path, testbed_cache):
+    """`echotrain train ... [async_save=false]` on the testbed: the background writer and the
+    synchronous one leave the same files (keep-last 2 of 3), the same tensors in them."""
+    from echotrain import cli
+
+    run = ["model=testbed", "task=testbed", "steps=3", "save_every=1", "keep_last=2", "prompts_per_step=2",
+           "num_generations=2", "max_new_tokens=4", "micro_batch_size=4", "eval_prompts=0", "num_threads=1",
+           "progress=false", "plots=false", "save_final_model=false"]
+    assert cli.main(["train", *run, f"output_dir={tmp_path / 'bg'}"]) == 0
+    assert cli.main(["train", *run, "async_save=false", f"output_dir={tmp_path / 'sync'}"]) == 0
+    names = [[p.name for p in list_checkpoints(tmp_path / r)] for r in ("bg", "sync")]
+    assert names[0] == names[1] == ["step_00000002.pt", "step_00000003.pt"]
+    for name in names[0]:
+        a, b = (load_checkpoint(tmp_path / r / "checkpoints" / name) for r in ("bg", "sync"))
+        assert a["step"] == b["step"] and a["model"].keys() == b["model"].keys()
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

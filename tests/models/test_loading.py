@@ -222,3 +222,78 @@ def test_first_conversion_leaves_the_global_rngs_as_they_were(tmp_path):
         load_policy(cache_dir=tmp_path)
         assert draws() == expected, load
     assert (tmp_path / "models" / DEFAULT_MODEL / "config.json").is_file()
+
+
+def _seed_all():
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+
+
+def _draw_all():
+    import random
+
+    import numpy as np
+
+    return float(torch.rand(())), random.random(), float(np.random.rand())
+
+
+def test_global_rng_kept_restores_python_numpy_and_torch():
+    """Draws from all three global RNGs inside the block, also when it raises, leave the next
+    draws after it as they were."""
+    from echotrain.models.hf import global_rng_kept
+
+    _seed_all()
+    expected = _draw_all()
+    _seed_all()
+    with global_rng_kept():
+        _draw_all()
+    assert _draw_all() == expected
+    _seed_all()
+    with pytest.raises(KeyError):
+        with global_rng_kept("cpu"):
+            _draw_all()
+            raise KeyError("boom")
+    assert _draw_all() == expected
+
+
+def test_load_policy_keeps_the_global_rngs_without_a_model(monkeypatch):
+    """load_policy runs the loading under global_rng_kept (no model needed: the loader is
+    replaced by one that draws from every RNG)."""
+    from echotrain.models import hf
+
+    monkeypatch.setattr(hf, "_load_policy", lambda *a, **k: _draw_all() and ("model", "tok"))
+    _seed_all()
+    expected = _draw_all()
+    _seed_all()
+    assert load_policy("anything") == ("model", "tok")
+    assert _draw_all() == expected
+
+
+def test_global_rng_kept_forks_the_cuda_rngs_for_a_cuda_device(monkeypatch):
+    """Loading to CUDA also keeps the CUDA RNGs: torch's fork_rng gets devices=None (every CUDA
+    device) for a CUDA device and [] (CPU only) otherwise; load_policy passes its device on.
+    (No GPU needed: CUDA's availability and fork_rng are stand-ins.)"""
+    import contextlib
+
+    from echotrain.models import hf
+
+    forks = []
+
+    @contextlib.contextmanager
+    def fork_rng(devices=None, enabled=True, **kwargs):
+        forks.append((devices, enabled))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    monkeypatch.setattr(hf, "_load_policy", lambda *a, **k: ("model", "tok"))
+    with hf.global_rng_kept("cuda:0"):
+        pass
+    with hf.global_rng_kept(torch.device("cpu")):
+        pass
+    load_policy("anything", device="cuda")
+    load_policy("anything")
+    assert forks == [(None, True), ([], True), (None, True), ([], True)]

@@ -118,3 +118,46 @@ def test_old_import_paths_still_work():
     from echotrain.sharpness import top_hessian_eigenvalue
 
     assert top_hessian_eigenvalue is sharpness.top_hessian_eigenvalue
+
+
+def _adamw_step(opt, params, grad=1.0):
+    for p in params:
+        p.grad = torch.full_like(p, grad)
+    opt.step()
+
+
+def test_set_adamw_fused_switches_the_base_of_sam():
+    """set_adamw_fused reaches the AdamW a SAM wraps (the wrapper is not an AdamW itself)."""
+    from echotrain.optim.registry import set_adamw_fused
+
+    sam = build_from_settings("sam", [torch.zeros(3, requires_grad=True)], dict(SETTINGS, fused=False), base="adamw")
+    assert not sam.base_optimizer.param_groups[0]["fused"]
+    set_adamw_fused(sam, True)
+    assert sam.base_optimizer.param_groups[0]["fused"] is True
+    set_adamw_fused(sam, False)
+    assert not sam.base_optimizer.param_groups[0]["fused"]
+
+
+def test_set_adamw_fused_on_moves_step_to_float32_and_clears_foreach():
+    """Switching on: foreach is cleared (torch refuses fused with foreach), a parameter without
+    state yet is left alone, and a kept ``step`` becomes a float32 tensor of the same value (here
+    a float64 one); the next update then equals the unfused one."""
+    from echotrain.optim.registry import set_adamw_fused
+
+    ws = [torch.ones(4, requires_grad=True), torch.ones(2, requires_grad=True)]
+    refs = [w.detach().clone().requires_grad_() for w in ws]
+    opt = torch.optim.AdamW(ws, lr=0.1, foreach=True)
+    ref = torch.optim.AdamW(refs, lr=0.1, foreach=False)
+    for o, ps in ((opt, ws), (ref, refs)):  # one update of the first parameter only
+        _adamw_step(o, ps[:1])
+    opt.state[ws[0]]["step"] = opt.state[ws[0]]["step"].to(torch.float64)
+    set_adamw_fused(opt, True)
+    g = opt.param_groups[0]
+    assert g["fused"] is True and g["foreach"] is None
+    assert ws[1] not in opt.state  # no state was made for it
+    step = opt.state[ws[0]]["step"]
+    assert step.dtype == torch.float32 and step.device == ws[0].device and step.item() == 1.0
+    _adamw_step(opt, ws, 0.5)
+    _adamw_step(ref, refs, 0.5)
+    for w, r in zip(ws, refs):
+        torch.testing.assert_close(w, r, atol=1e-6, rtol=0)

@@ -194,3 +194,131 @@ def test_cli_writes_the_same_checkpoints_with_and_without_async_save(tmp_path, t
         a, b = (load_checkpoint(tmp_path / r / "checkpoints" / name) for r in ("bg", "sync"))
         assert a["step"] == b["step"] and a["model"].keys() == b["model"].keys()
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_cpu_snapshot_ties_only_the_very_same_view():
+    """Only tensors that are the same view (storage, offset, shape, strides, dtype) become one:
+    two rows of one matrix, the matrix, its flat view, its transpose and a reinterpretation
+    as int32 stay separate tensors with their own values."""
+    w = torch.arange(9.0).view(3, 3)
+    views = {"r0": w[0], "r1": w[1], "full": w, "flat": w.view(9), "t": w.t(), "int": w.view(torch.int32),
+             "full2": w}
+    expected = {k: v.clone() for k, v in views.items()}
+    snap = cpu_snapshot(views)
+    for k, v in expected.items():
+        assert snap[k].dtype == v.dtype and snap[k].shape == v.shape and torch.equal(snap[k], v), k
+    assert torch.equal(snap["r1"], torch.tensor([3.0, 4.0, 5.0]))
+    assert torch.equal(snap["t"][0], torch.tensor([0.0, 3.0, 6.0]))
+    assert snap["full2"] is snap["full"]  # the same view: one tensor
+    assert len({id(v) for k, v in snap.items() if k != "full2"}) == 6
+
+
+def test_cpu_snapshot_copies_other_leaves_and_keeps_named_tuples():
+    """Leaves that are neither dicts, lists, tuples nor tensors (a numpy array, a set, a named
+    tuple) are copies: changing the originals in place afterwards does not reach the snapshot."""
+    import numpy as np
+
+    Pair = collections.namedtuple("Pair", "a b")
+    arr, seen = np.arange(4), {1, 2}
+    pair = Pair(torch.ones(2), [7])
+    snap = cpu_snapshot({"arr": arr, "seen": seen, "pair": pair})
+    arr[0] = 100
+    seen.add(3)
+    pair.a.zero_()
+    pair.b.append(8)
+    assert snap["arr"].tolist() == [0, 1, 2, 3] and snap["seen"] == {1, 2}
+    assert type(snap["pair"]) is Pair and torch.equal(snap["pair"].a, torch.ones(2)) and snap["pair"].b == [7]
+
+
+def test_write_checkpoint_refuses_keep_last_0_before_writing(tmp_path, tiny_model):
+    opt = _opt_and_model(tiny_model)
+    state = ckpt.checkpoint_state(1, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+    with pytest.raises(ValueError, match="keep_last must be >= 1, got 0"):
+        ckpt.write_checkpoint(state, tmp_path, keep_last=0)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_synchronous_writer_keeps_last_k(tmp_path, tiny_model):
+    opt = _opt_and_model(tiny_model)
+    writer = CheckpointWriter(background=False)
+    for step in (1, 2, 3):
+        writer.save(tmp_path, step, model=tiny_model, optimizer=opt, scheduler=None, data_state={}, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002.pt", "step_00000003.pt"]
+
+
+def test_pending_ends_with_the_thread_which_is_not_a_daemon(tmp_path, tiny_model, monkeypatch):
+    """pending names the file while the write runs and is None once the thread has finished,
+    even before wait(); the thread is not a daemon (the interpreter waits for it at exit)."""
+    opt = _opt_and_model(tiny_model)
+    release = threading.Event()
+    write = ckpt.write_checkpoint
+    monkeypatch.setattr(ckpt, "write_checkpoint", lambda *a, **k: release.wait(10) and write(*a, **k))
+    writer = CheckpointWriter(background=True)
+    path = writer.save(tmp_path, 5, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+    [thread] = [t for t in threading.enumerate() if t.name == "echotrain-checkpoint-5"]
+    assert writer.pending == path and thread.daemon is False
+    release.set()
+    thread.join(10)
+    assert writer.pending is None and path.is_file()
+    writer.wait()
+
+
+def test_a_background_write_interrupted_by_a_base_exception_raises_from_wait(tmp_path, tiny_model, monkeypatch):
+    """Not only Exceptions: a KeyboardInterrupt (BaseException) in the write thread reaches the
+    training thread through wait()."""
+    opt = _opt_and_model(tiny_model)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", interrupted)
+    writer = CheckpointWriter(background=True)
+    writer.save(tmp_path, 1, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+    with pytest.raises(RuntimeError, match="step_00000001.pt failed") as info:
+        writer.wait()
+    assert isinstance(info.value.__cause__, KeyboardInterrupt)
+
+
+def _slow_writes(monkeypatch, seconds=0.5):
+    import time
+
+    write = ckpt.write_checkpoint
+
+    def slow_write(*args, **kwargs):
+        time.sleep(seconds)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", slow_write)
+
+
+def test_train_returns_once_the_last_checkpoint_is_written(build_trainer, tmp_path, monkeypatch):
+    """The last checkpoint is written in the background while the final outputs are made, and
+    complete when train() returns (also when its write is slower than the final outputs)."""
+    _slow_writes(monkeypatch)
+    build_trainer(BASE, "slow", steps=2).train()
+    assert [p.name for p in list_checkpoints(tmp_path / "slow")] == ["step_00000002.pt"]
+    assert load_checkpoint(tmp_path / "slow" / "checkpoints" / "step_00000002.pt")["step"] == 2
+
+
+def test_failing_final_outputs_still_finish_the_last_checkpoint(build_trainer, tmp_path, monkeypatch):
+    _slow_writes(monkeypatch)
+    t = build_trainer(BASE, "final", steps=2)
+
+    def boom():
+        raise OSError("disk full")
+
+    monkeypatch.setattr(t, "_final_outputs", boom)
+    with pytest.raises(OSError, match="disk full"):
+        t.train()
+    assert load_checkpoint(tmp_path / "final" / "checkpoints" / "step_00000002.pt")["step"] == 2
+
+
+def test_trainer_checkpoint_holds_the_scheduler_state(build_trainer, tmp_path):
+    """The checkpoint's scheduler state is the trainer's after the step: its count of optimizer
+    steps (two mini-batch updates a step)."""
+    t = build_trainer(BASE, "sched", steps=2, lr_scheduler="cosine")
+    t.train()
+    state = load_checkpoint(tmp_path / "sched" / "checkpoints" / "step_00000002.pt")
+    assert state["scheduler"] is not None
+    assert state["scheduler"]["last_epoch"] == t.scheduler.last_epoch == 4
+    assert state["scheduler"]["_last_lr"] == t.scheduler.get_last_lr()

@@ -191,3 +191,75 @@ def test_gradient_checkpointing_keeps_the_whole_row_mask(tiny_tokenizer, monkeyp
     assert switched == []
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def _pieces_and_qkv():
+    block = torch.tensor([[PREFIX, PREFIX, 0, 0, 0, 1, 1, PAD, PAD],
+                          [PREFIX, PREFIX, 2, 2, 2, 2, 2, 2, PAD]])
+    allowed = ba.blocks_of(block, 2, torch.zeros(2, 1, 9, 9, dtype=torch.bool))
+    mask = torch.zeros(2, 1, 9, 9, dtype=torch.bool)
+    for r, row in enumerate(allowed.pieces):  # causal within the keys each piece may see
+        for p in row:
+            for q in range(p.start, p.stop):
+                for a, b in p.keys:
+                    mask[r, 0, q, a:min(b, q + 1)] = True
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 9, 4, generator=g) for _ in range(3))
+    return ba.blocks_of(block, 2, mask), mask, q, k, v
+
+
+def test_forward_by_pieces_equals_one_sdpa_call_every_row():
+    """block_attention_forward with transformers' sdpa as inner equals one sdpa call over the
+    whole rows with the whole mask, at every column (padding included), in both rows."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    pp, mask, q, k, v = _pieces_and_qkv()
+    module = torch.nn.Module()
+    module.is_causal = False
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.3)
+    out, weights = ba.block_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.3, packed_pieces=pp,
+                                              inner=sdpa_attention_forward)
+    assert weights is None and pp.used == 1 and out.shape == ref.shape == (2, 9, 2, 4)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+    # positional arguments (dropout, scaling) reach every piece's call too
+    out, _ = ba.block_attention_forward(module, q, k, v, mask, 0.0, 0.3, packed_pieces=pp,
+                                        inner=sdpa_attention_forward)
+    assert pp.used == 2
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+
+
+def test_another_mask_runs_the_inner_function_once():
+    """The pieces run only for the very mask they were cut from: an equal copy of it (a model
+    that rebuilt or changed its mask) gets one inner call over the whole row, unchanged."""
+    pp, mask, q, k, v = _pieces_and_qkv()
+    calls = []
+
+    def inner(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append((query.shape[2], key.shape[2], attention_mask, args, kwargs))
+        return "whole row", "weights"
+
+    other = mask.clone()
+    assert ba.block_attention_forward(None, q, k, v, other, 0.0, packed_pieces=pp, inner=inner,
+                                      scaling=0.5) == ("whole row", "weights")
+    assert pp.used == 0 and len(calls) == 1
+    assert calls[0][:2] == (9, 9) and calls[0][2] is other and calls[0][3:] == ((0.0,), {"scaling": 0.5})
+    assert ba.block_attention_forward(None, q, k, v, mask, packed_pieces=None, inner=inner)[0] == "whole row"
+    assert pp.used == 0 and len(calls) == 2
+
+
+def test_block_attention_restores_a_registered_sdpa_entry():
+    """A program that registered its own sdpa function gets it back (still registered) after
+    the block; without one the default entry is restored."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def custom(*args, **kwargs):
+        raise AssertionError("not called")
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = custom
+    try:
+        with ba.block_attention():
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"].keywords["inner"] is custom
+        assert _sdpa_entry() == (custom, True)
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert _sdpa_entry()[1] is False

@@ -127,8 +127,7 @@ def write_checkpoint(state: dict[str, Any], run_dir: str | os.PathLike, keep_las
     Raises:
         ValueError: ``keep_last < 1``.
     """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    _check_keep_last(keep_last)
     path = checkpoint_path(run_dir, int(state["step"]))
     atomic_torch_save(state, path)
     removed = False
@@ -138,6 +137,11 @@ def write_checkpoint(state: dict[str, Any], run_dir: str | os.PathLike, keep_las
     if removed:
         fsync_dir(path.parent)
     return path
+
+
+def _check_keep_last(keep_last: int) -> None:
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
@@ -157,8 +161,6 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     Raises:
         ValueError: ``keep_last < 1``.
     """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     state = checkpoint_state(step, model=model, optimizer=optimizer, scheduler=scheduler, data_state=data_state,
                              extra=extra, model_state=model_state)
     return write_checkpoint(state, run_dir, keep_last)
@@ -198,8 +200,7 @@ class CheckpointWriter:
             ValueError: ``keep_last < 1``.
             RuntimeError: the previous background write failed.
         """
-        if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        _check_keep_last(keep_last)  # here, not in the thread: the caller gets the error
         self.wait()
         state = checkpoint_state(step, **state_args)
         if not self.background:

@@ -322,3 +322,36 @@ def test_trainer_checkpoint_holds_the_scheduler_state(build_trainer, tmp_path):
     assert state["scheduler"] is not None
     assert state["scheduler"]["last_epoch"] == t.scheduler.last_epoch == 4
     assert state["scheduler"]["_last_lr"] == t.scheduler.get_last_lr()
+
+
+def test_tensor_bytes_counts_each_view_once():
+    w = torch.zeros(4, 8)
+    assert ckpt.tensor_bytes({"a": w, "b": w, "c": [torch.zeros(3, dtype=torch.float64)], "d": 5}) == 4 * 8 * 4 + 3 * 8
+
+
+def test_available_memory_reads_meminfo():
+    avail = ckpt.available_memory()
+    assert avail is None or avail > 0
+
+
+def test_a_copy_larger_than_half_the_free_memory_is_written_within_the_step(tmp_path, tiny_model, monkeypatch,
+                                                                            caplog):
+    """Where the CPU copy would take more than half of the available memory, the writer warns once
+    and writes synchronously from then on (no thread, no copy); with room it writes in the background."""
+    opt = _opt_and_model(tiny_model)
+    need = ckpt.tensor_bytes(ckpt.checkpoint_state(1, model=tiny_model, optimizer=opt, scheduler=None, data_state={}))
+    monkeypatch.setattr(ckpt, "available_memory", lambda: 2 * need)  # exactly half: fits
+    writer = CheckpointWriter(background=True)
+    writer.save(tmp_path, 1, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+    assert writer.background and writer._thread is not None
+    writer.wait()
+    monkeypatch.setattr(ckpt, "available_memory", lambda: 2 * need - 1)
+    monkeypatch.setattr(ckpt, "cpu_snapshot", lambda state: pytest.fail("no copy when it does not fit"))
+    with caplog.at_level("WARNING", logger="echotrain.train"):
+        path = writer.save(tmp_path, 2, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+        assert path.is_file() and writer.pending is None and not writer.background
+        writer.save(tmp_path, 3, model=tiny_model, optimizer=opt, scheduler=None, data_state={})
+    assert len([r for r in caplog.records if "async_save" in r.getMessage()]) == 1  # warned once
+    assert "more than half of the available memory" in caplog.text
+    monkeypatch.setattr(ckpt, "available_memory", lambda: None)  # unknown: background as configured
+    assert CheckpointWriter(background=True)._copy_fits({"w": torch.zeros(10)})

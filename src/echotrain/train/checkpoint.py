@@ -16,6 +16,7 @@ next ``save`` and ``wait`` join the one before and raise its error.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import random
 import threading
@@ -27,6 +28,8 @@ import torch
 
 from echotrain.atomic import fsync_dir
 from echotrain.runtime.checkpoints import latest_valid_checkpoint, list_checkpoints, load_checkpoint
+
+logger = logging.getLogger("echotrain.train")
 
 
 def rng_state() -> dict[str, Any]:
@@ -84,6 +87,11 @@ def checkpoint_state(step: int, *, model: torch.nn.Module, optimizer: torch.opti
     }
 
 
+def _view_key(x: torch.Tensor) -> tuple:
+    """What makes two tensors the same view: device, storage, offset, shape, strides, dtype."""
+    return (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype)
+
+
 def cpu_snapshot(obj: Any) -> Any:
     """A copy of ``obj`` that later in-place updates of its tensors cannot change: dicts, lists
     and tuples rebuilt, every tensor copied to CPU memory (detached, same dtype, shape and
@@ -95,8 +103,7 @@ def cpu_snapshot(obj: Any) -> Any:
 
     def snap(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            key = (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(),
-                   x.dtype) if x.numel() else None
+            key = _view_key(x) if x.numel() else None
             if key is not None and key in memo:
                 return memo[key]
             out = x.detach().to("cpu", copy=True)
@@ -115,6 +122,43 @@ def cpu_snapshot(obj: Any) -> Any:
         return copy.deepcopy(x)
 
     return snap(obj)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (dicts, lists and tuples searched; a storage shared by
+    several views counted once): what :func:`cpu_snapshot` of it allocates."""
+    seen: set[tuple] = set()
+    total = 0
+
+    def walk(x: Any) -> None:
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            key = _view_key(x)
+            if key not in seen:
+                seen.add(key)
+                total += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(obj)
+    return total
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system can give without swapping (Linux ``MemAvailable`` of
+    /proc/meminfo), or None where that is not known."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def write_checkpoint(state: dict[str, Any], run_dir: str | os.PathLike, keep_last: int = 1) -> Path:
@@ -166,6 +210,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     return write_checkpoint(state, run_dir, keep_last)
 
 
+#: the largest share of the available memory a background checkpoint's CPU copy may take
+MAX_COPY_SHARE = 0.5
+
+
 class CheckpointWriter:
     """Writes checkpoints, in a background thread when ``background`` (the ``async_save`` setting).
 
@@ -173,7 +221,9 @@ class CheckpointWriter:
     moment) and, in the background mode, copies it to CPU memory (:func:`cpu_snapshot`: memory of
     the checkpoint's size while the write lasts) and starts a thread that runs
     :func:`write_checkpoint` (``torch.save``, fsync, rename, keep-last-k), then returns; training
-    goes on meanwhile. At most one write runs: :meth:`save` first waits for the one before.
+    goes on meanwhile. At most one write runs: :meth:`save` first waits for the one before. When
+    the copy would take more than :data:`MAX_COPY_SHARE` of the available memory (a large model on
+    a small host), the writer warns once and writes within the step from then on.
     :meth:`wait` blocks until the write in flight is done; the trainer calls it before a run ends
     (also when it fails), so a run that raises still finishes the checkpoint it started. The thread
     is not a daemon: the interpreter waits for it at exit. A write that fails raises from the next
@@ -203,7 +253,7 @@ class CheckpointWriter:
         _check_keep_last(keep_last)  # here, not in the thread: the caller gets the error
         self.wait()
         state = checkpoint_state(step, **state_args)
-        if not self.background:
+        if not self.background or not self._copy_fits(state):
             return write_checkpoint(state, run_dir, keep_last)
         state = cpu_snapshot(state)
         path = checkpoint_path(run_dir, step)
@@ -218,6 +268,18 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=write, name=f"echotrain-checkpoint-{step}", daemon=False)
         self._thread.start()
         return path
+
+    def _copy_fits(self, state: dict[str, Any]) -> bool:
+        """Whether the CPU copy of ``state`` takes at most half of the available memory
+        (:func:`available_memory`; unknown: yes). If not, this and later checkpoints are written
+        within the step (``self.background`` turns False) and a warning says so once."""
+        need, avail = tensor_bytes(state), available_memory()
+        if avail is None or need <= avail * MAX_COPY_SHARE:
+            return True
+        logger.warning("async_save: a checkpoint's CPU copy (%.1f GB) would take more than half of the available "
+                       "memory (%.1f GB); checkpoints of this run are written within the step", need / 1e9, avail / 1e9)
+        self.background = False
+        return False
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is done.

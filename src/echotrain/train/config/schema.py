@@ -317,9 +317,10 @@ class TrainConfig:
     async_save: bool = _f(True, "Write checkpoints in a background thread: a checkpoint's states are copied to CPU "
                           "memory (as much memory as the file: 1.6 GB for the default job, model and AdamW states) "
                           "and training goes on while the copy is written, fsynced and renamed; one write at a "
-                          "time, and a run waits for it before it ends, also when it fails. false: write within the "
-                          "step (no extra memory). Either way the file is the old checkpoint or the complete new "
-                          "one.", group="outputs")
+                          "time, and a run waits for it before it ends, also when it fails. Where the copy would "
+                          "take more than half of the available memory the run warns once and writes within the "
+                          "step. false: write within the step (no extra memory). Either way the file is the old "
+                          "checkpoint or the complete new one.", group="outputs")
     save_final_model: bool = _f(True, "Also save the final policy with save_pretrained in <output_dir>/final_model.",
                                 group="outputs")
     log_samples: int = _f(4, "Completions written to samples.jsonl per step (with prompt, answer and reward), taken "

@@ -52,6 +52,23 @@ def make_model(tokenizer, seed: int = 0, hidden_size: int = 32, intermediate_siz
     return model
 
 
+class Killed(Exception):
+    """Raised by a :func:`kill_at` callback: a run stopped as by a SIGKILL."""
+
+
+def kill_at(step: int, before: Any = None):
+    """A trainer callback that raises :class:`Killed` at ``step``, after that step's metrics line
+    and before its checkpoint (calling ``before()`` first when given)."""
+
+    def callback(at: int, record: dict) -> None:
+        if at == step:
+            if before is not None:
+                before()
+            raise Killed
+
+    return callback
+
+
 def prefix_batch(vocab: int, seed: int = 0, shared_len: int = 6):
     """3 prompts sharing ``shared_len`` tokens (rests of 2, 4, 1), 6 rows (groups interleaved),
     responses of 1-6 tokens."""

@@ -11,6 +11,7 @@ import torch
 import echotrain.train.checkpoint as ckpt
 from echotrain.runtime.checkpoints import list_checkpoints, load_checkpoint
 from echotrain.train.checkpoint import CheckpointWriter, cpu_snapshot, save_checkpoint
+from tests.train.conftest import Killed, kill_at
 
 BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=8,
             num_mini_batches=2, lr=1e-2, temperature=1.0, device="cpu", progress=False, plots=False,
@@ -164,16 +165,8 @@ def test_a_failing_step_finishes_the_checkpoint_in_flight(build_trainer, tmp_pat
 
     monkeypatch.setattr(ckpt, "write_checkpoint", slow_write)
 
-    class Killed(Exception):
-        pass
-
-    def kill(step, record):
-        if step == 2:
-            release.set()
-            raise Killed
-
-    with pytest.raises(Killed):
-        build_trainer(BASE, "killed", save_every=1, callbacks=[kill]).train()
+    with pytest.raises(Killed):  # step 1's write starts only once step 2 has failed
+        build_trainer(BASE, "killed", save_every=1, callbacks=[kill_at(2, before=release.set)]).train()
     assert [p.name for p in list_checkpoints(tmp_path / "killed")] == ["step_00000001.pt"]
     assert load_checkpoint(tmp_path / "killed" / "checkpoints" / "step_00000001.pt")["step"] == 1
 

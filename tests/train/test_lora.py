@@ -15,6 +15,7 @@ from echotrain.train.config import ConfigError, resolve_config  # noqa: E402
 from echotrain.runtime.lora import reference_policy  # noqa: E402
 from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES  # noqa: E402
 from echotrain.runtime.rollout import forward_log_probs, generate_rollouts  # noqa: E402
+from tests.train.conftest import Killed, kill_at
 
 BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=8,
             num_mini_batches=2, lr=2e-2, device="cpu", progress=False, plots=False, save_final_model=False,
@@ -68,15 +69,8 @@ def test_only_adapters_change_and_reference_is_the_base_model(lora_run, tiny_tok
 def test_lora_checkpoint_holds_adapters_and_resume_is_exact(lora_run):
     _, full = lora_run("full", steps=4)
 
-    class Killed(Exception):
-        pass
-
-    def kill_at_3(step, record):
-        if step == 3:
-            raise Killed
-
     with pytest.raises(Killed):
-        lora_run("killed", steps=4, callbacks=[kill_at_3])
+        lora_run("killed", steps=4, callbacks=[kill_at(3)])
     trainer, resumed = lora_run("killed", steps=4, resume=True)
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith(NONDETERMINISTIC_PREFIXES)}  # noqa: E731
     assert [strip(r) for r in resumed] == [strip(r) for r in full]

@@ -21,6 +21,7 @@ from echotrain.train.lag import STALENESS_METRICS, LaggedRollouts, StalenessMism
 from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES, read_jsonl
 from echotrain.runtime.rollout import RolloutBatch, forward_log_probs
 from echotrain.train.step import StepData
+from tests.train.conftest import Killed, kill_at
 
 BASE = dict(steps=4, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=4,
             num_mini_batches=2, lr=1e-2, temperature=1.0, device="cpu", progress=False, plots=False,
@@ -275,17 +276,10 @@ def test_every_loss_trains_with_a_lag(run_trainer, loss_mode):
 def test_lora_with_a_lag_resumes_exactly(run_trainer, tmp_path):
     pytest.importorskip("peft")
 
-    class Killed(Exception):
-        pass
-
-    def kill_at_3(step, record):
-        if step == 3:
-            raise Killed
-
     over = dict(BASE, lora_r=4, lora_alpha=8, staleness=2, save_every=2, keep_last=2)
     _, full = run_trainer(over, "full")
     with pytest.raises(Killed):
-        run_trainer(over, "killed", callbacks=[kill_at_3])
+        run_trainer(over, "killed", callbacks=[kill_at(3)])
     ck = load_checkpoint(latest_checkpoint(tmp_path / "killed"))
     assert all("lora_" in k for k in ck["model"])  # the model part is the adapters; no weight snapshots
     assert [t for t, _ in ck["extra"]["rollouts"]["queue"]] == [3, 4]
@@ -389,17 +383,10 @@ def test_kill_and_resume_with_a_lag_is_exact(run_trainer, tmp_path):
     """The short version of the SIGKILL test: the run stops after step 3's metrics (before its
     checkpoint), the resume from the step-2 checkpoint (with its queue) gives the full run."""
 
-    class Killed(Exception):
-        pass
-
-    def kill_at_3(step, record):
-        if step == 3:
-            raise Killed
-
     over = dict(BASE, staleness=2, save_every=2, keep_last=1, steps=5)
     _, full = run_trainer(over, "full")
     with pytest.raises(Killed):
-        run_trainer(over, "killed", callbacks=[kill_at_3])
+        run_trainer(over, "killed", callbacks=[kill_at(3)])
     trainer, resumed = run_trainer(over, "killed", resume=True)
     assert trainer.start_step == 2 and strip(resumed) == strip(full)
     a = load_checkpoint(latest_checkpoint(tmp_path / "full"))["model"]

@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES, read_jsonl
+from tests.train.conftest import Killed, kill_at
 
 BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=4,
             num_mini_batches=2, lr=1e-2, temperature=1.0, device="cpu", progress=False, plots=False,
@@ -67,15 +68,8 @@ def test_kill_and_resume_gives_identical_metrics(run, tmp_path, tiny_tokenizer, 
     over = dict(steps=4, save_every=2, keep_last=2, preset="echo")
     _, full = run("full", **over)
 
-    class Killed(Exception):
-        pass
-
-    def kill_at_3(step, record):
-        if step == 3:  # after step 3's metrics line, before its checkpoint: like a SIGKILL there
-            raise Killed
-
-    with pytest.raises(Killed):
-        run("killed", callbacks=[kill_at_3], **over)
+    with pytest.raises(Killed):  # after step 3's metrics line, before its checkpoint: like a SIGKILL there
+        run("killed", callbacks=[kill_at(3)], **over)
     assert [r["step"] for r in read_jsonl(tmp_path / "killed" / "metrics.jsonl")] == [1, 2, 3]
     trainer, resumed = run("killed", resume=True, **over)
     assert trainer.start_step == 2

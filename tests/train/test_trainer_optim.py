@@ -13,6 +13,7 @@ from echotrain.optim import LateSAM
 from echotrain.train.config import ConfigError, resolve_config
 from echotrain.train.metrics import NONDETERMINISTIC_PREFIXES, read_jsonl
 from echotrain.train.trainer import Trainer
+from tests.train.conftest import Killed, kill_at
 
 BASE = dict(steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=8, micro_batch_size=8,
             num_mini_batches=2, lr=1e-2, temperature=1.0, device="cpu", progress=False, plots=False,
@@ -150,15 +151,6 @@ def test_late_sam_resume_across_the_switch_is_exact(make_trainer, tmp_path):
     over = dict(steps=4, optimizer="late_sam", sam_start=0.375, save_every=1, keep_last=4)
     full = make_trainer("full", **over).train()
 
-    class Killed(Exception):
-        pass
-
-    def kill_at(n):
-        def cb(step, record):
-            if step == n:  # after the metrics line, before the checkpoint
-                raise Killed
-        return cb
-
     with pytest.raises(Killed):
         make_trainer("killed", callbacks=[kill_at(2)], **over).train()
     t = make_trainer("killed", resume=True, callbacks=[kill_at(3)], **over)
@@ -241,15 +233,8 @@ def test_resume_takes_adam_fused_from_the_setting(make_trainer, saved, resumed):
     full = make_trainer("full", adam_fused=saved, **over)
     full.train()
 
-    class Killed(Exception):
-        pass
-
-    def kill(step, record):
-        if step == 2:
-            raise Killed
-
     with pytest.raises(Killed):
-        make_trainer("killed", adam_fused=saved, callbacks=[kill], **over).train()
+        make_trainer("killed", adam_fused=saved, callbacks=[kill_at(2)], **over).train()
     t = make_trainer("killed", resume=True, adam_fused=resumed, **over)
     assert t.start_step == 1
     assert bool(t.optimizer.param_groups[0]["fused"]) is resumed

@@ -8,7 +8,8 @@ to disk (``fsync``), renamed over the final name and the folder fsynced, so a ru
 moment (or a power loss) leaves either the old or the new checkpoint, never a torn one.
 
 :class:`CheckpointWriter` (the trainer's, ``async_save``) does the writing in a background thread:
-``save`` copies the states to CPU memory (:func:`cpu_snapshot`, ~0.1 s a GB) and returns, and
+``save`` copies the states to CPU memory (:func:`cpu_snapshot`; 0.4-1.1 s for the 1.6 GB of the
+default job on a 2-core CPU) and returns, and
 training goes on while the copy is serialised, fsynced and renamed; one write at a time, and the
 next ``save`` and ``wait`` join the one before and raise its error.
 """

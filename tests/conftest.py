@@ -42,7 +42,7 @@ def testbed_cache(tmp_path_factory) -> Path:
     inherit it); returns the root."""
     import json
 
-    from echotrain.models.gguf import default_cache_dir
+    from echotrain.cache import default_cache_dir
     from echotrain.models.looped import LoopedTransformer
     from echotrain.models.testbed import TestbedConfig, testbed_dir
 

@@ -149,3 +149,62 @@ def test_the_walk_finds_lazy_and_type_checking_cycles(tmp_path):
     graph = import_graph(pkg)
     assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.a"} and graph["pkg.f"] == {"pkg.g"}
     assert sorted(cycles(graph)) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"], ["pkg.f", "pkg.g"]]
+
+
+#: the floors of the house (docs/design/architecture.md), lowest first: a module imports only from
+#: its own floor or below. Floor 0 is every top-level module (``echotrain.errors``,
+#: ``echotrain.cache``, ``echotrain.atomic``, ``echotrain.registry`` ...) and the package itself.
+FLOORS = (
+    ("<top-level modules>",),
+    ("echotrain.rl", "echotrain.optim", "echotrain.roofline"),
+    ("echotrain.rewards",),
+    ("echotrain.tasks",),
+    ("echotrain.models",),
+    ("echotrain.runtime",),
+    ("echotrain.evalsuite", "echotrain.experiments", "echotrain.integrations"),
+    ("echotrain.train",),
+    ("echotrain.compare",),
+    ("echotrain.cli",),
+)
+
+
+def floor_of(module: str, root: Path = SRC) -> int:
+    """The floor (index into :data:`FLOORS`) of a module of the tree; a top-level module that is
+    not a package (``echotrain.errors``) is floor 0, except the CLI, which is the roof."""
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    for i, names in enumerate(FLOORS):
+        if top in names:
+            return i
+    if len(parts) <= 2 and not (root / parts[-1]).is_dir():
+        return 0
+    raise AssertionError(f"{module}: a package on no floor; add it to FLOORS (and to architecture.md)")
+
+
+def arrows_up(graph: dict[str, set[str]], root: Path = SRC) -> list[tuple[str, str]]:
+    """Every import from a module to one on a higher floor."""
+    return sorted((m, d) for m, deps in graph.items() for d in deps if floor_of(d, root) > floor_of(m, root))
+
+
+def test_no_arrow_points_up():
+    """rewards/custom.py raised runtime's ConfigError and roofline/peaks.py asked models for the
+    cache folder: both now come from the ground floor (echotrain.errors, echotrain.cache)."""
+    graph = import_graph(SRC)
+    assert floor_of("echotrain.errors") == floor_of("echotrain.cache") == 0 < floor_of("echotrain.rewards.custom")
+    assert "echotrain.errors" in graph["echotrain.rewards.custom"]  # the walk sees its lazy import
+    assert "echotrain.cache" in graph["echotrain.roofline.peaks"]
+    assert arrows_up(graph) == []
+
+
+def test_an_arrow_planted_up_is_found(tmp_path):
+    """The check itself, on a copy of the tree with today's two old arrows planted back."""
+    import shutil
+
+    root = tmp_path / "echotrain"
+    shutil.copytree(SRC, root, ignore=shutil.ignore_patterns("__pycache__", "*.pt", "*.json", "*.gguf"))
+    with open(root / "rewards" / "custom.py", "a") as fh:
+        fh.write("\n\ndef _planted():\n    from echotrain.runtime.preflight import check_model\n")
+    with open(root / "roofline" / "peaks.py", "a") as fh:
+        fh.write("\nfrom echotrain.models import gguf as _planted\n")
+    assert arrows_up(import_graph(root), root) == [("echotrain.rewards.custom", "echotrain.runtime.preflight"),
+                                                   ("echotrain.roofline.peaks", "echotrain.models.gguf")]

@@ -5,8 +5,8 @@ Layers (a module imports only from its own layer or below):
 * ``echotrain.rl``       pure tensor math of RL objectives (advantages, losses, aggregation, KL,
                          shaping, exact micro-batch statistics).
 * ``echotrain.optim``    optimizers by name (AdamW with 4-bit states, SAM, late-phase SAM), LR
-                         schedules, Hessian eigenvalue / trace / SAM sharpness (``optim.sharpness``,
-                         also importable as ``echotrain.sharpness``).
+                         schedules, Hessian eigenvalue / trace / SAM sharpness
+                         (``echotrain.optim.sharpness``).
 * ``echotrain.models``   model loading (Hugging Face, the embedded GGUF default) and our own
                          models (the looped transformer).
 * ``echotrain.tasks`` / ``echotrain.rewards``  prompts, answers and verifiable rewards.

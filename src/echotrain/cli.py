@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print("echotrain: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        from echotrain.runtime.errors import ConfigError
+        from echotrain.errors import ConfigError
 
         if not isinstance(exc, ConfigError):
             raise

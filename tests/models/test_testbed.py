@@ -119,3 +119,38 @@ def test_cli_builds_with_overrides_and_load_policy_routes_testbed(tmp_path, caps
     seen = {}
     monkeypatch.setattr(tb, "load_testbed", lambda **kw: seen.update(kw) or ("model", "tok"))
     assert load_policy("testbed", cache_dir=tmp_path) == ("model", "tok") and seen["cache_dir"] == tmp_path
+
+
+def test_a_forced_rebuild_swaps_the_folder_without_a_gap(tmp_path, monkeypatch):
+    """``ensure_testbed(force=True)`` over a cached folder: the live folder is never deleted (it
+    was ``rmtree(final)`` then ``os.replace``: between them no folder existed), every removal or
+    rename finds a complete folder there, and the new build ends up in place."""
+    import os
+    import shutil
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the gap-free swap is Linux's renameat2 exchange (elsewhere: one rename's gap)")
+    builds = iter([1, 2])
+
+    def fake_build(cfg, log=None, cache_dir=None):
+        return torch.nn.Linear(1, 1), {"build": next(builds), "steps": 1, "accuracy": 0.0, "seconds": 0.0}
+
+    monkeypatch.setattr(tb, "build_testbed", fake_build)
+    final = ensure_testbed(TINY, cache_dir=tmp_path)
+    assert json.loads((final / "testbed.json").read_text())["build"] == 1
+    seen = []
+    for mod, name in ((shutil, "rmtree"), (os, "rename"), (os, "replace")):
+        real = getattr(mod, name)
+
+        def spy(path, *args, _real=real, _name=name, **kwargs):
+            seen.append((_name, str(path), (final / "testbed.json").is_file()))
+            return _real(path, *args, **kwargs)
+
+        monkeypatch.setattr(mod, name, spy)
+    assert ensure_testbed(TINY, cache_dir=tmp_path, force=True) == final
+    monkeypatch.undo()
+    assert json.loads((final / "testbed.json").read_text())["build"] == 2
+    assert [s for s in seen if s[1] == str(final) and s[0] == "rmtree"] == []
+    assert [s for s in seen if not s[2]] == []
+    assert sorted(p.name for p in final.parent.iterdir()) == [final.name, f"{final.name}.lock"]

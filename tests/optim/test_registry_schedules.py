@@ -110,14 +110,24 @@ def test_trainer_lr_lambda_uses_the_schedule():
 
 def test_old_import_paths_still_work():
     import echotrain.optim.schedules as schedules
-    import echotrain.sharpness
-    from echotrain.optim import sharpness
 
     assert schedules.LateSAM is LateSAM and schedules.resolve_sam_start(2) == 2
-    assert echotrain.sharpness is sharpness
-    from echotrain.sharpness import top_hessian_eigenvalue
 
-    assert top_hessian_eigenvalue is sharpness.top_hessian_eigenvalue
+
+def test_sharpness_has_one_import_path():
+    """``echotrain.optim.sharpness`` only: the ``echotrain.sharpness`` alias module is gone, and
+    no document names it."""
+    import importlib.util
+    from pathlib import Path
+
+    from echotrain.optim import sharpness
+
+    assert importlib.util.find_spec("echotrain.sharpness") is None
+    assert callable(sharpness.top_hessian_eigenvalue)
+    root = Path(__file__).resolve().parents[2]
+    docs = [root / "README.md", *(root / "docs").rglob("*.md"), *(root / "src").rglob("*.py"),
+            *(root / "benchmarks").rglob("*.py")]
+    assert [str(d) for d in docs if "echotrain.sharpness" in d.read_text(encoding="utf-8")] == []
 
 
 def _adamw_step(opt, params, grad=1.0):

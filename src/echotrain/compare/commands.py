@@ -17,7 +17,7 @@ import argparse
 import signal
 import sys
 
-from echotrain.runtime.errors import ConfigError
+from echotrain.errors import ConfigError
 
 EPILOG = """\
 CONFIG.yaml: name, output_dir, seeds (N or [list]: exploration), confirm_seeds (N or [list]: the

@@ -97,7 +97,7 @@ def run_suite_command(args: argparse.Namespace) -> int:
         return fail(f"--k {args.k!r} must be comma-separated integers")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else SUITE_MAX_NEW_TOKENS
     from echotrain.runtime import preflight
-    from echotrain.runtime.errors import ConfigError
+    from echotrain.errors import ConfigError
 
     try:
         _check_settings(args.n, ks, args.temperature, args.top_p, max_new, args.batch_size)

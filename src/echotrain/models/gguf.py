@@ -10,8 +10,9 @@ Conversion (first call, ~20 s on one core): ``transformers`` reads the GGUF file
 every tensor (Q4_1 / Q8_0 -> float32); we copy the weights into a fresh ``LlamaForCausalLM``
 built from the config without ``quantization_config`` (a plain, trainable model) and save
 model + tokenizer (with its chat template) as safetensors to
-``<cache>/models/<name>`` through a temporary folder and ``os.rename`` (atomic: a crash or a
-concurrent loader never sees a half-written folder). Later calls load that folder (~1 s).
+``<cache>/models/<name>`` through a temporary folder swapped into place
+(``echotrain.atomic.replace_dir``, atomic: a crash or a concurrent loader never sees a
+half-written folder). Later calls load that folder (~1 s).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from echotrain.atomic import replace_dir
+from echotrain.cache import default_cache_dir  # re-exported: models.default_cache_dir is public
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -69,12 +73,6 @@ _STAMP = "echotrain_source.json"
 def embedded_model_names() -> list[str]:
     """Names accepted by ``load_embedded`` / ``load_policy`` for the embedded models."""
     return sorted(EMBEDDED_MODELS)
-
-
-def default_cache_dir() -> Path:
-    """``$ECHOTRAIN_CACHE`` if set, else ``~/.cache/echotrain``."""
-    env = os.environ.get("ECHOTRAIN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "echotrain"
 
 
 def _spec(name: str) -> EmbeddedModel:
@@ -171,12 +169,8 @@ def _cached_conversion(gguf_path: Path, folder_name: str, stamp: dict, cache_dir
         (tmp / _STAMP).write_text(json.dumps(stamp, indent=1))  # written last: marks completion
         if _stamp_matches(final, stamp):  # another process finished first
             return final
-        if final.exists():  # stale: move it aside, then swap in
-            old = Path(tempfile.mkdtemp(prefix=f".{folder_name}-old-", dir=final.parent))
-            os.rename(final, old / folder_name)
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.rename(tmp, final)
+        try:  # a stale folder is swapped out, never deleted first (echotrain.atomic.replace_dir)
+            replace_dir(tmp, final)
         except OSError:
             if not _stamp_matches(final, stamp):  # lost a race to an equally complete folder is fine
                 raise

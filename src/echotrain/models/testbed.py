@@ -58,6 +58,7 @@ from typing import Any, Iterator
 
 import torch
 
+from echotrain.atomic import replace_dir
 from echotrain.models.byte_tokenizer import ByteTokenizer
 from echotrain.models.looped import LoopedConfig, LoopedTransformer
 from echotrain.optim.schedules import warmup_decay
@@ -197,7 +198,7 @@ def testbed_key(config: TestbedConfig) -> str:
 
 def testbed_dir(config: TestbedConfig | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
     """The cache folder of ``config``: ``<cache_dir or $ECHOTRAIN_CACHE or ~/.cache/echotrain>/testbed/<key>``."""
-    from echotrain.models.gguf import default_cache_dir
+    from echotrain.cache import default_cache_dir
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return root / "testbed" / testbed_key(config or TestbedConfig())
@@ -373,8 +374,9 @@ def ensure_testbed(config: TestbedConfig | None = None, *, cache_dir: str | os.P
                    force: bool = False, log: Any = None) -> Path:
     """The cache folder of ``config``, building it first if absent (or ``force``).
 
-    Atomic: the model is written to a temporary folder next to the final one and renamed into
-    place; a file lock makes concurrent callers wait for one build instead of repeating it.
+    Atomic: the model is written to a temporary folder next to the final one and swapped into
+    place (:func:`echotrain.atomic.replace_dir`: an old folder of ``force`` is exchanged, not
+    deleted first, so a reader or a kill never finds no folder); a file lock makes concurrent callers wait for one build instead of repeating it.
     """
     cfg = config or TestbedConfig()
     final = testbed_dir(cfg, cache_dir)
@@ -393,9 +395,7 @@ def ensure_testbed(config: TestbedConfig | None = None, *, cache_dir: str | os.P
             torch.save(model.state_dict(), tmp / "model.pt")
             report["key"] = final.name
             (tmp / "testbed.json").write_text(json.dumps(report, indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_dir(tmp, final)  # an old folder is swapped out, never first deleted
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

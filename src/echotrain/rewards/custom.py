@@ -31,9 +31,9 @@ def load_reward(spec: str) -> Callable[[str, Any], float]:
     ``my_reward.py`` next to where the command runs.
 
     Raises:
-        echotrain.runtime.errors.ConfigError: bad spec, module not importable, no such callable.
+        echotrain.errors.ConfigError: bad spec, module not importable, no such callable.
     """
-    from echotrain.runtime.errors import ConfigError
+    from echotrain.errors import ConfigError
 
     module_name, sep, attr = str(spec).partition(":")
     if not sep or not module_name or not attr:

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from echotrain.atomic import atomic_write_json
+
 #: environment variable: ``GEMM_FLOPS,MEM_BYTES`` to use instead of measuring, or ``off``
 PEAKS_ENV = "ECHOTRAIN_ROOFLINE_PEAKS"
 
@@ -163,7 +165,7 @@ def machine_peaks(dtype: torch.dtype, device: torch.device, threads: int | None 
     if env:
         return _from_env(env, machine, dname, threads)
     if cache_dir is None:
-        from echotrain.models import default_cache_dir
+        from echotrain.cache import default_cache_dir
 
         cache_dir = default_cache_dir()
     path = Path(cache_dir) / "roofline" / f"{machine}-{dname}-t{threads}.json"
@@ -189,12 +191,9 @@ def machine_peaks(dtype: torch.dtype, device: torch.device, threads: int | None 
         flops, bw, count = max(flops, old[0]), max(bw, old[1]), old[3] + 1
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"gemm_flops_per_s": flops, "mem_bytes_per_s": bw, "measured_at": stamp,
-                                   "measurements": count, "machine": machine, "dtype": dname, "threads": threads,
-                                   "torch": torch.__version__}, indent=2) + "\n")
-        os.replace(tmp, path)
+        atomic_write_json(path, {"gemm_flops_per_s": flops, "mem_bytes_per_s": bw, "measured_at": stamp,
+                                 "measurements": count, "machine": machine, "dtype": dname, "threads": threads,
+                                 "torch": torch.__version__})
         where = f"measured {stamp}, best of {count} measurement(s), cached in {path}"
     except OSError:
         where = f"measured {stamp} (cache {path} not writable)"

@@ -4,7 +4,6 @@
 eval`` (:mod:`echotrain.train.commands` for ``--task``, :mod:`echotrain.evalsuite` for suites) run
 a policy the same way; that shared part lives here, one job per module:
 
-- :mod:`~echotrain.runtime.errors`         ``ConfigError``: a bad setting (the CLI's exit 2)
 - :mod:`~echotrain.runtime.preflight`      checks of settings, devices, threads, paths before a model loads
 - :mod:`~echotrain.runtime.precision`      the ``autocast`` setting: resolution per device, the context
 - :mod:`~echotrain.runtime.rollout`        batched generation, response masks, log-probs of response tokens
@@ -15,5 +14,6 @@ a policy the same way; that shared part lives here, one job per module:
 - :mod:`~echotrain.runtime.sampling_stats` unbiased pass@k and the greedy-samples check of evaluation
 
 Nothing here imports :mod:`echotrain.train`, :mod:`echotrain.evalsuite` or :mod:`echotrain.cli`
-(tests/test_import_graph.py). Heavy imports (transformers, peft) happen inside the functions.
+(tests/test_import_graph.py); ``ConfigError`` (a bad setting, the CLI's exit 2) is
+:mod:`echotrain.errors`, on the ground floor. Heavy imports (transformers, peft) happen inside the functions.
 """

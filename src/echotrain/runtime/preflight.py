@@ -30,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from echotrain.runtime.errors import ConfigError
+from echotrain.errors import ConfigError
 
 __all__ = ["affinity_cores", "check_device", "check_eval_model", "check_model", "check_output_dir", "check_resume",
            "check_task", "check_threads", "check_writable", "cpu_cores", "hub_reachable"]

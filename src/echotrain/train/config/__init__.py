@@ -19,7 +19,7 @@ One module per job, all re-exported here:
 - :mod:`~echotrain.train.config.help`      ``echotrain train --help``'s option reference
 """
 
-from echotrain.runtime.errors import ConfigError
+from echotrain.errors import ConfigError
 from echotrain.train.config.schema import BALANCED_SUFFIX, FIELDS, TrainConfig
 from echotrain.train.config.coerce import COERCERS, coerce
 from echotrain.train.config.validate import preset_names, registry_choices, unknown_value_msg, validate

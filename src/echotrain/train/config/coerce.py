@@ -31,7 +31,7 @@ from typing import Any, Callable, Literal, Union
 
 import yaml
 
-from echotrain.runtime.errors import ConfigError
+from echotrain.errors import ConfigError
 from echotrain.train.config.schema import TrainConfig
 
 #: A converter: the raw value -> the typed value; raises ValueError or TypeError when it does not fit.

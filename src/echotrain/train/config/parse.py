@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from echotrain.runtime.errors import ConfigError
+from echotrain.errors import ConfigError
 from echotrain.train.config.coerce import coerce
 from echotrain.train.config.schema import BALANCED_SUFFIX, FIELDS, TrainConfig
 from echotrain.train.config.validate import preset_names, unknown_value_msg, validate

@@ -12,7 +12,7 @@ import math
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
-from echotrain.runtime.errors import ConfigError
+from echotrain.errors import ConfigError
 from echotrain.train.config.schema import BALANCED_SUFFIX
 
 if TYPE_CHECKING:

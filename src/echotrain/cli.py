@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     the command line adds the traceback, still exit 2), 130 interrupted (Ctrl-C).
     """
     set_omp_wait_policy()
+    from echotrain.lifeline import watch_parent
+
+    watch_parent()  # started by `echotrain compare`: end with it (a no-op otherwise)
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]

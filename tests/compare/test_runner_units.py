@@ -72,3 +72,15 @@ def test_a_second_driver_is_refused(cell, tmp_path):
     finally:
         held.close()
     runner.lock_comparison(cell.run_dir.parents[1]).close()  # free again
+
+
+def test_a_cell_another_process_writes_is_left_alone(cell, monkeypatch):
+    """``run_cells`` checks every cell's run lock before preparing any: a held one raises
+    ``CellBusy`` naming the cell and the pid, and its partial logs stay."""
+    write_metrics(cell, [1, 2])
+    monkeypatch.setattr(runner, "lock_holder", lambda run_dir: 4321 if run_dir == cell.run_dir else None)
+    spec = load_spec(None, [], data={"output_dir": str(cell.run_dir.parents[1]), "seeds": 1,
+                                     "base": {"steps": 3, "model": "m"}, "arms": {"echo": {"preset": "echo"}}})
+    with pytest.raises(runner.CellBusy, match=r"cell echo__s0: .* is being written by process 4321 .*kill 4321"):
+        runner.run_cells(spec, [cell], log=lambda m: None)
+    assert (cell.run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'

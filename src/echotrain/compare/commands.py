@@ -147,7 +147,7 @@ def run_compare(args: argparse.Namespace) -> int:
         return 0
 
     from echotrain.compare.config import expand_cells, load_spec
-    from echotrain.compare.runner import ComparisonBusy, cell_status, check_cell_config, run_cells, write_plan
+    from echotrain.compare.runner import CellBusy, ComparisonBusy, cell_status, check_cell_config, run_cells, write_plan
 
     try:
         spec = load_spec(args.config, args.rest)
@@ -192,7 +192,7 @@ def run_compare(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("echotrain compare: interrupted; re-run the same command to resume", file=sys.stderr)
         return 130
-    except ComparisonBusy as exc:
+    except (ComparisonBusy, CellBusy) as exc:
         print(f"echotrain compare: error: {exc}", file=sys.stderr)
         return 2
     failed = {k: v for k, v in outcomes.items() if v.startswith("failed")}

@@ -16,6 +16,13 @@ output keys) is an error: delete it or use another ``output_dir``.
 Cells run as subprocesses (``python -m echotrain.cli train ...``), ``jobs`` at a time, with
 ``OMP_NUM_THREADS`` etc. set to the cell's ``num_threads`` and an optional ``nice`` increment;
 each writes ``train.log`` in its run directory.
+
+One writer per cell: a cell dies with the driver that started it (:mod:`echotrain.lifeline`:
+Linux's parent-death signal, else a watcher thread in the cell), so ``kill -9`` of ``echotrain
+compare`` leaves no orphan; and the training process holds its run directory's lock
+(:mod:`echotrain.train.run_lock`), so a cell that another process is writing (an orphan of an
+older driver, a hand-started ``echotrain train --resume``) is refused with that process's pid
+before anything in its directory changes (:class:`CellBusy`).
 """
 
 from __future__ import annotations
@@ -31,9 +38,12 @@ from typing import Any, Sequence
 import yaml
 
 from echotrain.compare.config import Cell, CompareSpec
+from echotrain.errors import ConfigError
+from echotrain.lifeline import child_env, child_preexec
 from echotrain.runtime.checkpoints import latest_checkpoint
 from echotrain.train.config import save_config
 from echotrain.train.metrics import read_jsonl
+from echotrain.train.run_lock import LOCK_FILE, lock_holder
 
 #: keys that may differ between a cell's saved config and the comparison's without it being a different run
 _MUTABLE_KEYS = ("steps", "output_dir", "progress", "num_threads", "plots", "tensorboard", "wandb", "wandb_project",
@@ -75,10 +85,31 @@ def cell_command(cell: Cell, status: str, python: str | None = None) -> list[str
     return exe + ["--config", str(cell.run_dir / "config.yaml")]
 
 
+class CellBusy(ConfigError):
+    """A cell's run directory is being written by another process (it holds the run lock)."""
+
+
+def check_cell_free(cell: Cell) -> None:
+    """Raise :class:`CellBusy` when another process holds the cell's run directory lock
+    (:mod:`echotrain.train.run_lock`): the message names the cell, the holder's pid and the lock."""
+    pid = lock_holder(cell.run_dir)
+    if pid is not None:
+        who = f"process {pid}" if pid else "another process (pid not yet written)"
+        raise CellBusy(f"cell {cell.name}: {cell.run_dir} is being written by {who} (lock "
+                       f"{cell.run_dir / LOCK_FILE}); a second writer would interleave its metrics and "
+                       f"checkpoints: wait for it or stop it{f' (kill {pid})' if pid else ''}, then re-run")
+
+
 def prepare_cell(cell: Cell) -> str:
-    """Check the cell, write its ``config.yaml`` and ``cell.json``, clean partial logs of a ``new``
-    cell; return its status."""
+    """Check the cell (another run's config, another writer), write its ``config.yaml`` and
+    ``cell.json``, clean partial logs of a ``new`` cell; return its status.
+
+    Raises:
+        ValueError: the run directory holds a run of another configuration.
+        CellBusy: another process is writing the run directory (nothing is changed).
+    """
     check_cell_config(cell)
+    check_cell_free(cell)
     status = cell_status(cell)
     if status == "done":
         return status
@@ -93,7 +124,9 @@ def prepare_cell(cell: Cell) -> str:
 
 
 def _env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
+    """The cell's environment: thread counts, this echotrain first on ``PYTHONPATH``, and the
+    driver's pid for the cell's parent watch (:func:`echotrain.lifeline.watch_parent`)."""
+    env = child_env(dict(os.environ))
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
         env[var] = str(threads)
     env["TOKENIZERS_PARALLELISM"] = "false"
@@ -103,9 +136,8 @@ def _env(threads: int) -> dict[str, str]:
 
 
 def _preexec(nice: int):
-    if not nice:
-        return None
-    return lambda: os.nice(nice)
+    """The cells' ``preexec_fn``: die with this process (Linux ``PR_SET_PDEATHSIG``), then ``nice``."""
+    return child_preexec(nice)
 
 
 def suite_available() -> bool:
@@ -200,16 +232,21 @@ def lock_comparison(output_dir: Path):
 def run_cells(spec: CompareSpec, cells: Sequence[Cell], jobs: int = 1, nice: int = 0,
               log=print) -> dict[str, str]:
     """Run the cells that are not done, ``jobs`` at a time; returns ``{cell name: outcome}``
-    (``done before``, ``ok``, ``failed (exit N, see train.log)``).
+    (``done before``, ``ok``, ``failed (exit N, see train.log)``). Every cell is checked before
+    any starts. Call it from a thread that outlives the cells (the parent-death signal follows the
+    thread that started them).
 
     Raises:
         ComparisonBusy: another local driver is running this comparison.
+        CellBusy: another process is writing one of the cells (none is started).
     """
     if jobs < 1:
         raise ValueError(f"jobs={jobs!r} must be >= 1")
     _lock = lock_comparison(spec.output_dir)  # noqa: F841 - held until return
     outcomes: dict[str, str] = {}
     queue: list[tuple[Cell, str]] = []
+    for c in cells:  # before any cell is prepared or started
+        check_cell_free(c)
     for c in cells:
         status = prepare_cell(c)
         if status == "done":

@@ -94,6 +94,12 @@ def run_train(args: argparse.Namespace) -> int:
     try:  # every path, device and resume state, before a model is loaded or anything is written
         preflight.check_threads(cfg.num_threads)
         preflight.check_device(cfg.device)
+        if cfg.output_dir:  # another process writing the run directory: name it (train/run_lock.py)
+            from echotrain.train.run_lock import RunDirBusy, lock_holder
+
+            holder = lock_holder(cfg.output_dir)
+            if holder is not None:
+                raise RunDirBusy(cfg.output_dir, holder)
         if args.resume is not None:
             from echotrain.runtime.checkpoints import checkpoint_step
 
@@ -129,11 +135,13 @@ def run_train(args: argparse.Namespace) -> int:
     from echotrain.train.dist import WorldSizeMismatch
     from echotrain.train.async_rollouts import AsyncUnsupported, RolloutWorkerError
     from echotrain.train.lag import StalenessMismatch
+    from echotrain.train.run_lock import RunDirBusy
 
     try:
         trainer = Trainer(cfg, task=task, resume=args.resume is not None)
-    except (OSError, WorldSizeMismatch, StalenessMismatch, AsyncUnsupported) as exc:  # a hub id that passed the checks but does
-        # not exist; a resume with another number of processes or another staleness
+    except (OSError, WorldSizeMismatch, StalenessMismatch, AsyncUnsupported, RunDirBusy) as exc:  # a hub id that passed the checks but does
+        # not exist; a resume with another number of processes or another staleness; another
+        # process writing the run directory (exit 2, before the model loads)
         if getattr(args, "debug", False):
             raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)

@@ -40,6 +40,7 @@ from echotrain.train.collect import Collector, PromptStream, default_reward_fn
 from echotrain.train.config import TrainConfig, save_config
 from echotrain.train.dist import init_distributed, rank_seed
 from echotrain.train.lag import LaggedRollouts
+from echotrain.train.run_lock import lock_run_dir
 from echotrain.train.features import prepare_policy
 from echotrain.runtime.lora import is_lora, model_state, reference_policy, save_final_model
 from echotrain.train.no_signal import ALL_ZERO_VARIANCE, NoSignalWatch, all_zero_variance
@@ -112,6 +113,9 @@ class Trainer:
         if self.dist.enabled and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", self.dist.local_rank)
         self.run_dir = Path(self.dist.broadcast(str(cfg.output_dir or default_run_dir(cfg))))
+        #: rank 0's hold on the run directory (train/run_lock.py): a second writer is refused before
+        #: a model loads; released when train() returns
+        self._run_lock = lock_run_dir(self.run_dir) if self.dist.is_main else None
         self.callbacks = list(callbacks)
         seed_everything(cfg.seed)
         dtype = getattr(torch, cfg.dtype)
@@ -387,7 +391,22 @@ class Trainer:
         return path
 
     def train(self) -> list[dict[str, Any]]:
-        """Run steps ``start_step+1 .. cfg.steps``; returns all metrics records of the run."""
+        """Run steps ``start_step+1 .. cfg.steps``; returns all metrics records of the run. The run
+        directory's lock (train/run_lock.py) is held throughout and released on return or raise.
+
+        Raises:
+            echotrain.train.run_lock.RunDirBusy: called again after returning, while another
+                process writes the run directory.
+        """
+        if self.dist.is_main and (self._run_lock is None or not self._run_lock.held):
+            self._run_lock = lock_run_dir(self.run_dir)
+        try:
+            return self._train()
+        finally:
+            if self._run_lock is not None:
+                self._run_lock.release()
+
+    def _train(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         t0 = time.perf_counter()
         main = self.dist.is_main

@@ -9,6 +9,9 @@
 Every cell is validated (like ``echotrain train``) before any runs; configuration errors exit
 with status 2. ``--cell I`` runs only cell I (for a scheduler's job array); ``--dry-run`` lists the
 cells with their state and writes ``compare.yaml`` and ``commands.sh`` without running anything.
+The cells die with this command (``kill -9`` included; :mod:`echotrain.lifeline`); a cell that
+another process is still writing (its run directory's lock, :mod:`echotrain.train.run_lock`) is
+refused before any cell starts: exit 2, naming the cell and that process's pid.
 """
 
 from __future__ import annotations

@@ -131,10 +131,13 @@ def _held(run_dir: Path):
     return holder
 
 
-def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
-    """While a process writes a cell's run directory: ``echotrain compare`` (run and resume) and
-    ``echotrain train --resume`` / ``output_dir=`` on it exit 2 naming the cell or directory and
-    the holder's pid, and change nothing there; once the holder is gone the lock is free."""
+def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path, capsys):
+    """While a process writes a cell's run directory: ``echotrain compare`` (a subprocess) and
+    ``echotrain train --resume`` / ``output_dir=`` on it (the CLI's ``main`` in this process) exit 2
+    naming the cell or directory and the holder's pid, and change nothing there; once the holder
+    is gone the lock is free."""
+    from echotrain.cli import main
+
     out = tmp_path / "cmp"
     compare = [sys.executable, "-m", "echotrain.cli", "compare", TESTBED, "arms=grpo", "seeds=1", "steps=2",
                f"output_dir={out}", "--no-report"]
@@ -149,11 +152,10 @@ def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
         assert f"cell grpo__s0: {run_dir} is being written by process {holder.pid}" in got.stderr
         assert "Traceback" not in got.stderr
         for args in (["--resume", str(run_dir)], [f"output_dir={run_dir}", "model=testbed", "task=testbed"]):
-            got = subprocess.run([sys.executable, "-m", "echotrain.cli", "train", *args], env=_env(),
-                                 capture_output=True, text=True, timeout=300)
-            assert got.returncode == 2, got.stderr
+            assert main(["train", *args]) == 2
+            err = capsys.readouterr().err
             assert (f"echotrain train: error: output_dir={str(run_dir)!r} is being written by another process "
-                    f"(pid {holder.pid}") in got.stderr and "Traceback" not in got.stderr
+                    f"(pid {holder.pid}, lock {run_dir / run_lock.LOCK_FILE})") in err, err
         assert (run_dir / "config.yaml").read_text() == "steps: 2\n"
         assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
         assert sorted(p.name for p in run_dir.iterdir()) == [run_lock.LOCK_FILE, "config.yaml", "metrics.jsonl"]

@@ -99,17 +99,11 @@ def run_suite_command(args: argparse.Namespace) -> int:
     max_new = args.max_new_tokens if args.max_new_tokens is not None else SUITE_MAX_NEW_TOKENS
     from echotrain.runtime import preflight
     from echotrain.runtime.errors import ConfigError
-
     from echotrain.runtime.loading import generation_settings, read_run_config, run_dir_of
 
     try:
         _check_settings(args.n, ks, args.temperature, args.top_p, max_new, args.batch_size)
-        load_suite(args.suite, args.benchmark, data_dir=args.data_dir, limit=args.limit)  # fail before the model
-        # the same checks as ``echotrain eval --task``: threads, device, model path or hub id
-        preflight.check_threads(args.threads, key="--threads")
-        preflight.check_device(args.device, key="--device")
-        preflight.check_eval_model(args.model)
-        run = run_dir_of(args.model)
+        run = run_dir_of(args.model)  # a testbed policy reads no chat prompts: say so before any file is read
         model_name = (read_run_config(run).get("model") if run is not None else args.model)
         what = f"--suite {args.suite}" if args.suite else f"--benchmark {', '.join(args.benchmark)}"
         mismatch = preflight.model_task_mismatch(
@@ -117,6 +111,11 @@ def run_suite_command(args: argparse.Namespace) -> int:
             task_label=f"{what} (chat prompts)", task_key="--task ")
         if mismatch:
             raise ConfigError(mismatch)
+        load_suite(args.suite, args.benchmark, data_dir=args.data_dir, limit=args.limit)  # fail before the model
+        # the same checks as ``echotrain eval --task``: threads, device, model path or hub id
+        preflight.check_threads(args.threads, key="--threads")
+        preflight.check_device(args.device, key="--device")
+        preflight.check_eval_model(args.model)
         # generate as the run did (its decode_loop, sampler) unless --decode-loop / --sampler say otherwise
         generation, source = generation_settings(args.model, getattr(args, "decode_loop", None),
                                                  getattr(args, "sampler", None))

@@ -375,15 +375,15 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
         held_out, built = held is not built, held
     else:
         where = f"{built!r}" if source else ""
+    from_run = max_new_tokens is None and run is not None and task is None and "max_new_tokens" in run_cfg
     if max_new_tokens is None:
-        max_new_tokens = (int(run_cfg.get("max_new_tokens") or EVAL_MAX_NEW_TOKENS) if run is not None and task is None
-                          else EVAL_MAX_NEW_TOKENS)
+        max_new_tokens = int(run_cfg["max_new_tokens"]) if from_run else EVAL_MAX_NEW_TOKENS
     note = []
     if source:
         note.append(f"evaluating on {source}" + (f" (task_options {opts})" if opts else "") + f", {where}")
     if run is not None:
         taken = [f"{k}={v}" for k, v in generation.items() if {"decode_loop": decode_loop, "sampler": sampler}[k] is None]
-        if task is None and "max_new_tokens" in run_cfg:
+        if from_run:
             taken.insert(0, f"max_new_tokens={max_new_tokens}")
         if taken:
             note.append(f"{', '.join(taken)} as the run ({gen_source})")

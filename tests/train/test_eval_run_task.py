@@ -85,12 +85,16 @@ def test_eval_of_the_testbed_policy_defaults_to_its_task(offline, capsys):
     assert [s["question"] for s in res["samples"]] == [e.question for e in TestbedTask().sample(3, 1234)]
 
 
-def _fails(capsys, argv: list[str], *needles: str) -> str:
+def _fails(capsys, argv: list[str], *needles: str, loaded: bool = False) -> str:
+    """Exit 2, no traceback, nothing on stdout; the error is the one stderr line (the last one
+    when a model was ``loaded``: torch's import-time warnings may precede it)."""
     capsys.readouterr()
     assert cli.main(argv) == 2
     out = capsys.readouterr()
-    err = out.err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in out.err and out.out == "", out.err
+    lines = out.err.strip().splitlines()
+    assert (loaded or len(lines) == 1) and "Traceback" not in out.err and out.out == "", out.err
+    err = lines[-1]
+    assert err.startswith("echotrain eval: error: ") or err.startswith("echotrain train: error: "), err
     for needle in needles:
         assert needle in err, (needle, err)
     return err
@@ -114,3 +118,27 @@ def test_a_model_task_mismatch_is_one_line_naming_both(offline, capsys):
     _fails(capsys, ["train", "model=testbed", f"output_dir={offline / 't'}"], "model=testbed", "task=default",
            "use task=testbed")
     assert not (offline / "o").exists() and not (offline / "t").exists()
+
+
+def test_a_model_without_chat_template_on_a_chat_task_is_one_line(tmp_path, monkeypatch, capsys):
+    """A Hugging Face model whose tokenizer has no chat template, on a task (or suite) of chat
+    prompts: exit 2 naming both (was a traceback from transformers); plain-text prompts still run."""
+    from tests.train.conftest import make_model, make_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = make_tokenizer()
+    tok.chat_template = None
+    make_model(tok).save_pretrained(tmp_path / "plain")
+    tok.save_pretrained(tmp_path / "plain")
+    rows = tmp_path / "mc.jsonl"
+    rows.write_text(json.dumps({"question": "q", "choices": ["a", "b"], "answer": 0}) + "\n")
+    model = str(tmp_path / "plain")
+    _fails(capsys, ["eval", "--model", model, "--prompts", "1", "--n", "1", "--threads", "1"],
+           f"--model {model!r} has no chat template", "--task 'default' has chat prompts", loaded=True)
+    _fails(capsys, ["eval", "--model", model, "--benchmark", f"choice:mini={rows}", "--out", str(tmp_path / "o"),
+                    "--no-progress", "--threads", "1"],
+           f"--model {model!r} has no chat template", f"--benchmark choice:mini={rows} (chat prompts)", loaded=True)
+    capsys.readouterr()
+    assert cli.main(["eval", "--model", model, "--task", "testbed", "--prompts", "1", "--n", "1", "--threads", "1",
+                     "--max-new-tokens", "2", "--json"]) == 0

@@ -134,7 +134,9 @@ def run_suite_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:
         model, tok, desc = load_for_eval(args.model, device=args.device)
-    except (OSError, CheckpointError) as exc:  # a model that passed the checks but does not load
+        # every benchmark's prompts are chat messages: a model without a chat template is one line naming both
+        preflight.check_chat_prompts(tok, [], model_label=f"--model {desc!r}", task_label=f"{what} (chat prompts)")
+    except (OSError, CheckpointError, ConfigError) as exc:  # a model that passed the checks but does not load
         if getattr(args, "debug", False):
             raise
         return fail(exc)

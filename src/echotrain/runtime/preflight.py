@@ -35,7 +35,7 @@ from typing import Any
 
 from echotrain.runtime.errors import ConfigError
 
-__all__ = ["affinity_cores", "check_device", "check_eval_model", "check_model", "check_output_dir", "check_resume",
+__all__ = ["affinity_cores", "check_chat_prompts", "check_device", "check_eval_model", "check_model", "check_output_dir", "check_resume",
            "check_task", "check_threads", "check_writable", "cpu_cores", "hub_reachable", "model_task_mismatch",
            "testbed_task_of"]
 
@@ -246,6 +246,21 @@ def model_task_mismatch(model: str | None, task: str | None, *, model_label: str
     return (f"{model_label} speaks bare arithmetic with a byte tokenizer (no chat template) and {task_label} "
             f"is not a task for it: use {task_key}{own} (or a task registered with register_task(name, "
             "for_testbed=True))")
+
+
+def check_chat_prompts(tokenizer: Any, prompt: Any, *, model_label: str, task_label: str) -> None:
+    """After the model loads: a task whose prompts are chat messages (``prompt``, one of them)
+    needs a tokenizer with a chat template (``tokenizer.chat_template``); plain-text prompts need
+    none.
+
+    Raises:
+        ConfigError: chat prompts and no chat template, naming the model and the task.
+    """
+    if isinstance(prompt, str) or getattr(tokenizer, "chat_template", None):
+        return
+    raise ConfigError(f"{model_label} has no chat template (its tokenizer, {type(tokenizer).__name__}, sets none) and "
+                      f"{task_label} has chat prompts: give a task of plain-text prompts, or a model with a chat "
+                      "template (train's chat_template key sets one for a training run)")
 
 
 def check_device(name: str, key: str = "device") -> None:

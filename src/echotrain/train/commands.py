@@ -282,7 +282,11 @@ def run_eval(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:
         model, tok, desc = load_for_eval(args.model, device=args.device)
-    except (OSError, CheckpointError) as exc:
+        first = next(iter(plan.task), None)  # a model without a chat template and a chat task: one line, both named
+        if first is not None:
+            preflight.check_chat_prompts(tok, first.messages, model_label=f"--model {desc!r}",
+                                         task_label=f"--task {plan.task_name!r}")
+    except (OSError, CheckpointError, ConfigError) as exc:
         if getattr(args, "debug", False):
             raise
         print(f"echotrain eval: error: {exc}", file=sys.stderr)

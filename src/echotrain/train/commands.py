@@ -169,7 +169,7 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", default=None,
                         help="task name for echotrain.tasks.get_task. Default: with --model RUN_DIR (or one of its "
                              "checkpoints) the run's task and task_options, on its held-out prompts (the task's "
-                             "held-out split, or seed + 1: the prompts of the run's own evaluations), said in the "
+                             "held-out split, or seed + 1: the pool the run's own evaluations draw from), said in the "
                              "first line; with --model testbed / testbed-length that model's task, held out the "
                              "same way; else default")
     parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
@@ -335,8 +335,9 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
     """The task and generation settings of ``echotrain eval --model MODEL [--task TASK]``.
 
     Without ``task``: a run directory (or one of its checkpoints) is evaluated on the run's task and
-    ``task_options`` (``options`` laid over them), on the prompts of the run's own evaluations
-    (:func:`~echotrain.train.evaluate.default_eval_task`: the task's held-out split, or seed + 1)
+    ``task_options`` (``options`` laid over them), on the pool of prompts the run's own
+    evaluations draw from (:func:`~echotrain.train.evaluate.default_eval_task`: the task's
+    held-out split, or seed + 1)
     unless ``options`` are given, with the run's ``max_new_tokens``; a testbed policy name
     (``testbed``, ``testbed-length``) on its own task, held out the same way; any other model on
     ``default``. ``decode_loop`` / ``sampler`` (None = not given) default to the run's

@@ -363,11 +363,17 @@ def test_eval_generates_as_the_run_did(tmp_path, ascii_tokenizer, monkeypatch, c
              (["--model", str(run), *task], ("generate", "multinomial")),
              (["--model", str(run), *task, "--decode-loop", "echotrain"], ("echotrain", "multinomial")),
              (["--model", str(tmp_path / "model"), "--task", "testbed", *task], ("echotrain", "inverse_cdf"))]
-    for argv, want in cases:
+    capsys.readouterr()
+    for i, (argv, want) in enumerate(cases):
         seen.clear()
         assert main(["eval", *argv]) == 0
-        printed = json.loads(capsys.readouterr().out)
+        out = capsys.readouterr()
+        printed = json.loads(out.out)
         assert seen and set(seen) == {want}, argv
+        said = {0: "decode_loop=generate, sampler=multinomial as the run", 1: "decode_loop=generate as the run"}
+        if i in said:  # the first line says what came from the run
+            assert out.err.startswith(f"echotrain eval: {said[i]} ({run / 'config.yaml'}); --decode-loop, --sampler "
+                                      "set them\n"), out.err
         settings = printed.get("settings", printed)  # the suite's summary block, or --task's JSON line
         assert (settings["decode_loop"], settings["sampler"]) == want
     # the Python hook of `echotrain compare` too

@@ -123,9 +123,10 @@ def run_suite_command(args: argparse.Namespace) -> int:
         if getattr(args, "debug", False):
             raise
         return fail(exc)
-    if source is not None:
-        print("echotrain eval: " + ", ".join(f"{k}={v}" for k, v in generation.items()) +
-              f" (unless given: as the run, {source})", file=sys.stderr)
+    taken = [f"{k}={v}" for k, v in generation.items() if getattr(args, k, None) is None]
+    if source is not None and taken:  # the first line says what came from the run
+        print(f"echotrain eval: {', '.join(taken)} as the run ({source}); --decode-loop, --sampler set them",
+              file=sys.stderr)
     import torch
 
     from echotrain.runtime.checkpoints import CheckpointError

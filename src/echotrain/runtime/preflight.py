@@ -13,6 +13,8 @@ one message naming the key or path, the problem and what to do; the CLI prints i
 - :func:`model_task_mismatch` a byte-level testbed policy (``testbed``, ``testbed-length``) takes
   only its own task or one registered ``for_testbed=True`` (no chat template): the message naming
   both, for ``train`` (``model=`` / ``task=``) and ``eval`` (``--model`` / ``--task``, ``--suite``).
+- :func:`check_chat_prompts` (after the model loads, the one check that needs its tokenizer): a
+  task of chat prompts needs a tokenizer with a chat template.
 - :func:`check_device` ``cuda``/``cuda:N``/``mps`` must exist in this torch build and machine.
 - :func:`check_threads` at most the number of CPU cores (more only oversubscribes; an absurd
   count makes ``pthread_create`` fail inside torch).
@@ -35,9 +37,9 @@ from typing import Any
 
 from echotrain.runtime.errors import ConfigError
 
-__all__ = ["affinity_cores", "check_chat_prompts", "check_device", "check_eval_model", "check_model", "check_output_dir", "check_resume",
-           "check_task", "check_threads", "check_writable", "cpu_cores", "hub_reachable", "model_task_mismatch",
-           "testbed_task_of"]
+__all__ = ["affinity_cores", "check_chat_prompts", "check_device", "check_eval_model", "check_model",
+           "check_output_dir", "check_resume", "check_task", "check_threads", "check_writable", "cpu_cores",
+           "hub_reachable", "model_task_mismatch", "testbed_task_of"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 _TRUTHY = ("1", "true", "yes", "on")

@@ -49,7 +49,11 @@ def _load(target: str):
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """Build the top-level parser, importing only the subcommand named in ``argv``."""
     argv = sys.argv[1:] if argv is None else argv
+    from echotrain import __version__
+
     parser = argparse.ArgumentParser(prog="echotrain", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"echotrain {__version__}",
+                        help="print echotrain's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = argv[0] if argv else None
     for name, (target, help_) in COMMANDS.items():
@@ -69,8 +73,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``echotrain`` command; returns the process exit code.
 
-    Exit codes: 0 done, 2 bad input (one message naming the key or path; ``--debug`` anywhere on
-    the command line adds the traceback, still exit 2), 130 interrupted (Ctrl-C).
+    Exit codes: 0 done (also ``--version``, ``--help`` and a bare ``echotrain``, which prints the
+    help), 2 bad input (one message naming the key or path; an unknown option or command is
+    argparse's usage error; ``--debug`` anywhere on the command line adds the traceback, still
+    exit 2), 130 interrupted (Ctrl-C).
     """
     set_omp_wait_policy()
     from echotrain.lifeline import watch_parent
@@ -105,6 +111,8 @@ def _main(argv: list[str], debug: bool = False) -> int:
     args, extra = parser.parse_known_args(argv)
     func = getattr(args, "func", None)
     if func is None:
+        if extra:  # `echotrain --foo`, `echotrain experiment --foo`: an unknown option, not a request for help
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         parser.parse_args(argv[:1] + ["--help"] if argv else ["--help"])
         return 2
     if extra and not getattr(args, "accepts_extra", False):

@@ -324,3 +324,60 @@ def test_eval_autocast_flag_sets_the_forward_precision(setting, want, tmp_path, 
     assert main(["eval", "--model", str(tmp_path / "model"), "--prompts", "2", "--n", "1", "--max-new-tokens", "2",
                  "--threads", "1", "--json", *flag]) == 0
     assert seen and set(seen) == {want}
+
+
+def test_eval_generates_as_the_run_did(tmp_path, ascii_tokenizer, monkeypatch, capsys):
+    """Issue 36 item 7: ``echotrain eval --model RUN_DIR`` (``--suite``/``--benchmark`` and
+    ``--task``) hands the run's ``decode_loop`` and ``sampler`` to generation; ``--decode-loop`` /
+    ``--sampler`` override them; another model gets the trainer's defaults. The suite records them."""
+    import yaml
+
+    from echotrain.runtime import rollout
+    from echotrain.train import evaluate as task_eval
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": "unused", "task": "testbed", "max_new_tokens": 2,
+                                                     "decode_loop": "generate", "sampler": "multinomial"}))
+    _save_tiny_model(run / "final_model", ascii_tokenizer)
+    _save_tiny_model(tmp_path / "model", ascii_tokenizer)
+    seen: list[tuple[str, str]] = []
+
+    def spy(real):
+        def generate(*args, **kwargs):
+            seen.append((kwargs.get("decode_loop"), kwargs.get("sampler")))
+            return real(*args, **kwargs)
+        return generate
+
+    monkeypatch.setattr(rollout, "generate_rollouts", spy(rollout.generate_rollouts))  # the suite's (imported per call)
+    monkeypatch.setattr(task_eval, "generate_rollouts", spy(task_eval.generate_rollouts))  # --task's
+    f = tmp_path / "mc.jsonl"
+    f.write_text(json.dumps({"question": "q", "choices": ["a", "b"], "answer": 0}) + "\n")
+    suite = ["--benchmark", f"choice:mini={f}", "--n", "1", "--max-new-tokens", "2", "--no-progress", "--threads", "1",
+             "--json"]
+    task = ["--prompts", "2", "--n", "1", "--threads", "1", "--json"]
+    cases = [(["--model", str(run), *suite, "--out", str(tmp_path / "o1")], ("generate", "multinomial")),
+             (["--model", str(run), *suite, "--out", str(tmp_path / "o2"), "--sampler", "inverse_cdf"],
+              ("generate", "inverse_cdf")),
+             (["--model", str(tmp_path / "model"), *suite, "--out", str(tmp_path / "o3")], ("echotrain", "inverse_cdf")),
+             (["--model", str(run), *task], ("generate", "multinomial")),
+             (["--model", str(run), *task, "--decode-loop", "echotrain"], ("echotrain", "multinomial")),
+             (["--model", str(tmp_path / "model"), "--task", "testbed", *task], ("echotrain", "inverse_cdf"))]
+    capsys.readouterr()
+    for i, (argv, want) in enumerate(cases):
+        seen.clear()
+        assert main(["eval", *argv]) == 0
+        out = capsys.readouterr()
+        printed = json.loads(out.out)
+        assert seen and set(seen) == {want}, argv
+        said = {0: "decode_loop=generate, sampler=multinomial as the run", 1: "decode_loop=generate as the run"}
+        if i in said:  # the first line says what came from the run
+            assert out.err.startswith(f"echotrain eval: {said[i]} ({run / 'config.yaml'}); --decode-loop, --sampler "
+                                      "set them\n"), out.err
+        settings = printed.get("settings", printed)  # the suite's summary block, or --task's JSON line
+        assert (settings["decode_loop"], settings["sampler"]) == want
+    # the Python hook of `echotrain compare` too
+    seen.clear()
+    summary = evaluate_run_dir(run, None, benchmarks=[f"choice:mini={f}"], n=1, temperature=0.0, max_new_tokens=2)
+    assert set(seen) == {("generate", "multinomial")}
+    assert (summary["settings"]["decode_loop"], summary["settings"]["sampler"]) == ("generate", "multinomial")

@@ -191,3 +191,70 @@ def test_readme_quotes_the_startup_reasons_exactly(monkeypatch):
         monkeypatch.setattr(precision, "cpu_bf16_features", lambda f=features: f)
         line = precision.describe(*precision.resolve_autocast_why("auto", "cpu"))
         assert f"`{line}`" in readme, line
+
+
+def test_auto_on_a_cpu_takes_the_models_size(monkeypatch):
+    """Issue 40 item 7: on a CPU with native bf16, ``auto`` is float32 for a model below
+    CPU_BF16_MIN_PARAMS (the testbed ran 10-18% slower in bfloat16), bfloat16 from there on (the
+    default model's size); an unknown size and a GPU keep the hardware rule."""
+    assert precision.CPU_BF16_MIN_PARAMS == 100_000_000
+    monkeypatch.delenv(precision.NATIVE_BF16_ENV)
+    monkeypatch.setattr(precision, "cpu_bf16_features", lambda: ("AMX",))
+    why = precision.resolve_autocast_why
+    assert why("auto", "cpu", num_params=426_624) == (
+        None, "autocast=auto and this CPU has native bf16 (AMX), but the model has 426,624 parameters, fewer than "
+              "100,000,000: bfloat16 does not pay there on a CPU (docs/benchmarks.md, \"Mixed precision\")")
+    assert why("auto", "cpu", num_params=99_999_999)[0] is None
+    for n in (100_000_000, 134_515_008, None):  # at the threshold, SmolLM2-135M, unknown
+        assert why("auto", "cpu", num_params=n) == (torch.bfloat16, "autocast=auto and this CPU has native bf16 (AMX)")
+    assert why("bfloat16", "cpu", num_params=426_624) == (torch.bfloat16, "autocast=bfloat16 is set")  # asked for
+    monkeypatch.setattr(precision, "cpu_bf16_features", lambda: ())
+    assert why("auto", "cpu", num_params=426_624)[1] == ("autocast=auto and this CPU has no native bf16 (no "
+                                                         "AVX512-BF16 or AMX)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the size rule is a CPU measurement only
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    precision._probe_native_bf16.cache_clear()
+    try:
+        assert precision.resolve_autocast("auto", "cuda", num_params=426_624) is torch.bfloat16
+    finally:
+        precision._probe_native_bf16.cache_clear()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # resolve_for counts the parameters
+    monkeypatch.setattr(precision, "cpu_bf16_features", lambda: ("AMX",))
+    assert precision.resolve_for_why(model, "auto")[1].endswith("but the model has 23 parameters, fewer than "
+                                                                "100,000,000: bfloat16 does not pay there on a CPU "
+                                                                "(docs/benchmarks.md, \"Mixed precision\")")
+
+
+def test_testbed_run_with_native_bf16_resolves_auto_to_float32(tmp_path, monkeypatch, testbed_cache, capsys):
+    """Through the real CLI: a testbed run on a CPU with native bf16 (the probe stubbed by
+    ECHOTRAIN_NATIVE_BF16=1) computes in float32 and says why in its startup line and run_info.json."""
+    from echotrain import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv(precision.NATIVE_BF16_ENV, "1")
+    reason = ("autocast=auto and ECHOTRAIN_NATIVE_BF16=1 says the hardware has native bf16, but the model has "
+              "426,624 parameters, fewer than 100,000,000: bfloat16 does not pay there on a CPU (docs/benchmarks.md, "
+              "\"Mixed precision\")")
+    assert cli.main(["train", "model=testbed", "task=testbed", "steps=1", "prompts_per_step=2", "num_generations=2",
+                     "max_new_tokens=4", "eval_prompts=0", "num_threads=1", "progress=false", "plots=false",
+                     "save_final_model=false", "output_dir=run"]) == 0
+    assert f"no autocast, because {reason}; OpenMP" in capsys.readouterr().err
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    assert (info["autocast"], info["autocast_reason"]) == ("off", reason)
+
+
+def test_train_help_states_what_was_measured(capsys):
+    """``echotrain train --help`` on ``autocast`` says what was measured (issue 40 item 7: it said
+    the default step was "2x faster" in bfloat16, which README no longer measures)."""
+    from echotrain import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["train", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "2x faster" not in text
+    assert ("on a CPU, the model has at least 100M parameters, else off. Measured on CPUs with native bf16: "
+            f"{precision.CPU_BF16_MEASURED} (docs/benchmarks.md)") in text
+    assert precision.CPU_BF16_MEASURED == ("bfloat16 autocast ran the default job (SmolLM2-135M) as fast as float32 "
+                                           "and the 0.43M testbed 10-18% slower")

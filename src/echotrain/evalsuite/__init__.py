@@ -4,7 +4,7 @@ Public API
 ----------
 ``run_suite(model, tokenizer, suite="math", *, benchmarks=None, data_dir=None, limit=None, n=1,
 ks=(1,), temperature=0.0, top_p=1.0, max_new_tokens=1024, batch_size=8, seed=1234, out_dir=None,
-progress=False, verify_timeout_s=3.0, model_name=None) -> dict``
+progress=False, verify_timeout_s=3.0, model_name=None, decode_loop="echotrain", sampler="inverse_cdf") -> dict``
     Generate ``n`` samples per problem in batches, score them with the project's rewards (last
     ``\\boxed{}`` + math-verify in a killable worker for math; the stated letter for multiple
     choice), and return the summary: per benchmark ``avg@n`` (+ standard error), unbiased
@@ -13,7 +13,8 @@ progress=False, verify_timeout_s=3.0, model_name=None) -> dict``
 ``evaluate_run_dir(run_dir, suite="math", *, out_dir=None, skip_existing=True, device="cpu",
 **run_suite_kwargs) -> dict``
     The same on a finished ``echotrain train`` run directory, written to
-    ``<run_dir>/suite/<suite>/``; an existing summary with the same settings is returned as is.
+    ``<run_dir>/suite/<suite>/``, generating with the run's ``decode_loop`` and ``sampler``
+    unless given; an existing summary with the same settings is returned as is.
 ``load_suite(suite, benchmarks, *, data_dir, limit)``: resolve and check inputs only.
 ``accuracy_metrics(correct, ks)``: avg@n / pass@k of a P x n correctness matrix.
 ``extract_choice_letter(text, num_choices=26)``, ``normalize_choice_row(row)``, ``ChoiceTask``.

@@ -5,8 +5,9 @@
     echotrain eval --benchmark choice:mysci=rows.jsonl --n 1 --temperature 0
 
 ``--n``, ``--k``, ``--temperature``, ``--max-new-tokens``, ``--seed``, ``--model``,
-``--device``, ``--threads`` and ``--json`` are ``echotrain eval``'s own options; this module
-adds the rest. Input errors exit with status 2 before the model is loaded.
+``--device``, ``--threads``, ``--decode-loop``, ``--sampler`` and ``--json`` are ``echotrain
+eval``'s own options; this module adds the rest. A run directory as ``--model`` is evaluated with
+its own ``decode_loop`` and ``sampler`` unless those options are given. Input errors exit with status 2 before the model is loaded.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def print_table(summary: dict[str, Any], title: str) -> None:
     n, ks = s["n"], s["ks"]
     table = Table(title=title, caption=f"accuracy in %; se = standard error of avg@{n} over problems; n={n}, "
                   f"temperature={s['temperature']}, top_p={s['top_p']}, max_new_tokens={s['max_new_tokens']}, "
-                  f"limit={s['limit']}, seed={s['seed']}")
+                  f"limit={s['limit']}, seed={s['seed']}, decode_loop={s.get('decode_loop')}, sampler={s.get('sampler')}")
     table.add_column("benchmark", no_wrap=True)
     for col in ["N", f"avg@{n}", "se", *[f"pass@{k}" for k in ks], "format", "tokens", "trunc", "s"]:
         table.add_column(col, justify="right", no_wrap=True)
@@ -98,18 +99,34 @@ def run_suite_command(args: argparse.Namespace) -> int:
     max_new = args.max_new_tokens if args.max_new_tokens is not None else SUITE_MAX_NEW_TOKENS
     from echotrain.runtime import preflight
     from echotrain.errors import ConfigError
+    from echotrain.runtime.loading import generation_settings, read_run_config, run_dir_of
 
     try:
         _check_settings(args.n, ks, args.temperature, args.top_p, max_new, args.batch_size)
+        run = run_dir_of(args.model)  # a testbed policy reads no chat prompts: say so before any file is read
+        model_name = (read_run_config(run).get("model") if run is not None else args.model)
+        what = f"--suite {args.suite}" if args.suite else f"--benchmark {', '.join(args.benchmark)}"
+        mismatch = preflight.model_task_mismatch(
+            model_name, None, model_label=f"--model {args.model!r}" + (f" (a run of model={model_name})" if run else ""),
+            task_label=f"{what} (chat prompts)", task_key="--task ")
+        if mismatch:
+            raise ConfigError(mismatch)
         load_suite(args.suite, args.benchmark, data_dir=args.data_dir, limit=args.limit)  # fail before the model
         # the same checks as ``echotrain eval --task``: threads, device, model path or hub id
         preflight.check_threads(args.threads, key="--threads")
         preflight.check_device(args.device, key="--device")
         preflight.check_eval_model(args.model)
+        # generate as the run did (its decode_loop, sampler) unless --decode-loop / --sampler say otherwise
+        generation, source = generation_settings(args.model, getattr(args, "decode_loop", None),
+                                                 getattr(args, "sampler", None))
     except (SuiteInputError, ConfigError) as exc:
         if getattr(args, "debug", False):
             raise
         return fail(exc)
+    taken = [f"{k}={v}" for k, v in generation.items() if getattr(args, k, None) is None]
+    if source is not None and taken:  # the first line says what came from the run
+        print(f"echotrain eval: {', '.join(taken)} as the run ({source}); --decode-loop, --sampler set them",
+              file=sys.stderr)
     import torch
 
     from echotrain.runtime.checkpoints import CheckpointError
@@ -118,7 +135,9 @@ def run_suite_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:
         model, tok, desc = load_for_eval(args.model, device=args.device)
-    except (OSError, CheckpointError) as exc:  # a model that passed the checks but does not load
+        # every benchmark's prompts are chat messages: a model without a chat template is one line naming both
+        preflight.check_chat_prompts(tok, [], model_label=f"--model {desc!r}", task_label=f"{what} (chat prompts)")
+    except (OSError, CheckpointError, ConfigError) as exc:  # a model that passed the checks but does not load
         if getattr(args, "debug", False):
             raise
         return fail(exc)
@@ -132,7 +151,7 @@ def run_suite_command(args: argparse.Namespace) -> int:
         summary = run_suite(model, tok, args.suite, benchmarks=args.benchmark, data_dir=args.data_dir, limit=args.limit,
                             n=args.n, ks=ks, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=max_new, batch_size=args.batch_size, seed=args.seed, out_dir=out,
-                            progress=not args.no_progress, model_name=desc)
+                            progress=not args.no_progress, model_name=desc, **generation)
     if args.json:
         print(json.dumps(summary))
     else:

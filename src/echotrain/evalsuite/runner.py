@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from echotrain.atomic import atomic_write_json
+from echotrain.runtime.decode import DECODE_LOOPS, DEFAULT_DECODE_LOOP, DEFAULT_SAMPLER, SAMPLERS
 from echotrain.evalsuite.metrics import accuracy_metrics
 from echotrain.evalsuite.registry import (
     KINDS,
@@ -110,7 +111,7 @@ def load_suite(suite: str | None = None, benchmarks: Sequence[str] | Mapping[str
 
 
 def _check_settings(n: int, ks: Sequence[int], temperature: float, top_p: float, max_new_tokens: int,
-                    batch_size: int) -> None:
+                    batch_size: int, decode_loop: str = DEFAULT_DECODE_LOOP, sampler: str = DEFAULT_SAMPLER) -> None:
     def positive_int(value: Any, what: str) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SuiteInputError(f"{what} must be a positive integer, got {value!r}")
@@ -127,6 +128,10 @@ def _check_settings(n: int, ks: Sequence[int], temperature: float, top_p: float,
         raise SuiteInputError(f"temperature (--temperature) must be >= 0 (0 = greedy), got {temperature!r}")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise SuiteInputError(f"top_p (--top-p) must be in (0, 1], got {top_p!r}")
+    if decode_loop not in DECODE_LOOPS:
+        raise SuiteInputError(f"decode_loop (--decode-loop) must be one of {', '.join(DECODE_LOOPS)}, got {decode_loop!r}")
+    if sampler not in SAMPLERS:
+        raise SuiteInputError(f"sampler (--sampler) must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
     from echotrain.runtime.sampling_stats import greedy_samples_error
 
     greedy = greedy_samples_error(n, temperature)
@@ -135,22 +140,23 @@ def _check_settings(n: int, ks: Sequence[int], temperature: float, top_p: float,
 
 
 _SETTING_KEYS = ("n", "ks", "temperature", "top_p", "max_new_tokens", "batch_size", "seed", "limit",
-                 "verify_timeout_s", "data_dir")
+                 "verify_timeout_s", "data_dir", "decode_loop", "sampler")
 
 
 def _settings(*, n: int, ks: Sequence[int], temperature: float, top_p: float, max_new_tokens: int,
               batch_size: int, seed: int, limit: int | None, verify_timeout_s: float | None,
-              data_dir: str | Path | None) -> dict[str, Any]:
+              data_dir: str | Path | None, decode_loop: str, sampler: str) -> dict[str, Any]:
     """The settings block of a summary (what makes two evaluations the same evaluation)."""
     return {"n": n, "ks": [int(k) for k in ks], "temperature": float(temperature), "top_p": float(top_p),
             "max_new_tokens": max_new_tokens, "batch_size": batch_size, "seed": seed, "limit": limit,
-            "verify_timeout_s": verify_timeout_s, "data_dir": str(data_dir) if data_dir is not None else None}
+            "verify_timeout_s": verify_timeout_s, "data_dir": str(data_dir) if data_dir is not None else None,
+            "decode_loop": decode_loop, "sampler": sampler}
 
 
 def _evaluate_task(model: Any, tokenizer: Any, bench: Benchmark, task: Any, *, n: int, ks: Sequence[int],
                    temperature: float, top_p: float, max_new_tokens: int, batch_size: int, seed: int,
-                   write: Callable[[dict[str, Any]], None], advance: Callable[[int, float], None]
-                   ) -> dict[str, Any]:
+                   write: Callable[[dict[str, Any]], None], advance: Callable[[int, float], None],
+                   decode_loop: str, sampler: str) -> dict[str, Any]:
     import torch
 
     from echotrain.rewards import RewardFunction
@@ -166,7 +172,8 @@ def _evaluate_task(model: Any, tokenizer: Any, bench: Benchmark, task: Any, *, n
         exs = examples[start:start + batch_size]
         batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, max_new_tokens=max_new_tokens,
                                   temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
-                                  do_sample=temperature > 0, record_log_prob=False)
+                                  do_sample=temperature > 0, record_log_prob=False, decode_loop=decode_loop,
+                                  sampler=sampler)
         texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
                  for ids, m in zip(batch.response_ids, batch.response_mask)]
         flat = [e for e in exs for _ in range(n)]
@@ -205,7 +212,8 @@ def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
               limit: int | None = None, n: int = 1, ks: Sequence[int] = (1,), temperature: float = 0.0,
               top_p: float = 1.0, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, batch_size: int = 8, seed: int = 1234,
               out_dir: str | Path | None = None, progress: bool = False, verify_timeout_s: float | None = 3.0,
-              model_name: str | None = None) -> dict[str, Any]:
+              model_name: str | None = None, decode_loop: str = DEFAULT_DECODE_LOOP,
+              sampler: str = DEFAULT_SAMPLER) -> dict[str, Any]:
     """Evaluate ``model`` on every benchmark of a suite; the Python entry point (and the hook
     that ``echotrain compare`` calls at the end of a cell).
 
@@ -227,6 +235,8 @@ def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
         progress: show a tqdm progress bar on stderr (problems done, running accuracy).
         verify_timeout_s: math-verify limit per comparison (worker killed on overrun).
         model_name: recorded in the summary (default: the model's ``name_or_path``).
+        decode_loop, sampler: how tokens are generated, as the trainer's keys of those names
+            (:func:`echotrain.runtime.rollout.generate_rollouts`); recorded in ``settings``.
 
     Returns:
         The summary: ``{"suite", "model", "settings": {...}, "benchmarks": {name: {"num_problems",
@@ -237,11 +247,11 @@ def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
     Raises:
         SuiteInputError (a ValueError): any bad input, before generation starts.
     """
-    _check_settings(n, ks, float(temperature), float(top_p), max_new_tokens, batch_size)
+    _check_settings(n, ks, float(temperature), float(top_p), max_new_tokens, batch_size, decode_loop, sampler)
     loaded = load_suite(suite, benchmarks, data_dir=data_dir, limit=limit, verify_timeout_s=verify_timeout_s)
     settings = _settings(n=n, ks=ks, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                          batch_size=batch_size, seed=seed, limit=limit, verify_timeout_s=verify_timeout_s,
-                         data_dir=data_dir)
+                         data_dir=data_dir, decode_loop=decode_loop, sampler=sampler)
     summary: dict[str, Any] = {
         "suite": suite or "custom",
         "model": model_name or getattr(model, "name_or_path", None) or type(model).__name__,
@@ -273,7 +283,7 @@ def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
 
             res = _evaluate_task(model, tokenizer, bench, task, n=n, ks=ks, temperature=float(temperature),
                                  top_p=float(top_p), max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                 seed=seed, write=write, advance=advance)
+                                 seed=seed, write=write, advance=advance, decode_loop=decode_loop, sampler=sampler)
             res.update(source=source, seconds=time.perf_counter() - t0)
             summary["benchmarks"][bench.name] = res
             if sample_file is not None:
@@ -294,7 +304,8 @@ def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
 def evaluate_run_dir(run_dir: str | Path, suite: str | None = "math", *, out_dir: str | Path | None = None,
                      skip_existing: bool = True, device: str = "cpu", **kwargs: Any) -> dict[str, Any]:
     """Run a suite on a finished ``echotrain train`` run directory (its ``final_model`` or latest
-    checkpoint, as ``echotrain eval --model RUN_DIR`` loads it).
+    checkpoint, as ``echotrain eval --model RUN_DIR`` loads it), generating as the run did: its
+    ``decode_loop`` and ``sampler`` unless given in ``kwargs``.
 
     Writes ``<run_dir>/suite/<suite>/{samples.jsonl,summary.json}`` unless ``out_dir`` is given.
     With ``skip_existing``, a ``summary.json`` already there whose ``settings`` and benchmark
@@ -312,8 +323,11 @@ def evaluate_run_dir(run_dir: str | Path, suite: str | None = "math", *, out_dir
     """
     import inspect
 
+    from echotrain.runtime.loading import generation_settings
+
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "suite" / (suite or "custom")
     loaded = load_suite(suite, kwargs.get("benchmarks"), data_dir=kwargs.get("data_dir"), limit=kwargs.get("limit"))
+    kwargs.update(generation_settings(str(run_dir), kwargs.get("decode_loop"), kwargs.get("sampler"))[0])
     if skip_existing and (out / "summary.json").is_file():
         defaults = {k: p.default for k, p in inspect.signature(run_suite).parameters.items()
                     if p.default is not inspect.Parameter.empty}

@@ -102,7 +102,8 @@ class ByteTokenizer:
             ValueError: always, naming the fix (a task whose prompts are strings, e.g. ``task=testbed``).
         """
         raise ValueError("ByteTokenizer has no chat template: this policy takes plain-text prompts; use a task whose "
-                         "prompts are strings (task=testbed for model=testbed)")
+                         "prompts are strings (echotrain train: task=testbed with model=testbed; echotrain eval: --task "
+                         "testbed, its default for --model testbed)")
 
     def decode(self, ids: Sequence[int] | torch.Tensor, skip_special_tokens: bool = False) -> str:
         """Bytes back to text (invalid UTF-8 replaced); ``skip_special_tokens`` drops EOS and pad bytes."""

@@ -42,6 +42,9 @@ import torch
 DECODE_LOOPS = ("echotrain", "generate")
 #: The values of the ``sampler`` setting: how :func:`sample_tokens` draws a token (module docstring).
 SAMPLERS = ("inverse_cdf", "multinomial")
+#: The defaults of the two settings (the trainer's ``decode_loop`` / ``sampler`` keys and
+#: ``echotrain eval`` of a model that is not a run directory).
+DEFAULT_DECODE_LOOP, DEFAULT_SAMPLER = "echotrain", "inverse_cdf"
 
 
 def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:

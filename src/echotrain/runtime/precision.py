@@ -10,8 +10,11 @@ The ``autocast`` setting of :class:`echotrain.train.config.TrainConfig`:
   al., ICLR 2018, arXiv 1710.03740; bfloat16: Kalamkar et al. 2019, arXiv 1905.12322). The
   backward pass follows the dtypes autocast recorded.
 - ``"auto"`` (default): ``"bfloat16"`` where the hardware multiplies bfloat16 natively (a CPU
-  with AVX512-BF16 or AMX tiles, a CUDA GPU that supports bfloat16) and the parameters are
-  float32; ``"off"`` elsewhere, where bfloat16 would be emulated and slower than float32.
+  with AVX512-BF16 or AMX tiles, a CUDA GPU that supports bfloat16), the parameters are float32
+  and, on a CPU, the model has at least :data:`CPU_BF16_MIN_PARAMS` parameters; ``"off"``
+  elsewhere: where bfloat16 would be emulated it is slower than float32, and on a CPU the
+  products of a small model do not gain from it (:data:`CPU_BF16_MEASURED`). The size rule is
+  ours (a documented flag) and holds for CPUs only: no GPU was measured.
 
 All passes of a run use the same precision, so an on-policy importance ratio is still exactly 1
 (``old_log_prob`` and ``log_prob`` come from the same computation). Bit-reproducibility on one
@@ -38,6 +41,17 @@ AUTOCAST_CHOICES = ("auto", "off", "bfloat16")
 
 #: environment variable that overrides the hardware check of ``auto``: "1" = native bf16, "0" = not
 NATIVE_BF16_ENV = "ECHOTRAIN_NATIVE_BF16"
+
+#: ``auto`` on a CPU with native bf16 picks bfloat16 only for a model of at least this many
+#: parameters (our choice, a documented flag): bfloat16 was measured slower than float32 for the
+#: 0.43M testbed and no faster for the 135M default model (:data:`CPU_BF16_MEASURED`), so the
+#: threshold sits between the two, below the default model, whose runs keep their precision.
+CPU_BF16_MIN_PARAMS = 100_000_000
+
+#: what was measured on CPUs with native bf16, the ground of :data:`CPU_BF16_MIN_PARAMS` (the
+#: ``autocast`` key's help quotes it; docs/benchmarks.md, "Mixed precision", has the figures)
+CPU_BF16_MEASURED = ("bfloat16 autocast ran the default job (SmolLM2-135M) as fast as float32 and the 0.43M "
+                     "testbed 10-18% slower")
 
 
 def native_bf16(device_type: str) -> bool:
@@ -83,7 +97,8 @@ def _probe_native_bf16(device_type: str) -> bool:
     return False
 
 
-def resolve_autocast(setting: str, device: torch.device | str, param_dtype: torch.dtype = torch.float32) -> torch.dtype | None:
+def resolve_autocast(setting: str, device: torch.device | str, param_dtype: torch.dtype = torch.float32,
+                     num_params: int | None = None) -> torch.dtype | None:
     """The autocast dtype of a run: ``torch.bfloat16`` or None (no autocast).
 
     Args:
@@ -91,17 +106,20 @@ def resolve_autocast(setting: str, device: torch.device | str, param_dtype: torc
         device: the device the policy runs on.
         param_dtype: the policy's parameter dtype; ``"auto"`` resolves to None unless float32
             (bfloat16/float16 parameters already compute in low precision).
+        num_params: the policy's parameter count; ``"auto"`` on a CPU resolves to None below
+            :data:`CPU_BF16_MIN_PARAMS`. None = unknown (no size rule).
     Raises:
         ValueError: ``setting`` is not one of :data:`AUTOCAST_CHOICES`.
     """
-    return resolve_autocast_why(setting, device, param_dtype)[0]
+    return resolve_autocast_why(setting, device, param_dtype, num_params)[0]
 
 
-def resolve_autocast_why(setting: str, device: torch.device | str,
-                         param_dtype: torch.dtype = torch.float32) -> tuple[torch.dtype | None, str]:
+def resolve_autocast_why(setting: str, device: torch.device | str, param_dtype: torch.dtype = torch.float32,
+                         num_params: int | None = None) -> tuple[torch.dtype | None, str]:
     """:func:`resolve_autocast` and why, as a phrase for the startup line and ``run_info.json``
     (``autocast_reason``), e.g. ``"autocast=auto and this CPU has no native bf16 (no
-    AVX512-BF16 or AMX)"`` or ``"autocast=off is set"``.
+    AVX512-BF16 or AMX)"``, ``"autocast=auto and this CPU has native bf16 (AMX), but the model
+    has 426,624 parameters, fewer than 100,000,000: ..."`` or ``"autocast=off is set"``.
 
     Raises:
         ValueError: ``setting`` is not one of :data:`AUTOCAST_CHOICES`.
@@ -117,6 +135,10 @@ def resolve_autocast_why(setting: str, device: torch.device | str,
                                                              "bf16 is emulated, slower than float32")
     if param_dtype != torch.float32:
         return None, f"autocast=auto and the parameters are {str(param_dtype).replace('torch.', '')}, not float32"
+    if native and device_type == "cpu" and num_params is not None and num_params < CPU_BF16_MIN_PARAMS:
+        return None, (f"autocast=auto and {_hardware(device_type, native)}, but the model has {num_params:,} "
+                      f"parameters, fewer than {CPU_BF16_MIN_PARAMS:,}: bfloat16 does not pay there on a CPU "
+                      "(docs/benchmarks.md, \"Mixed precision\")")
     return (torch.bfloat16 if native else None), f"autocast=auto and {_hardware(device_type, native)}"
 
 
@@ -136,14 +158,16 @@ def _hardware(device_type: str, native: bool) -> str:
 
 
 def resolve_for(model: Any, setting: str) -> torch.dtype | None:
-    """:func:`resolve_autocast` for ``model``'s device and parameter dtype (its first parameter)."""
+    """:func:`resolve_autocast` for ``model``'s device, parameter dtype (its first parameter) and
+    parameter count."""
     return resolve_for_why(model, setting)[0]
 
 
 def resolve_for_why(model: Any, setting: str) -> tuple[torch.dtype | None, str]:
-    """:func:`resolve_autocast_why` for ``model``'s device and parameter dtype (its first parameter)."""
+    """:func:`resolve_autocast_why` for ``model``'s device, parameter dtype (its first parameter)
+    and parameter count (``model.parameters()``: a tied weight once; a LoRA model's base included)."""
     p = next(model.parameters())
-    return resolve_autocast_why(setting, p.device, p.dtype)
+    return resolve_autocast_why(setting, p.device, p.dtype, sum(q.numel() for q in model.parameters()))
 
 
 def setting_name(dtype: torch.dtype | None) -> str:

@@ -10,6 +10,11 @@ one message naming the key or path, the problem and what to do; the CLI prints i
   cached.
 - :func:`check_task` builds the task (cheap) and turns its errors (missing JSONL file, a row
   without an answer, no network for a hub data set) into one message.
+- :func:`model_task_mismatch` a byte-level testbed policy (``testbed``, ``testbed-length``) takes
+  only its own task or one registered ``for_testbed=True`` (no chat template): the message naming
+  both, for ``train`` (``model=`` / ``task=``) and ``eval`` (``--model`` / ``--task``, ``--suite``).
+- :func:`check_chat_prompts` (after the model loads, the one check that needs its tokenizer): a
+  task of chat prompts needs a tokenizer with a chat template.
 - :func:`check_device` ``cuda``/``cuda:N``/``mps`` must exist in this torch build and machine.
 - :func:`check_threads` at most the number of CPU cores (more only oversubscribes; an absurd
   count makes ``pthread_create`` fail inside torch).
@@ -32,8 +37,9 @@ from typing import Any
 
 from echotrain.errors import ConfigError
 
-__all__ = ["affinity_cores", "check_device", "check_eval_model", "check_model", "check_output_dir", "check_resume",
-           "check_task", "check_threads", "check_writable", "cpu_cores", "hub_reachable"]
+__all__ = ["affinity_cores", "check_chat_prompts", "check_device", "check_eval_model", "check_model",
+           "check_output_dir", "check_resume", "check_task", "check_threads", "check_writable", "cpu_cores",
+           "hub_reachable", "model_task_mismatch", "testbed_task_of"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 _TRUTHY = ("1", "true", "yes", "on")
@@ -208,6 +214,55 @@ def check_task(name: str, options: dict[str, Any], key: str = "task") -> Any:
         raise ConfigError(f"{key}={name!r} task_options.path={opts.get('path')!r}: {exc}") from None
     except (ValueError, TypeError, OSError) as exc:
         raise ConfigError(f"{key}={name!r} task_options={opts}: {exc}") from None
+
+
+def testbed_task_of(model: str | None) -> str | None:
+    """The task a byte-level testbed policy was built for (``testbed`` -> ``testbed``,
+    ``testbed-length`` -> ``testbed-length``; :data:`echotrain.models.testbed.TESTBED_CONFIGS`),
+    or None for any other model."""
+    from echotrain.models.testbed import TESTBED_CONFIGS
+
+    return TESTBED_CONFIGS[model].task if model in TESTBED_CONFIGS else None
+
+
+def model_task_mismatch(model: str | None, task: str | None, *, model_label: str, task_label: str,
+                        task_key: str = "task=") -> str | None:
+    """Why ``task`` cannot be run on ``model``, or None when it can.
+
+    A testbed policy reads bare text through a byte tokenizer with no chat template, so it takes
+    its own task or one registered ``for_testbed=True`` (:func:`echotrain.tasks.task_for_testbed`);
+    ``task`` None stands for chat prompts (a benchmark suite). Every other model takes any task.
+
+    Args:
+        model: the model name (for a run directory: its ``config.yaml``'s ``model``).
+        task: the task name, or None for a suite's chat-prompt benchmarks.
+        model_label, task_label: how the message names the two (``"model='testbed'"``,
+            ``"--model 'runs/x' (a run of model=testbed)"``, ``"--task 'default'"``).
+        task_key: how the fix is spelled (``"task="``, ``"--task "``).
+    """
+    from echotrain.tasks import task_for_testbed
+
+    own = testbed_task_of(model)
+    if own is None or (task is not None and (task == own or task_for_testbed(task))):
+        return None
+    return (f"{model_label} speaks bare arithmetic with a byte tokenizer (no chat template) and {task_label} "
+            f"is not a task for it: use {task_key}{own} (or a task registered with register_task(name, "
+            "for_testbed=True))")
+
+
+def check_chat_prompts(tokenizer: Any, prompt: Any, *, model_label: str, task_label: str) -> None:
+    """After the model loads: a task whose prompts are chat messages (``prompt``, one of them)
+    needs a tokenizer with a chat template (``tokenizer.chat_template``); plain-text prompts need
+    none.
+
+    Raises:
+        ConfigError: chat prompts and no chat template, naming the model and the task.
+    """
+    if isinstance(prompt, str) or getattr(tokenizer, "chat_template", None):
+        return
+    raise ConfigError(f"{model_label} has no chat template (its tokenizer, {type(tokenizer).__name__}, sets none) and "
+                      f"{task_label} has chat prompts: give a task of plain-text prompts, or a model with a chat "
+                      "template (train's chat_template key sets one for a training run)")
 
 
 def check_device(name: str, key: str = "device") -> None:

@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -318,9 +319,31 @@ def restart_schedule(scheduler: Any, saved: dict[str, Any]) -> None:
     scheduler._last_lr = list(lrs)  # what get_last_lr() returns, as after a step()
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """Where :func:`resume_from` continued a run: the checkpoint file, its step, and the steps
+    logged after it that were dropped (recomputed by the resumed run), per file."""
+
+    checkpoint: Path
+    step: int
+    dropped: dict[str, list[int]] = field(default_factory=dict)  #: file name -> dropped steps (rank 0)
+
+    def describe(self) -> str:
+        """One line for the startup output: ``resumed from <file> (step s); dropped steps a-b
+        logged after it from metrics.jsonl (and samples.jsonl, eval.jsonl): they are run again``."""
+        text = f"resumed from {self.checkpoint} (step {self.step})"
+        steps = self.dropped.get("metrics.jsonl") or sorted({s for v in self.dropped.values() for s in v})
+        if not steps:
+            return text + "; nothing was logged after it"
+        span = f"step {steps[0]}" if len(steps) == 1 else (
+            f"steps {steps[0]}-{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1)) else
+            "steps " + ", ".join(map(str, steps)))
+        return f"{text}; dropped {span} logged after it from {', '.join(self.dropped)}: they are run again"
+
+
 def resume_from(run_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: Any, data: Any, dist: Any, device: torch.device,
-                extra_state: Callable[[dict[str, Any]], None] | None = None) -> int:
+                extra_state: Callable[[dict[str, Any]], None] | None = None) -> Resumed:
     """Restore a run from the latest valid checkpoint in ``run_dir``: model (or LoRA adapters),
     optimizer, scheduler, ``data`` (``load_state_dict``: the prompt stream position) and this
     rank's RNG state. Rank 0 then drops the metrics / samples / eval lines after it (they are
@@ -329,7 +352,8 @@ def resume_from(run_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer
     rollout queue of ``staleness > 0``) and may raise to refuse it.
 
     Returns:
-        the checkpoint's step.
+        :class:`Resumed`: the checkpoint, its step and the dropped steps of each file (on rank 0;
+        empty on the others).
 
     Raises:
         FileNotFoundError: no readable checkpoint (names the damaged ones).
@@ -361,7 +385,10 @@ def resume_from(run_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer
     rngs = state.get("extra", {}).get("rng_ranks")
     set_rng_state(rngs[dist.rank] if rngs else state["rng"])
     step = int(state["step"])
+    dropped: dict[str, list[int]] = {}
     if dist.is_main:
         for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
-            truncate_jsonl(run_dir / name, step)
-    return step
+            steps = truncate_jsonl(run_dir / name, step)
+            if steps:
+                dropped[name] = steps
+    return Resumed(checkpoint=path, step=step, dropped=dropped)

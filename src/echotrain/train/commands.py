@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,8 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"echotrain: run directory {trainer.run_dir} ({outputs}); {threads}, device "
           f"{trainer.device}, {describe_precision(trainer.autocast_dtype, trainer.autocast_reason)}; OpenMP wait "
           f"policy {omp_wait_in_force()}", file=sys.stderr)
+    if trainer.resumed is not None:
+        print(f"echotrain: {trainer.resumed.describe()}", file=sys.stderr)
     try:
         trainer.train()
     except RolloutWorkerError as exc:  # the async worker died or stalled; the last completed step is saved
@@ -171,10 +174,16 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``echotrain eval`` to ``parser``."""
     parser.add_argument("--model", default=None, help="HF name/path, a .gguf file, a run directory (final_model or "
                         "latest checkpoint) or a checkpoint file; default: the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--task", default="default", help="task name for echotrain.tasks.get_task (default: default)")
+    parser.add_argument("--task", default=None,
+                        help="task name for echotrain.tasks.get_task. Default: with --model RUN_DIR (or one of its "
+                             "checkpoints) the run's task and task_options, on its held-out prompts (the task's "
+                             "held-out split, or seed + 1: the pool the run's own evaluations draw from), said in the "
+                             "first line; with --model testbed / testbed-length that model's task, held out the "
+                             "same way; else default")
     parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
                         help="option for get_task, repeatable (e.g. --task-option seed=1 for questions other than "
-                             "the training ones, which use seed 0)")
+                             "the training ones, which use seed 0); without --task, laid over the run's task_options "
+                             "and the task is then built as given (no held-out split chosen)")
     parser.add_argument("--plugins", action="append", default=[], metavar="MODULE|FILE.py",
                         help="import this module or .py file first (repeatable, or comma-separated), so the tasks "
                              "it registers are valid --task values (as train's plugins key)")
@@ -182,7 +191,8 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
     parser.add_argument("--k", default="1", help="comma-separated k values for unbiased pass@k, each <= n (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="response length cap (default 48 with --task, 1024 with --suite/--benchmark)")
+                        help="response length cap (default: the run's max_new_tokens when evaluating a run on its "
+                             "own task, else 48 with --task, 1024 with --suite/--benchmark)")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 = greedy (default 0.7)")
     parser.add_argument("--seed", type=int, default=1234, help="seed for prompt choice and sampling (default 1234)")
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
@@ -191,6 +201,14 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
                         help="precision of the model's forward passes, as train's autocast key; default off "
                              "(float32). A run's in-training evaluation uses the run's setting (run_info.json's "
                              "autocast): pass the same to reproduce its eval.jsonl")
+    from echotrain.runtime.decode import DECODE_LOOPS, DEFAULT_DECODE_LOOP, DEFAULT_SAMPLER, SAMPLERS
+    from echotrain.train.config.schema import FIELDS
+
+    for key, choices, default in (("decode_loop", DECODE_LOOPS, DEFAULT_DECODE_LOOP), ("sampler", SAMPLERS, DEFAULT_SAMPLER)):
+        parser.add_argument("--" + key.replace("_", "-"), default=None, choices=choices,
+                            help=f"as train's {key} key (--task and --suite alike); default: the run's when --model "
+                                 f"is a run directory or one of its checkpoints, else {default}. "
+                                 + FIELDS[key].metadata["help"])
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     from echotrain.evalsuite.cli import add_suite_arguments
 
@@ -217,8 +235,6 @@ def run_eval(args: argparse.Namespace) -> int:
         return 2
     if wants_suite(args):
         return run_suite_command(args)
-    if args.max_new_tokens is None:
-        args.max_new_tokens = 48
 
     try:
         ks = [int(k) for k in str(args.k).split(",") if k.strip()]
@@ -256,12 +272,14 @@ def run_eval(args: argparse.Namespace) -> int:
         preflight.check_threads(args.threads, key="--threads")
         preflight.check_device(args.device, key="--device")
         preflight.check_eval_model(args.model)
-        task = preflight.check_task(args.task, options, key="--task")
+        plan = plan_eval_task(args.model, args.task, options, args.max_new_tokens, args.decode_loop, args.sampler)
     except ConfigError as exc:
         if getattr(args, "debug", False):
             raise
         print(f"echotrain eval: error: {exc}", file=sys.stderr)
         return 2
+    if plan.note:
+        print(f"echotrain eval: {plan.note}", file=sys.stderr)
     import torch
 
     from echotrain.runtime.checkpoints import CheckpointError
@@ -272,26 +290,120 @@ def run_eval(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or preflight.affinity_cores())
     try:
         model, tok, desc = load_for_eval(args.model, device=args.device)
-    except (OSError, CheckpointError) as exc:
+        first = next(iter(plan.task), None)  # a model without a chat template and a chat task: one line, both named
+        if first is not None:
+            preflight.check_chat_prompts(tok, first.messages, model_label=f"--model {desc!r}",
+                                         task_label=f"--task {plan.task_name!r}")
+    except (OSError, CheckpointError, ConfigError) as exc:
         if getattr(args, "debug", False):
             raise
         print(f"echotrain eval: error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     with autocast(model, resolve_for(model, args.autocast)):
-        res = evaluate(model, tok, task, num_prompts=args.prompts, n=args.n, ks=ks,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                       keep_samples=max(3, args.show or 0))
+        res = evaluate(model, tok, plan.task, num_prompts=args.prompts, n=args.n, ks=ks,
+                       max_new_tokens=plan.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                       keep_samples=max(3, args.show or 0), **plan.generation)
     res["seconds"] = time.perf_counter() - t0
     samples = res.pop("samples", [])
     show = args.show if args.show is not None else (3 if res["accuracy"] == 0 else 0)
-    params = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
+    params = {"temperature": args.temperature, "max_new_tokens": plan.max_new_tokens, "seed": args.seed,
+              **plan.generation}
     if args.json:
-        print(json.dumps({"model": desc, "task": args.task, **params, **res, "samples": samples[:show]}))
+        print(json.dumps({"model": desc, "task": plan.task_name, "task_options": plan.task_options,
+                          "held_out": plan.held_out, **params, **res, "samples": samples[:show]}))
     else:
         from echotrain.train.eval_report import print_eval_report
 
-        print_eval_report(desc, args.task, params, res, samples[:show])
+        print_eval_report(desc, plan.task_name + (" (held-out prompts)" if plan.held_out else ""), params, res,
+                          samples[:show])
     return 0
+
+
+#: ``echotrain eval --task``'s response length cap when neither ``--max-new-tokens`` nor a run's own
+#: setting gives one (short answers of the built-in tasks)
+EVAL_MAX_NEW_TOKENS = 48
+
+
+@dataclass
+class EvalPlan:
+    """What ``echotrain eval --task`` evaluates, resolved before the model loads (:func:`plan_eval_task`)."""
+
+    task: Any  #: the built task (its held-out version when ``held_out``)
+    task_name: str
+    task_options: dict[str, Any]
+    held_out: bool  #: the task was swapped for its held-out prompts (:func:`default_eval_task`)
+    max_new_tokens: int
+    generation: dict[str, str]  #: ``decode_loop`` and ``sampler`` for :func:`echotrain.train.evaluate.evaluate`
+    note: str  #: the first line of the command's output: what was taken from the run or the model; "" if nothing
+
+
+def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any], max_new_tokens: int | None,
+                   decode_loop: str | None, sampler: str | None) -> EvalPlan:
+    """The task and generation settings of ``echotrain eval --model MODEL [--task TASK]``.
+
+    Without ``task``: a run directory (or one of its checkpoints) is evaluated on the run's task and
+    ``task_options`` (``options`` laid over them), on the pool of prompts the run's own
+    evaluations draw from (:func:`~echotrain.train.evaluate.default_eval_task`: the task's
+    held-out split, or seed + 1)
+    unless ``options`` are given, with the run's ``max_new_tokens``; a testbed policy name
+    (``testbed``, ``testbed-length``) on its own task, held out the same way; any other model on
+    ``default``. ``decode_loop`` / ``sampler`` (None = not given) default to the run's
+    (:func:`echotrain.runtime.loading.generation_settings`).
+
+    Raises:
+        ConfigError: the model and the task do not fit (names both), an unknown task, a bad
+            option, an unreadable run ``config.yaml``.
+    """
+    from echotrain.runtime import preflight
+    from echotrain.runtime.loading import generation_settings, read_run_config, run_dir_of
+    from echotrain.train.evaluate import default_eval_task
+
+    run = run_dir_of(model)
+    run_cfg = read_run_config(run) if run is not None else {}
+    model_name = run_cfg.get("model") if run is not None else model
+    model_label = f"--model {model!r}" + (f" (a run of model={model_name})" if run is not None else "")
+    generation, gen_source = generation_settings(model, decode_loop, sampler)
+    source = ""  # where the task came from, for the first line
+    if task is not None:
+        name, opts = task, dict(options)
+    elif run is not None:
+        name = str(run_cfg.get("task") or "default")
+        opts = {**(run_cfg.get("task_options") or {}), **options}
+        source = f"the run's task {name}"
+    elif preflight.testbed_task_of(model) is not None:
+        name, opts = preflight.testbed_task_of(model), dict(options)
+        source = f"{model}'s own task {name}"
+    else:
+        name, opts = "default", dict(options)
+    mismatch = preflight.model_task_mismatch(model_name, name, model_label=model_label,
+                                             task_label=f"--task {name!r}", task_key="--task ")
+    if mismatch:
+        raise ConfigError(mismatch)
+    built = preflight.check_task(name, opts, key="--task")
+    held_out = bool(source) and not options
+    if held_out:
+        held = default_eval_task(built, name, opts)
+        where = f"held-out prompts ({held!r})" if held is not built else "its own prompts (no held-out split)"
+        held_out, built = held is not built, held
+    else:
+        where = f"{built!r}" if source else ""
+    from_run = max_new_tokens is None and run is not None and task is None and "max_new_tokens" in run_cfg
+    if max_new_tokens is None:
+        max_new_tokens = int(run_cfg["max_new_tokens"]) if from_run else EVAL_MAX_NEW_TOKENS
+    note = []
+    if source:
+        note.append(f"evaluating on {source}" + (f" (task_options {opts})" if opts else "") + f", {where}")
+    if run is not None:
+        taken = [f"{k}={v}" for k, v in generation.items() if {"decode_loop": decode_loop, "sampler": sampler}[k] is None]
+        if from_run:
+            taken.insert(0, f"max_new_tokens={max_new_tokens}")
+        if taken:
+            note.append(f"{', '.join(taken)} as the run ({gen_source})")
+    if note:
+        note.append("--task, --task-option, --max-new-tokens, --decode-loop, --sampler set them" if run is not None
+                    else "--task sets another")
+    return EvalPlan(task=built, task_name=name, task_options=opts, held_out=held_out, max_new_tokens=max_new_tokens,
+                    generation=generation, note="; ".join(note))
 
 

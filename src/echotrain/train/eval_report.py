@@ -12,7 +12,8 @@ def print_eval_report(model: str, task: str, params: dict[str, Any], res: dict[s
 
     Args:
         model: description of the model (path or name; printed whole, never wrapped mid-word).
-        task: task name. params: ``temperature``, ``max_new_tokens``, ``seed``.
+        task: task name. params: ``temperature``, ``max_new_tokens``, ``seed`` (and ``decode_loop``,
+            ``sampler`` when given).
         res: :func:`echotrain.train.evaluate.evaluate`'s result (floats) plus ``seconds``.
         samples: completions to show (question, answer, completion, correct, truncated).
     """
@@ -25,7 +26,8 @@ def print_eval_report(model: str, task: str, params: dict[str, Any], res: dict[s
     decoding = "greedy (temperature 0)" if temp == 0 else f"sampling at temperature {temp:g}"
     console.print(Text(f"echotrain eval\n  model: {model}\n  task:  {task}, {int(res['num_prompts'])} prompts x "
                        f"{int(res['n'])} samples, {decoding}, at most {params['max_new_tokens']} new tokens, "
-                       f"seed {params['seed']}"), soft_wrap=True)
+                       f"seed {params['seed']}" + (f", decode_loop {params['decode_loop']}, sampler {params['sampler']}"
+                                                   if "decode_loop" in params else "")), soft_wrap=True)
     table = Table()
     table.add_column("metric", no_wrap=True)
     table.add_column("value", justify="right", no_wrap=True)

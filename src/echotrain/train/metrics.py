@@ -232,13 +232,21 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
-    """Drop the records whose ``step`` is > ``max_step`` (used when resuming), atomically."""
+def truncate_jsonl(path: str | os.PathLike, max_step: int) -> list[int]:
+    """Drop the records whose ``step`` is > ``max_step`` (used when resuming), atomically.
+
+    Returns:
+        the distinct ``step`` values dropped, ascending ([] when none or no file).
+    """
     p = Path(path)
     if not p.is_file():
-        return
-    keep = [r for r in read_jsonl(p) if r.get("step", 0) <= max_step]
+        return []
+    records = read_jsonl(p)
+    keep = [r for r in records if r.get("step", 0) <= max_step]
+    if len(keep) == len(records):
+        return []
     atomic_write_text(p, "".join(json.dumps(r) + "\n" for r in keep))
+    return sorted({int(r["step"]) for r in records if r.get("step", 0) > max_step})
 
 
 class MetricsLogger:

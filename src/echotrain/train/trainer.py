@@ -163,6 +163,9 @@ class Trainer:
         if cfg.async_rollouts:  # a worker process generates while this process trains (train/async_rollouts.py)
             self.rollouts = self._async_rollouts(tokenizer, reward_fn, pad_id)
         self.start_step = 0
+        #: with ``resume``: the checkpoint continued from and the logged steps dropped after it
+        #: (:class:`~echotrain.train.checkpoint.Resumed`; the CLI's startup output says both)
+        self.resumed = None
         #: writes checkpoints, in a background thread with ``async_save`` (train/checkpoint.py)
         self.checkpoints = CheckpointWriter(background=cfg.async_save)
         if self.dist.is_main:
@@ -171,10 +174,11 @@ class Trainer:
         if cfg.rollout_rng == "stream" and self.dist.rank > 0:  # each rank samples its own stream
             seed_everything(rank_seed(cfg.seed, self.dist.rank))
         if resume:
-            self.start_step = resume_from(self.run_dir, model=self.model, optimizer=self.optimizer,
-                                          scheduler=self.scheduler, data=self.prompts, dist=self.dist,
-                                          device=self.device,
-                                          extra_state=lambda extra: self.rollouts.load_state_dict(extra.get("rollouts")))
+            self.resumed = resume_from(self.run_dir, model=self.model, optimizer=self.optimizer,
+                                       scheduler=self.scheduler, data=self.prompts, dist=self.dist,
+                                       device=self.device,
+                                       extra_state=lambda extra: self.rollouts.load_state_dict(extra.get("rollouts")))
+            self.start_step = self.resumed.step
             from echotrain.optim.registry import set_adamw_fused
 
             set_adamw_fused(self.optimizer, cfg.adam_fused)  # the checkpoint's groups carry the old flag

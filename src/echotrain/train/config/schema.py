@@ -20,8 +20,8 @@ from typing import Any
 
 from echotrain.optim.schedules import LR_DECAYS
 from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, with_policy_loss_fields
-from echotrain.runtime.precision import AUTOCAST_CHOICES
-from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS
+from echotrain.runtime.precision import AUTOCAST_CHOICES, CPU_BF16_MEASURED, CPU_BF16_MIN_PARAMS
+from echotrain.runtime.decode import DECODE_LOOPS, DEFAULT_DECODE_LOOP, DEFAULT_SAMPLER, SAMPLERS
 from echotrain.runtime.packing import PACKED_ATTENTION_MODES
 
 #: The values of the ``log_prob_prepass`` setting (:func:`echotrain.train.update.retains_prepass_graph`).
@@ -71,9 +71,10 @@ class TrainConfig:
     autocast: str = _f("auto", "Mixed precision of the model's forward passes (generation, log-probs, evaluation): 'bfloat16' "
                        "runs them under torch.autocast (bf16 matrix products; weights, gradients, optimizer, log-softmax "
                        "and losses stay float32); 'off' = all float32; 'auto' = bfloat16 where the hardware has native "
-                       "bf16 (CPU with AVX512-BF16/AMX, CUDA with bf16) and dtype=float32, else off. Measured on an "
-                       "AVX512-BF16 CPU: the default run's step 2x faster (update 2.3x, generation 1.6x; "
-                       "docs/benchmarks.md). The resolved choice and why are printed at the start and stored in "
+                       "bf16 (CPU with AVX512-BF16/AMX, CUDA with bf16), dtype=float32 and, on a CPU, the model has "
+                       f"at least {CPU_BF16_MIN_PARAMS / 1e6:.0f}M parameters, else off. Measured on CPUs with native "
+                       f"bf16: {CPU_BF16_MEASURED} (docs/benchmarks.md). The resolved choice and why are printed at "
+                       "the start and stored in "
                        "run_info.json (autocast, autocast_reason); set it "
                        "explicitly to compare runs across machines; with bfloat16 and more than one thread runs are "
                        "not bit-reproducible.",
@@ -113,13 +114,13 @@ class TrainConfig:
     top_k: int = _f(0, "Top-k sampling for rollouts; 0 disables. Keep 0 for RL.", group="rollout")
     rollout_batch_size: int = _f(0, "Sequences per generate() call; 0 = all B*G in one call (fastest with KV cache).",
                                  group="rollout")
-    decode_loop: str = _f("echotrain", "How rollouts and evaluations are decoded: echotrain = our loop "
+    decode_loop: str = _f(DEFAULT_DECODE_LOOP, "How rollouts and evaluations are decoded: echotrain = our loop "
                           "(echotrain.runtime.decode), which drops rows from the batch when they emit EOS; "
                           "generate = transformers' generate, which computes every row until the last one ends. "
                           "Models without a KV-cache forward (the testbed's LoopedTransformer has its own loop) "
                           "always use their generate.",
                           choices=DECODE_LOOPS, group="rollout")
-    sampler: str = _f("inverse_cdf", "How decode_loop=echotrain draws a token from the (temperature / top-k / top-p "
+    sampler: str = _f(DEFAULT_SAMPLER, "How decode_loop=echotrain draws a token from the (temperature / top-k / top-p "
                       "warped) distribution: inverse_cdf = one uniform a row against the float64 cumulative "
                       "probabilities (fast); multinomial = torch.multinomial, one exponential per vocabulary entry, "
                       "the same tokens as decode_loop=generate from the same RNG state. The same distribution "

@@ -117,14 +117,10 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.temperature > 0, "temperature", "must be > 0 (RL needs sampling)")
     need(cfg.eval_temperature >= 0, "eval_temperature", "must be >= 0 (0 = greedy)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
-    from echotrain.models.testbed import TESTBED_CONFIGS
-    from echotrain.tasks import task_for_testbed
+    from echotrain.runtime.preflight import model_task_mismatch
 
-    if cfg.model in TESTBED_CONFIGS:
-        own = TESTBED_CONFIGS[cfg.model].task
-        need(cfg.task == own or task_for_testbed(cfg.task), "task",
-             f"model={cfg.model} speaks bare arithmetic with a byte tokenizer (no chat template): use task={own} "
-             "(or a task registered with register_task(name, for_testbed=True))")
+    mismatch = model_task_mismatch(cfg.model, cfg.task, model_label=f"model={cfg.model}", task_label=f"task={cfg.task}")
+    need(mismatch is None, "task", mismatch or "")
     need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
     need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",
          f"must be -1 (auto), 0 (off) or in [1, max_new_tokens={cfg.max_new_tokens})")

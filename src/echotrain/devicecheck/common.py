@@ -116,29 +116,38 @@ def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | 
 
 def run_echotrain(ctx: Context, args: list[str], log: Path, timeout: float, deterministic: bool = False,
                   env: dict[str, str] | None = None) -> None:
-    """``echotrain *args`` with its output in ``log``: a subprocess on a GPU (a clean CUDA
-    context each, ``deterministic`` as in :data:`DETERMINISTIC_PRELUDE`), in this process on the
-    dry run (the same CLI entry point, :func:`echotrain.cli.main`, without ~10 s of interpreter
-    start and imports per run on 2 loaded cores; the CPU needs no determinism switch).
+    """``echotrain *args`` (``train ...`` only) with its output in ``log``: a subprocess on a GPU
+    (a clean CUDA context each, ``deterministic`` as in :data:`DETERMINISTIC_PRELUDE`), in this
+    process on the dry run (the same command function, :func:`echotrain.train.commands.run_train`,
+    without ~10 s of interpreter start and imports per run on 2 loaded cores; the CPU needs no
+    determinism switch).
 
     Raises:
         CheckFailed: a non-zero exit (the log's tail in the message).
+        ValueError: ``args`` is not a ``train`` command.
     """
     if not ctx.dry_run:
         run_logged(echotrain_cmd(*args, deterministic=deterministic), log, timeout, env=env)
         return
+    if args[:1] != ["train"]:
+        raise ValueError(f"run_echotrain runs 'echotrain train ...' only, got {args[:1]}")
+    import argparse
     import contextlib
 
-    from echotrain.cli import main
+    from echotrain.train.commands import register_train
 
+    parser = argparse.ArgumentParser(prog="echotrain train")
+    register_train(parser)
+    parsed, extra = parser.parse_known_args(list(args[1:]))
+    parsed.extra, parsed.debug = extra, False
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
         threads = torch.get_num_threads()
         try:
-            rc = main(list(args))
+            rc = parsed.func(parsed)
         finally:
             torch.set_num_threads(threads)
-    if rc != 0:
+    if rc:
         raise CheckFailed(f"exit {rc}: echotrain {' '.join(args[-8:])}\n{log.read_text()[-1500:]}")
 
 

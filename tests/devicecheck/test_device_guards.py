@@ -24,11 +24,13 @@ SYNTHETIC = textwrap.dedent('''
         d = x.to(device="cpu" if flag else device)    # 4: a conditional choice
         g = torch.Generator("cpu")                    # 5: a generator's device
         device = "cpu"                                # 6: assigned to a *device name
+        with torch.random.fork_rng(devices=[]):       # 7: the CPU generator only
+            pass
         if batch.device.type == "cpu":                # a test, not a choice
             pass
         return batch.cpu(), torch.load(f, map_location=device)
 
-    def load(path, map_location="cpu"):              # 7: a parameter default
+    def load(path, map_location="cpu"):              # 8: a parameter default
         return path
 
     class Step:
@@ -45,16 +47,17 @@ SYNTHETIC = textwrap.dedent('''
 def test_the_scanner_finds_every_planted_cpu_choice_and_nothing_else():
     found = hard_coded_cpu(SYNTHETIC, "train/fake.py")
     assert [(f.where, f.line) for f in found] == [
-        ("train/fake.py:load", 15),
+        ("train/fake.py:load", 17),
         ("train/fake.py:update", 5), ("train/fake.py:update", 6), ("train/fake.py:update", 7),
-        ("train/fake.py:update", 8), ("train/fake.py:update", 9), ("train/fake.py:update", 10)]
+        ("train/fake.py:update", 8), ("train/fake.py:update", 9), ("train/fake.py:update", 10),
+        ("train/fake.py:update", 11)]
     assert found[1].what == 'torch.device("cpu")'
 
 
 def test_the_scanner_finds_cuda_only_branches_by_function():
     found = cuda_branches(SYNTHETIC, "m.py")
     assert sorted({f.where for f in found}) == ["m.py:Step.run", "m.py:sync"]
-    assert [f.line for f in found if f.where == "m.py:sync"] == [23, 25]
+    assert [f.line for f in found if f.where == "m.py:sync"] == [25, 27]
 
 
 def test_no_hard_coded_cpu_device_outside_the_explained_places():

@@ -28,6 +28,16 @@ def test_auto_on_a_cuda_build_without_a_gpu(monkeypatch):
     assert resolve_device_why("auto")[1] == "device=auto and no CUDA GPU is visible (driver / CUDA_VISIBLE_DEVICES)"
 
 
+def test_rng_devices_forks_the_cuda_generator_of_the_run(monkeypatch):
+    """fork_rng(devices=...) for a device: its CUDA index (the current one for a bare cuda), none
+    off CUDA (the trainer's evaluations fork it, so their torch.manual_seed leaves the run's
+    CUDA stream alone)."""
+    from echotrain.runtime.device import rng_devices
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert (rng_devices("cpu"), rng_devices(torch.device("cuda", 1)), rng_devices("cuda")) == ([], [1], [3])
+
+
 def test_auto_is_the_trainer_default():
     from echotrain.train.config import TrainConfig
 

@@ -71,7 +71,7 @@ CUDA_BRANCHES: dict[str, str] = {
     "runtime/precision.py:_probe_native_bf16": "default_job",
     "runtime/preflight.py:check_device": "default_job",  # device=cuda checked before the model loads
     "runtime/device.py:resolve_device_why": "placement",  # device=cuda... / auto on a GPU
-    "runtime/rollout.py:generate_rollouts_per_group": "torchrun",  # rollout_rng per group: the CUDA RNG fork
+    "runtime/device.py:rng_devices": "default_job",  # the evaluations' and rollout_rng=group's CUDA RNG fork
     "train/checkpoint.py:rng_state": "resume",  # CUDA RNG states saved
     "train/checkpoint.py:set_rng_state": "resume",  # ... and restored
     "train/config/validate.py:validate": "default_job",

@@ -5,7 +5,8 @@ Two scans of echotrain's source (Python ``ast``, no import of the scanned module
 - :func:`hard_coded_cpu`: every place where the string ``"cpu"`` picks a device: an argument of
   ``torch.device(...)``, ``.to(...)``, ``torch.Generator(...)``, a ``device=`` / ``map_location=``
   keyword, a parameter default named ``device`` / ``map_location``, an assignment to a name
-  ending in ``device``. A comparison (``device.type == "cpu"``) is a test, not a choice, and
+  ending in ``device``, and ``fork_rng(devices=[])`` (it forks the CPU generator only, so
+  seeding or sampling on the GPU inside it moves the run's CUDA stream). A comparison (``device.type == "cpu"``) is a test, not a choice, and
   ``.cpu()`` moves a result to host memory on purpose (metrics, the trainer's per-token
   log-probs); neither is reported. A CUDA run passes through every reported place, so each
   must be listed in :data:`ALLOWED_CPU` with the reason it is right on CUDA too.
@@ -42,6 +43,8 @@ ALLOWED_CPU: dict[str, str] = {
     "models/hf.py:load_policy": "parameter default; the trainer passes str(self.device)",
     "models/hf.py:global_rng_kept": "parameter default; the CUDA RNG is forked when a CUDA device is given",
     "models/testbed.py:load_testbed": "parameter default; load_policy passes the run's device",
+    "models/testbed.py:_one_thread_and_own_rng": "the testbed is built on the CPU; load_policy's "
+                                                 "global_rng_kept restores the CUDA generators around it",
     "train/checkpoint.py:resume_from": "a checkpoint is read into host memory: RNG states must be CPU byte "
                                         "tensors; load_state_dict moves the rest to each parameter's device",
     "evalsuite/runner.py:evaluate_run_dir": "parameter default of the eval suite API (--device sets it)",
@@ -115,6 +118,9 @@ def _cpu_choices(tree: ast.AST) -> Iterator[ast.AST]:
                     continue
             if any(kw.arg in _DEVICE_KEYWORDS and _is_cpu(kw.value) for kw in node.keywords):
                 yield node
+            elif name.endswith("fork_rng") and any(kw.arg == "devices" and isinstance(kw.value, (ast.List, ast.Tuple))
+                                                   and not kw.value.elts for kw in node.keywords):
+                yield node  # fork_rng(devices=[]): the CPU generator only
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             a = node.args
             pos = a.posonlyargs + a.args

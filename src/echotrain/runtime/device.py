@@ -36,3 +36,14 @@ def resolve_device_why(name: str) -> tuple[torch.device, str]:
 def resolve_device(name: str) -> torch.device:
     """:func:`resolve_device_why` without the reason."""
     return resolve_device_why(name)[0]
+
+
+def rng_devices(device: torch.device | str) -> list[int]:
+    """The ``devices`` argument of ``torch.random.fork_rng`` for work on ``device``: its CUDA
+    index (the current device for a bare ``cuda``), or ``[]`` off CUDA. A fork with ``[]`` keeps
+    only the CPU generator, so ``torch.manual_seed`` or CUDA sampling inside it would move the
+    run's CUDA stream."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]

@@ -43,7 +43,7 @@ from echotrain.train.lag import LaggedRollouts
 from echotrain.train.features import prepare_policy
 from echotrain.runtime.lora import is_lora, model_state, reference_policy, save_final_model
 from echotrain.train.no_signal import ALL_ZERO_VARIANCE, NoSignalWatch, all_zero_variance
-from echotrain.runtime.device import resolve_device, resolve_device_why  # noqa: F401  (resolve_device re-exported)
+from echotrain.runtime.device import resolve_device, resolve_device_why, rng_devices  # noqa: F401  (resolve_device re-exported)
 from echotrain.runtime.precision import autocast, resolve_for_why, setting_name
 from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, read_jsonl, run_info, sample_rows,
                                      step_record, write_json_atomic)
@@ -350,7 +350,8 @@ class Trainer:
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=[]), autocast(self.model, self.autocast_dtype):
+        # the CUDA generator forked too: evaluate() seeds torch (CPU and CUDA) and may sample on the GPU
+        with torch.random.fork_rng(devices=rng_devices(self.device)), autocast(self.model, self.autocast_dtype):
             res = evaluate(self.model, self.tokenizer, self.eval_task, num_prompts=cfg.eval_prompts, n=1, ks=(1,),
                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature, seed=cfg.seed + 7,
                            batch_prompts=max(cfg.prompts_per_step * cfg.num_generations, 1), decode_loop=cfg.decode_loop,

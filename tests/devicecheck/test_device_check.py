@@ -76,3 +76,19 @@ def test_an_unknown_check_is_one_error_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["echotrain: error: --only: unknown check(s) gpu_magic; valid: default_job, placement, optimizers, "
                    "decode, resume, torchrun, trl_vllm, overlap"]
+
+
+def test_the_vllm_check_says_why_it_cannot_run(tmp_path, monkeypatch):
+    import importlib.util
+
+    import torch
+
+    from echotrain.devicecheck.common import Context
+    from echotrain.devicecheck.trl_check import vllm_unavailable
+
+    cpu = Context(device=torch.device("cpu"), dry_run=True, out=tmp_path)
+    assert vllm_unavailable(cpu) == "vLLM needs a CUDA GPU (dry run on the CPU)"
+    gpu = Context(device=torch.device("cuda"), dry_run=False, out=tmp_path)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert vllm_unavailable(gpu) == "vLLM is not installed (pip install -e '.[vllm]')"

@@ -143,6 +143,11 @@ def run_checks(ctx: Context, names: list[str]) -> dict[str, Any]:
             row = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                    "traceback": traceback.format_exc()[-3000:]}
         row["seconds"] = round(time.perf_counter() - t0, 1)
+        if ctx.is_cuda:  # the next check (vLLM's share of the GPU) starts from free memory
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
         summary["checks"][name] = row
         print(f"device-check: {name} {row['status']} ({row['seconds']} s)"
               + (f": {row.get('error') or row.get('reason')}" if row["status"] != "passed" else ""), flush=True)

@@ -191,8 +191,10 @@ def init_distributed(backend: str = "auto", device: torch.device | None = None) 
     """The process's :class:`DistContext`, initialising the default process group when launched
     by torchrun (or reusing one the caller initialised). One process under torchrun
     (``--nproc_per_node 1``) initialises its group too, so the backend (NCCL's communicator on
-    the GPU) is set up and recorded as in a larger run; with one process no collective runs
-    (``enabled`` is False), as without torchrun.
+    the GPU) is set up and recorded as in a larger run: the trainer's own collectives stay off
+    (``enabled`` is False) and the step statistics' all-reduce (:mod:`echotrain.rl.stepwise`,
+    which follows an initialised group) runs over the one rank, the same numbers as without
+    torchrun.
 
     Args:
         backend: ``auto`` (nccl on CUDA, gloo on CPU), ``gloo`` or ``nccl``.

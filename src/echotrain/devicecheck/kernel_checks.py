@@ -178,6 +178,9 @@ def check_decode(ctx: Context) -> dict[str, Any]:
     from echotrain.runtime.rollout import generate_rollouts
     from echotrain.tasks import get_task
 
+    # the dry run uses the testbed, whose own generate both loops call (the code path only: loading
+    # the default model costs ~1 min on 2 loaded cores; tests/train/test_decode_loop.py pins our
+    # loop against generate on an HF model on the CPU)
     name = "testbed" if ctx.dry_run else None
     model, tok = load_policy(name, dtype=torch.float32, device=str(ctx.device))
     task = get_task("testbed" if ctx.dry_run else "default")

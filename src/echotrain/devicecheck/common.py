@@ -44,6 +44,7 @@ class Context:
 
     @property
     def is_cuda(self) -> bool:
+        """Whether the device under test is a CUDA GPU (False on the dry run)."""
         return self.device.type == "cuda"
 
     def job_keys(self) -> list[str]:
@@ -56,6 +57,7 @@ class Context:
         return keys + ["prompts_per_step=4", "num_generations=4", "max_new_tokens=16"]
 
     def gpu_name(self) -> str:
+        """The GPU's name as CUDA reports it (``"cpu (dry run)"`` off CUDA), for the summary."""
         return torch.cuda.get_device_name(self.device) if self.is_cuda else "cpu (dry run)"
 
 

@@ -163,15 +163,11 @@ def _findings(source: str, rel: str, picker) -> list[Finding]:
     names = _qualnames(tree)
     seen: dict[tuple[str, int], Finding] = {}
     for node in picker(tree):
-        where = f"{rel}:{names.get(node, '<module>') if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else _def_name(names, node)}"
+        where = f"{rel}:{names.get(node, '<module>')}"
         text = ast.get_source_segment(source, node) or ""
         line = getattr(node, "lineno", 0)
         seen.setdefault((where, line), Finding(where, line, text.splitlines()[0][:120] if text else ""))
     return sorted(seen.values(), key=lambda f: (f.where, f.line))
-
-
-def _def_name(names: dict[ast.AST, str], node: ast.AST) -> str:
-    return names[node]
 
 
 def hard_coded_cpu(source: str, rel: str = "<string>") -> list[Finding]:

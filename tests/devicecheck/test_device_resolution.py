@@ -3,7 +3,6 @@ host memory whatever the run's device (train/checkpoint.py resume_from)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from echotrain.runtime.device import resolve_device, resolve_device_why

@@ -8,8 +8,9 @@ import torch
 from echotrain.runtime.device import resolve_device, resolve_device_why
 
 
-def test_auto_is_the_cpu_here_and_says_why():
-    assert torch.version.cuda is None and not torch.cuda.is_available()  # the CPU wheel of the test machine
+def test_auto_without_a_gpu_is_the_cpu_and_says_why(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
     assert resolve_device_why("auto") == (torch.device("cpu"),
                                           "device=auto and this torch build has no CUDA (a CPU wheel)")
     assert resolve_device_why("cpu") == (torch.device("cpu"), "device=cpu is set")
@@ -23,6 +24,7 @@ def test_auto_picks_a_visible_gpu_and_names_it(monkeypatch):
 
 
 def test_auto_on_a_cuda_build_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     assert resolve_device_why("auto")[1] == "device=auto and no CUDA GPU is visible (driver / CUDA_VISIBLE_DEVICES)"
 

@@ -112,3 +112,12 @@ def test_the_optimizer_comparison_allows_rare_code_flips_only():
     assert _close([a], [one], bound=0.03) == (True, pytest.approx(1e-3), 1e-4)
     assert _close([a], [many], bound=0.03)[0] is False
     assert _close([a], [far], bound=0.03)[0] is False
+
+
+def test_a_non_cuda_device_is_refused_on_a_gpu_machine(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["device-check", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == ("echotrain: error: --device 'cpu': the device check tests a CUDA GPU "
+                                               "(cuda or cuda:N); --dry-run runs it on the CPU")

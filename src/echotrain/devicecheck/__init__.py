@@ -185,11 +185,14 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
         raise ConfigError(f"--only: unknown check(s) {', '.join(unknown)}; valid: {', '.join(CHECKS)}")
-    device = torch.device("cpu" if dry else args.device)
-    if device.type == "cuda":
+    if not dry and not args.device.startswith("cuda"):
+        raise ConfigError(f"--device {args.device!r}: the device check tests a CUDA GPU (cuda or cuda:N); "
+                          "--dry-run runs it on the CPU")
+    if not dry:
         from echotrain.runtime.preflight import check_device
 
-        check_device(str(device), key="--device")
+        check_device(args.device, key="--device")
+    device = torch.device("cpu" if dry else args.device)
     summary = run_checks(Context(device=device, dry_run=dry, out=Path(args.out)), names)
     print(f"device-check: {'passed' if summary['passed'] else 'FAILED'} in {summary['total_s']} s; "
           f"{Path(args.out) / 'summary.md'}", flush=True)

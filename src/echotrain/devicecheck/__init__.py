@@ -1,6 +1,6 @@
 """``echotrain device-check``: the CUDA path of echotrain, run and asserted on one GPU in one command.
 
-    echotrain device-check                       # on a GPU machine: every check, ~6-8 minutes on one GPU
+    echotrain device-check                       # on a GPU machine: every check, sized for <= 8 minutes on one GPU (not yet timed)
     echotrain device-check --dry-run             # the same code on the CPU with tiny settings (~2 min)
     echotrain device-check --only optimizers,decode --out device_check
 

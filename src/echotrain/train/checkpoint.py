@@ -342,11 +342,12 @@ class Resumed:
 
 
 def resume_from(run_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                scheduler: Any, data: Any, dist: Any, device: torch.device,
+                scheduler: Any, data: Any, dist: Any,
                 extra_state: Callable[[dict[str, Any]], None] | None = None) -> Resumed:
     """Restore a run from the latest valid checkpoint in ``run_dir``: model (or LoRA adapters),
     optimizer, scheduler, ``data`` (``load_state_dict``: the prompt stream position) and this
-    rank's RNG state. Rank 0 then drops the metrics / samples / eval lines after it (they are
+    rank's RNG state; the file is read into host memory (a CUDA run included) and each tensor
+    moved by ``load_state_dict`` to its parameter's device. Rank 0 then drops the metrics / samples / eval lines after it (they are
     recomputed). ``dist``: the run's :class:`echotrain.train.dist.DistContext`;
     ``extra_state(extra)`` restores the trainer's own part of the checkpoint (``extra``, e.g. the
     rollout queue of ``staleness > 0``) and may raise to refuse it.
@@ -368,7 +369,10 @@ def resume_from(run_dir: str | os.PathLike, *, model: torch.nn.Module, optimizer
     if path is None:
         extra = f"; damaged: {', '.join(map(str, damaged))}" if damaged else ""
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}{extra}")
-    state = load_checkpoint(path, map_location=device)
+    # read into host memory whatever the run's device: the RNG states must stay CPU byte tensors
+    # (torch.set_rng_state and torch.cuda.set_rng_state_all refuse others), and load_state_dict
+    # moves the model's and the optimizer's tensors to their parameters' devices
+    state = load_checkpoint(path, map_location="cpu")
     saved_world = int(state.get("extra", {}).get("world_size", 1))
     if saved_world != dist.world_size:
         raise WorldSizeMismatch(

@@ -151,7 +151,7 @@ def run_train(args: argparse.Namespace) -> int:
     threads = (f"{torch.get_num_threads()} learner + {trainer.rollouts.spec.threads} rollout-worker threads"
                if cfg.async_rollouts else f"{torch.get_num_threads()} threads")
     print(f"echotrain: run directory {trainer.run_dir} ({outputs}); {threads}, device "
-          f"{trainer.device}, {describe_precision(trainer.autocast_dtype, trainer.autocast_reason)}; OpenMP wait "
+          f"{trainer.device} (because {trainer.device_reason}), {describe_precision(trainer.autocast_dtype, trainer.autocast_reason)}; OpenMP wait "
           f"policy {omp_wait_in_force()}", file=sys.stderr)
     if trainer.resumed is not None:
         print(f"echotrain: {trainer.resumed.describe()}", file=sys.stderr)

@@ -48,6 +48,11 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
+def launched_by_torchrun() -> bool:
+    """Whether torchrun started this process (it sets ``TORCHELASTIC_RUN_ID`` and ``RANK``)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
 def local_world_size() -> int:
     """Processes on this machine (``LOCAL_WORLD_SIZE`` from torchrun, else 1); used to split
     the CPU cores between them."""
@@ -184,7 +189,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def init_distributed(backend: str = "auto", device: torch.device | None = None) -> DistContext:
     """The process's :class:`DistContext`, initialising the default process group when launched
-    by torchrun with ``WORLD_SIZE`` > 1 (or reusing one the caller initialised).
+    by torchrun (or reusing one the caller initialised). One process under torchrun
+    (``--nproc_per_node 1``) initialises its group too, so the backend (NCCL's communicator on
+    the GPU) is set up and recorded as in a larger run: the trainer's own collectives stay off
+    (``enabled`` is False) and the step statistics' all-reduce (:mod:`echotrain.rl.stepwise`,
+    which follows an initialised group) runs over the one rank, the same numbers as without
+    torchrun.
 
     Args:
         backend: ``auto`` (nccl on CUDA, gloo on CPU), ``gloo`` or ``nccl``.
@@ -198,7 +208,7 @@ def init_distributed(backend: str = "auto", device: torch.device | None = None) 
     if dist.is_available() and dist.is_initialized():
         return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
                            local_rank=int(os.environ.get("LOCAL_RANK", "0")), backend=dist.get_backend())
-    if env_world_size() <= 1:
+    if env_world_size() <= 1 and not launched_by_torchrun():
         return DistContext()
     device = device or torch.device("cpu")
     name = resolve_backend(backend, device)

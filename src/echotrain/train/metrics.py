@@ -188,11 +188,12 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_json(path, obj)
 
 
-def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: str, model: Any, task_name: str,
+def run_info(*, run_dir: str | os.PathLike, device: torch.device, device_reason: str = "", model_name: str, model: Any, task_name: str,
              task: Any, world_size: int, dist_backend: str, lora: bool, autocast: str = "off",
              autocast_reason: str = "", roofline: dict[str, Any] | None = None) -> dict[str, Any]:
     """``run_info.json``'s content: what ``auto`` / ``0`` / empty config values resolved to in a
-    run (device, threads, model, task, autocast: 'bfloat16' or 'off', and ``autocast_reason``:
+    run (device and ``device_reason``: why, from :func:`echotrain.runtime.device.resolve_device_why`;
+    threads, model, task, autocast: 'bfloat16' or 'off', and ``autocast_reason``:
     why, from :func:`echotrain.runtime.precision.resolve_autocast_why`) and the library versions,
     for reproducing it; ``roofline``: the machine peaks the utilisation figures use and where they
     came from, or why there are none (:func:`echotrain.train.utilisation.build_meter`)."""
@@ -207,6 +208,7 @@ def run_info(*, run_dir: str | os.PathLike, device: torch.device, model_name: st
     return {
         "run_dir": str(run_dir),
         "device": str(device),
+        "device_reason": device_reason,
         "torch_num_threads": torch.get_num_threads(),
         "omp_wait": omp_wait_in_force(),
         "model": model_name or "smollm2-135m-instruct (embedded default)",

@@ -44,6 +44,7 @@ from echotrain.train.run_lock import lock_run_dir
 from echotrain.train.features import prepare_policy
 from echotrain.runtime.lora import is_lora, model_state, reference_policy, save_final_model
 from echotrain.train.no_signal import ALL_ZERO_VARIANCE, NoSignalWatch, all_zero_variance
+from echotrain.runtime.device import resolve_device, resolve_device_why, rng_devices  # noqa: F401  (resolve_device re-exported)
 from echotrain.runtime.precision import autocast, resolve_for_why, setting_name
 from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, read_jsonl, run_info, sample_rows,
                                      step_record, write_json_atomic)
@@ -57,13 +58,6 @@ from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_lo
                                     sampler_is_learner, update_mini_batch)
 
 StepCallback = Callable[[int, dict], None]
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda if available else cpu; otherwise ``torch.device(name)``."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def default_run_dir(cfg: TrainConfig) -> str:
@@ -107,11 +101,14 @@ class Trainer:
                  reward_fn: Any = None, resume: bool = False, callbacks: Sequence[StepCallback] = (),
                  eval_task: Any = None):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        #: the run's device and why (runtime/device.py: ``auto`` = cuda when usable): the startup line,
+        #: run_info.json's device_reason
+        self.device, self.device_reason = resolve_device_why(cfg.device)
         # data parallelism (torchrun): rank, world size, sharding and collectives (train/dist.py)
         self.dist = init_distributed(cfg.dist_backend, self.device)
         if self.dist.enabled and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", self.dist.local_rank)
+            self.device_reason += f", LOCAL_RANK={self.dist.local_rank} under torchrun"
         self.run_dir = Path(self.dist.broadcast(str(cfg.output_dir or default_run_dir(cfg))))
         #: rank 0's hold on the run directory (train/run_lock.py): a second writer is refused before
         #: a model loads; released when train() returns
@@ -176,7 +173,6 @@ class Trainer:
         if resume:
             self.resumed = resume_from(self.run_dir, model=self.model, optimizer=self.optimizer,
                                        scheduler=self.scheduler, data=self.prompts, dist=self.dist,
-                                       device=self.device,
                                        extra_state=lambda extra: self.rollouts.load_state_dict(extra.get("rollouts")))
             self.start_step = self.resumed.step
             from echotrain.optim.registry import set_adamw_fused
@@ -187,7 +183,7 @@ class Trainer:
             # the run directory actually used, so the saved config reruns / resumes into it
             save_config(dataclasses.replace(cfg, output_dir=str(self.run_dir)), self.run_dir / "config.yaml")
             write_json_atomic(self.run_dir / "run_info.json", run_info(
-                run_dir=self.run_dir, device=self.device, model_name=cfg.model, model=self.model, task_name=cfg.task,
+                run_dir=self.run_dir, device=self.device, device_reason=self.device_reason, model_name=cfg.model, model=self.model, task_name=cfg.task,
                 task=self.task, world_size=self.dist.world_size, dist_backend=self.dist.backend,
                 lora=is_lora(self.model),
                 autocast=setting_name(self.autocast_dtype), autocast_reason=self.autocast_reason,
@@ -362,7 +358,8 @@ class Trainer:
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=[]), autocast(self.model, self.autocast_dtype):
+        # the CUDA generator forked too: evaluate() seeds torch (CPU and CUDA) and may sample on the GPU
+        with torch.random.fork_rng(devices=rng_devices(self.device)), autocast(self.model, self.autocast_dtype):
             res = evaluate(self.model, self.tokenizer, self.eval_task, num_prompts=cfg.eval_prompts, n=1, ks=(1,),
                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature, seed=cfg.seed + 7,
                            batch_prompts=max(cfg.prompts_per_step * cfg.num_generations, 1), decode_loop=cfg.decode_loop,

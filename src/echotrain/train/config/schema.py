@@ -64,7 +64,9 @@ class TrainConfig:
                    "or machines do not.")
     steps: int = _f(16, "Number of training steps; each step = one rollout batch (prompts_per_step x num_generations) "
                     "followed by num_mini_batches x ppo_epochs optimizer steps.")
-    device: str = _f("auto", "Device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
+    device: str = _f("auto", "Device: auto (the default: cuda when a CUDA GPU is usable, else cpu; the startup line and "
+                     "run_info.json (device_reason) say which and why), cpu, cuda, cuda:N, mps. A GPU needs a CUDA build "
+                     "of torch (README, Set up); echotrain device-check tests the CUDA path.")
     num_threads: int = _f(0, "torch intra-op threads for the run; 0 = all cores visible to this process (os.sched_getaffinity).")
     dtype: str = _f("float32", "Parameter dtype of the policy. float32 is exact on CPU; bfloat16 halves memory on GPU.",
                     ("float32", "bfloat16", "float16"))

@@ -1,0 +1,171 @@
+"""What every check of ``echotrain device-check`` shares: the run's :class:`Context` (device,
+dry run, output folder, the settings of the small jobs), the :class:`CheckFailed` error, the
+launcher of ``echotrain`` subprocesses and device-synchronised timing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+class CheckFailed(AssertionError):
+    """A device check's assertion did not hold; the message names the figure and the bound."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise :class:`CheckFailed` with ``message`` unless ``ok``."""
+    if not ok:
+        raise CheckFailed(message)
+
+
+@dataclasses.dataclass
+class Context:
+    """One device check run.
+
+    Attributes:
+        device: the device under test (``cuda`` / ``cuda:N`` on a GPU machine, ``cpu`` for the
+            dry run).
+        dry_run: tiny settings (the testbed policy, few steps): the code path on the CPU in
+            about a minute, the figures meaningless.
+        out: folder of the run directories, logs and the summary.
+    """
+
+    device: torch.device
+    dry_run: bool
+    out: Path
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the device under test is a CUDA GPU (False on the dry run)."""
+        return self.device.type == "cuda"
+
+    def job_keys(self) -> list[str]:
+        """``key=value`` tokens of the small jobs (resume, torchrun): the default model with a
+        short batch on a GPU, the testbed on the dry run; no plots, fixed threads."""
+        keys = [f"device={self.device}", "plots=false", "eval_prompts=0"]
+        if self.dry_run:
+            return keys + ["model=testbed", "task=testbed", "prompts_per_step=2", "num_generations=4",
+                           "max_new_tokens=8", "num_threads=1"]
+        return keys + ["prompts_per_step=4", "num_generations=4", "max_new_tokens=16"]
+
+    def gpu_name(self) -> str:
+        """The GPU's name as CUDA reports it (``"cpu (dry run)"`` off CUDA), for the summary."""
+        return torch.cuda.get_device_name(self.device) if self.is_cuda else "cpu (dry run)"
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """``(fn(), seconds)``, the device synchronised before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for an ``echotrain`` subprocess: the same ``PYTHONPATH`` (so a
+    source checkout runs its own code) plus ``extra``."""
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(extra or {})
+    return env
+
+
+#: Python prelude of a training subprocess in the resume check: every op that has no
+#: deterministic CUDA implementation warns (instead of silently differing), and the warnings go
+#: to stderr where the check collects them.
+DETERMINISTIC_PRELUDE = ("import sys, torch, warnings; warnings.simplefilter('always'); "
+                         "torch.use_deterministic_algorithms(True, warn_only=True); "
+                         "from echotrain.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def echotrain_cmd(*args: str, deterministic: bool = False) -> list[str]:
+    """The command line of ``echotrain *args`` in this interpreter."""
+    if deterministic:
+        return [sys.executable, "-c", DETERMINISTIC_PRELUDE, *args]
+    return [sys.executable, "-m", "echotrain.cli", *args]
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with stdout+stderr into ``log``; raise :class:`CheckFailed` with the log's
+    tail when it exits non-zero or runs past ``timeout`` seconds."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as fh:
+        try:
+            proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env or child_env(), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise CheckFailed(f"{' '.join(cmd[:6])} ... ran past {timeout:.0f} s (log: {log})") from None
+    if proc.returncode != 0:
+        tail = log.read_text()[-1500:]
+        raise CheckFailed(f"exit {proc.returncode}: {' '.join(cmd[-8:])}\n{tail}")
+    return proc
+
+
+def run_echotrain(ctx: Context, args: list[str], log: Path, timeout: float, deterministic: bool = False,
+                  env: dict[str, str] | None = None) -> None:
+    """``echotrain *args`` (``train ...`` only) with its output in ``log``: a subprocess on a GPU
+    (a clean CUDA context each, ``deterministic`` as in :data:`DETERMINISTIC_PRELUDE`), in this
+    process on the dry run (the same command function, :func:`echotrain.train.commands.run_train`,
+    without ~10 s of interpreter start and imports per run on 2 loaded cores; the CPU needs no
+    determinism switch).
+
+    Raises:
+        CheckFailed: a non-zero exit (the log's tail in the message).
+        ValueError: ``args`` is not a ``train`` command.
+    """
+    if not ctx.dry_run:
+        run_logged(echotrain_cmd(*args, deterministic=deterministic), log, timeout, env=env)
+        return
+    if args[:1] != ["train"]:
+        raise ValueError(f"run_echotrain runs 'echotrain train ...' only, got {args[:1]}")
+    import argparse
+    import contextlib
+
+    from echotrain.train.commands import register_train
+
+    parser = argparse.ArgumentParser(prog="echotrain train")
+    register_train(parser)
+    parsed, extra = parser.parse_known_args(list(args[1:]))
+    parsed.extra, parsed.debug = extra, False
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+        threads = torch.get_num_threads()
+        try:
+            rc = parsed.func(parsed)
+        finally:
+            torch.set_num_threads(threads)
+    if rc:
+        raise CheckFailed(f"exit {rc}: echotrain {' '.join(args[-8:])}\n{log.read_text()[-1500:]}")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file (empty when it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in nested dicts / lists / tuples."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_of(v)]
+    return []

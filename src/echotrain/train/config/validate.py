@@ -167,8 +167,10 @@ def _check_learning_signal(cfg: TrainConfig) -> None:
 
     - ``num_generations=1`` with an estimator that centres rewards within each prompt's group
       (probed on groups of one, so a new estimator is covered by its own behaviour): a group of
-      one response always has advantage 0. All of ours centre by group (``batch_std`` is Lite
-      PPO's group mean with the batch std, arXiv 2508.08221), so G=1 is refused for each.
+      one response always has advantage 0. Every group-baseline estimator is refused (``batch_std``
+      is Lite PPO's group mean with the batch std, arXiv 2508.08221); ``remax`` (a greedy
+      rollout's baseline) and ``reinforce_plus_plus`` (batch whitening, no groups) learn from
+      G = 1 and pass.
     - ``top_k=1``: greedy sampling makes the G responses of a prompt identical, so every group
       has zero reward variance and advantage 0 (the KL term, if any, is 0 with 0 gradient at the
       reference too).
@@ -178,10 +180,11 @@ def _check_learning_signal(cfg: TrainConfig) -> None:
     """
     import torch
 
-    from echotrain.rl import compute_advantages
+    from echotrain.rl import compute_token_advantages
 
     if cfg.num_generations == 1:
-        probe = compute_advantages(torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), adv_estimator=cfg.adv_estimator)
+        probe, _ = compute_token_advantages(torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), torch.ones(3, 2),
+                                            adv_estimator=cfg.adv_estimator, reward_baselines=torch.zeros(3))
         if not probe.any():
             raise ConfigError(
                 f"num_generations=1: adv_estimator={cfg.adv_estimator!r} centres rewards within each prompt's group, "

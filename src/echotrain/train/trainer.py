@@ -5,7 +5,7 @@ One training step (:meth:`Trainer.train_step`) reads top to bottom, in the spiri
 1. collect   B prompts x G completions per round, each round scored (``train/collect.py``);
              DAPO dynamic sampling keeps only groups with mixed correctness and refills
 2. score     DAPO overlong reward shaping; overlong filtering of the loss mask
-3. advantage group-relative advantages (``compute_advantages``)
+3. advantage group-relative or token-level advantages (``compute_token_advantages``)
 4. old log-probs of the sampled tokens under the learner's current weights (no grad; the
    rollout policy itself unless ``staleness > 0``; the first mini-batch's from its own forward,
    the others' the sampler's own when it ran these weights in float32), the token entropy, and
@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from echotrain.optim.sam import SAM
-from echotrain.rl import compute_advantages, overlong_reward_penalty, truncated_response_mask
+from echotrain.rl import compute_token_advantages, overlong_reward_penalty, truncated_response_mask
 from echotrain.rl.objectives import loss_step_stats
 from echotrain.train.checkpoint import CheckpointWriter, resume_from, seed_everything
 from echotrain.train.collect import Collector, PromptStream, default_reward_fn
@@ -292,9 +292,11 @@ class Trainer:
                               if cfg.overlong_filtering else batch.response_mask.clone())
         t_update = time.perf_counter()
 
-        # 3. advantages (one scalar per response, broadcast over its tokens)
-        data.seq_advantages = compute_advantages(data.rewards, batch.group_index, adv_estimator=cfg.adv_estimator)
-        data.advantages = data.seq_advantages.unsqueeze(-1) * data.response_mask
+        # 3. advantages (one scalar per response broadcast over its tokens, or per token for the
+        # token-level estimators; remax's baselines were rolled out with the responses)
+        data.advantages, data.seq_advantages = compute_token_advantages(
+            data.rewards, batch.group_index, data.response_mask, adv_estimator=cfg.adv_estimator,
+            reward_baselines=data.reward_baselines, gamma=cfg.gamma, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo)
         # the mini-batches of whole groups, per PPO epoch (rank 0 draws the split; every rank uses it)
         splits = mini_batch_splits(batch.group_index, cfg.num_mini_batches, cfg.ppo_epochs, self.dist)
 

@@ -164,9 +164,17 @@ class TrainConfig:
                                       "Not with a rollout_correction (its ratio pi_old/mu would be 1).", group="rollout")
 
     # ---- objective (defaults come from the preset) ------------------------------------------
-    adv_estimator: str = _f("grpo", "Advantage estimator (echotrain.rl.compute_advantages): grpo = (r-mean)/std per group; "
-                            "grpo_no_std = Dr. GRPO r-mean; batch_std = group-centred, batch-std scaled.",
+    adv_estimator: str = _f("grpo", "Advantage estimator (echotrain.rl.ADV_METHODS, docs/design/objectives.md §1): grpo = "
+                            "(r-mean)/std per group; grpo_no_std = Dr. GRPO r-mean; batch_std = group-centred, batch-std "
+                            "scaled; verl's rloo, opo (length-weighted baseline), grpo_passk, gpg, remax (baseline: one "
+                            "greedy rollout per prompt, generated and scored with the rollouts), reinforce_plus_plus "
+                            "(discounted by gamma, whitened over the batch's tokens), reinforce_plus_plus_baseline, gdpo.",
                             group="objective")
+    gamma: float = _f(1.0, "Discount of reinforce_plus_plus's token returns (verl's algorithm.gamma), in [0, 1]; the other "
+                      "estimators ignore it.", group="objective")
+    norm_adv_by_std_in_grpo: bool = _f(True, "Divide by the group's reward std in grpo, grpo_passk and gdpo (verl's "
+                                       "algorithm.norm_adv_by_std_in_grpo); false = Dr. GRPO's centring only.",
+                                       group="objective")
     loss_mode: str = _f("echo", "Policy loss from echotrain.rl.POLICY_LOSSES: vanilla (token PPO clip), gspo, gspo_token, echo, and "
                         "verl's/TRL's cispo, sapo, geo_mean (GMPO), dppo_tv, dppo_kl, gpg, clip_cov, kl_cov, dro, luspo, "
                         "vespo (docs/design/objectives.md §9).",

@@ -126,6 +126,7 @@ def validate(cfg: TrainConfig) -> None:
              f"model={cfg.model} speaks bare arithmetic with a byte tokenizer (no chat template): use task={own} "
              "(or a task registered with register_task(name, for_testbed=True))")
     need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
+    need(0.0 <= cfg.gamma <= 1.0, "gamma", "must be in [0, 1]")
     need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",
          f"must be -1 (auto), 0 (off) or in [1, max_new_tokens={cfg.max_new_tokens})")
     need(cfg.lr > 0, "lr", "must be > 0")

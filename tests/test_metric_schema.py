@@ -24,7 +24,7 @@ _BUILTIN = ("import json; from echotrain.train.metrics import builtin_metrics; b
 RUNS = {
     "echo-flags-kl-sam-eval": ["loss_mode=echo", "echo_pessimistic=true", "echo_token_clip=truncate", "kl_coef=0.01",
                                "optimizer=sam", "eval_prompts=2", "eval_every=1"],
-    "clip_cov": ["loss_mode=clip_cov"],
+    "clip_cov-entropy": ["loss_mode=clip_cov", "entropy_coeff=0.001"],
     "vespo": ["loss_mode=vespo"],
     "corrections-staleness": ["rollout_correction=token_is,token_mask,rejection", "rollout_is_batch_normalize=true",
                               "rollout_is_threshold_lower=0.5", "staleness=1", "steps=2"],

@@ -34,6 +34,7 @@ import torch
 
 from echotrain.optim.sam import SAM
 from echotrain.rl import compute_token_advantages, overlong_reward_penalty, truncated_response_mask
+from echotrain.rl.entropy import adaptive_entropy_coef, applied_entropy_coef, high_entropy_mask
 from echotrain.rl.objectives import loss_step_stats
 from echotrain.train.checkpoint import CheckpointWriter, resume_from, seed_everything
 from echotrain.train.collect import Collector, PromptStream, default_reward_fn
@@ -156,6 +157,8 @@ class Trainer:
         # staleness=k: each step's rollouts were generated k steps ahead by the weights of then (train/lag.py)
         # (generation records each rollout's rollout_log_prob itself, so no behaviour pass is needed)
         self.rollouts = LaggedRollouts(lambda: self.collector.collect(), cfg.staleness, cfg.steps)
+        # use_adaptive_entropy: the coefficient and the last optimizer step's entropy (none yet: TRL applies 0 first)
+        self.entropy_state: dict[str, float] = {"coef": cfg.entropy_coef, "last_entropy": float("inf")}
         if cfg.async_rollouts:  # a worker process generates while this process trains (train/async_rollouts.py)
             self.rollouts = self._async_rollouts(tokenizer, reward_fn, pad_id)
         self.start_step = 0
@@ -170,7 +173,7 @@ class Trainer:
             self.start_step = resume_from(self.run_dir, model=self.model, optimizer=self.optimizer,
                                           scheduler=self.scheduler, data=self.prompts, dist=self.dist,
                                           device=self.device,
-                                          extra_state=lambda extra: self.rollouts.load_state_dict(extra.get("rollouts")))
+                                          extra_state=self._load_extra_state)
             from echotrain.optim.registry import set_adamw_fused
 
             set_adamw_fused(self.optimizer, cfg.adam_fused)  # the checkpoint's groups carry the old flag
@@ -256,22 +259,52 @@ class Trainer:
     def reuses_first_forward(self) -> bool:
         """Whether the first mini-batch's old log-probs come from its own with-grad forward
         (``reuse_on_policy_log_probs``): not with several processes, SAM (its second pass runs at
-        w + e), losses whose step statistics read the log-probs before that forward (Clip-Cov's
+        w + e), ``top_entropy_quantile`` < 1 (its mask reads every old entropy first), losses whose
+        step statistics read the log-probs before that forward (Clip-Cov's
         mean log-prob) or a rollout correction (it reads every old log-prob before the first
         update). The later rows then take the sampler's numbers when :attr:`sampler_is_learner`."""
         declared = loss_step_stats(self.cfg.loss_mode)
         return (self.cfg.reuse_on_policy_log_probs and not self.dist.enabled and not isinstance(self.optimizer, SAM)
                 and (declared is None or declared.ratio_only)
-                and not parse_rollout_correction(self.loss_config.rollout_correction))
+                and not parse_rollout_correction(self.loss_config.rollout_correction)
+                and self.cfg.top_entropy_quantile >= 1.0)  # its mask reads every row's old entropy first
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
+        """Restore the trainer's own state from a checkpoint's ``extra``: the rollouts generated
+        ahead and the adaptive entropy coefficient."""
+        self.rollouts.load_state_dict(extra.get("rollouts"))
+        if self.cfg.use_adaptive_entropy and "entropy" in extra:
+            self.entropy_state = dict(extra["entropy"])
+
+    def entropy_coef_now(self) -> float | None:
+        """The entropy bonus's coefficient for the next optimizer step (None: no entropy term):
+        ``entropy_coeff`` (verl), the adaptive coefficient where the last step's entropy was at or
+        below ``entropy_target`` (else 0), or ``entropy_coef`` (TRL)."""
+        cfg = self.cfg
+        if cfg.entropy_coeff:
+            return cfg.entropy_coeff
+        if cfg.use_adaptive_entropy:
+            return applied_entropy_coef(self.entropy_state["coef"], self.entropy_state["last_entropy"],
+                                        cfg.entropy_target)
+        return cfg.entropy_coef or None
 
     # ------------------------------------------------------------------ 5. one optimizer step
     def update_mini_batch(self, data: StepData, rows: torch.Tensor, on_policy: bool = False,
                           fill_old: bool = False) -> dict[str, float]:
         """One optimizer step on the rows ``rows`` of ``data``
-        (:func:`echotrain.train.update.update_mini_batch`)."""
-        return update_mini_batch(data, rows, cfg=self.cfg, loss_config=self.loss_config, model=self.model,
-                                 optimizer=self.optimizer, scheduler=self.scheduler, dist=self.dist,
-                                 forward=self._log_probs, on_policy=on_policy, fill_old=fill_old)
+        (:func:`echotrain.train.update.update_mini_batch`); under ``use_adaptive_entropy`` the
+        coefficient then moves with that step's entropy (Skywork-OR1)."""
+        cfg = self.cfg
+        out = update_mini_batch(data, rows, cfg=cfg, loss_config=self.loss_config, model=self.model,
+                                optimizer=self.optimizer, scheduler=self.scheduler, dist=self.dist,
+                                forward=self._log_probs, on_policy=on_policy, fill_old=fill_old,
+                                entropy_coef=self.entropy_coef_now())
+        if cfg.use_adaptive_entropy:
+            h = out["entropy/current"]
+            self.entropy_state = {"coef": adaptive_entropy_coef(
+                self.entropy_state["coef"], h, target=cfg.entropy_target, delta=cfg.entropy_coef_delta,
+                coef_min=cfg.entropy_coef_min, coef_max=cfg.entropy_coef_max), "last_entropy": h}
+        return out
 
     # ------------------------------------------------------------------ one training step
     def train_step(self, step: int) -> dict[str, Any]:
@@ -319,6 +352,9 @@ class Trainer:
                                    "this rollout batch does not carry (generation did not record them)")
             data.old_log_prob, data.entropy = batch.rollout_log_prob.clone(), batch.rollout_entropy.clone()
         data.ref_log_prob = self._ref_log_probs(batch)
+        if cfg.top_entropy_quantile < 1.0:  # "Beyond the 80/20 Rule": the step's high-entropy tokens only
+            keep = high_entropy_mask(data.entropy, data.response_mask, cfg.top_entropy_quantile)
+            data.response_mask = data.response_mask * keep.to(data.response_mask.dtype)
 
         # 5. update: one optimizer step per mini-batch
         # (coupled, old_log_prob is the sampler's: not the current weights' numbers even before any update)
@@ -381,6 +417,8 @@ class Trainer:
             if self.cfg.staleness or self.cfg.async_rollouts:  # the rollouts generated ahead (train/lag.py;
                 # every rank holds the same) / the async mode and its regeneration stream
                 extra["rollouts"] = self.rollouts.state_dict()
+            if self.cfg.use_adaptive_entropy:  # the adaptive coefficient and the last step's entropy
+                extra["entropy"] = dict(self.entropy_state)
             path = self.checkpoints.save(self.run_dir, step, model=self.model, optimizer=self.optimizer,
                                          scheduler=self.scheduler, data_state=self.prompts.state_dict(),
                                          keep_last=self.cfg.keep_last, extra=extra,

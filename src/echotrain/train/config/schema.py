@@ -186,6 +186,28 @@ class TrainConfig:
                         "model. GRPO used 0.04; DAPO and Dr. GRPO drop it (0).", group="objective")
     kl_penalty: str = _f("k3", "KL estimator (echotrain.rl.kl_penalty): k1, k2 or k3 (Schulman's unbiased, low-variance; "
                          "GRPO's choice).", group="objective")
+    entropy_coeff: float = _f(0.0, "verl's actor.entropy_coeff: subtract entropy_coeff x the token entropy aggregated by "
+                              "loss_agg_mode (the step's normalisers) from the loss; > 0 rewards exploration. The entropy "
+                              "comes from the update's own forward (no second pass). 0 = off (verl's default).",
+                              group="objective")
+    entropy_coef: float = _f(0.0, "TRL's entropy_coef: subtract entropy_coef x the mean token entropy over the step's "
+                             "valid tokens (the same for every loss_agg_mode) from the loss; the starting value under "
+                             "use_adaptive_entropy. Not together with entropy_coeff. 0 = off.", group="objective")
+    use_adaptive_entropy: bool = _f(False, "TRL's / Skywork-OR1's (2505.22312) adaptive entropy control: after each "
+                                    "optimizer step entropy_coef moves by entropy_coef_delta up (that step's mean "
+                                    "entropy <= entropy_target) or down, within [entropy_coef_min, entropy_coef_max], "
+                                    "and the bonus applies only while entropy <= entropy_target.", group="objective")
+    entropy_coef_min: float = _f(0.0, "Lower bound of entropy_coef under use_adaptive_entropy (TRL's name).",
+                                 group="objective")
+    entropy_coef_max: float = _f(1.0, "Upper bound of entropy_coef under use_adaptive_entropy (TRL's name).",
+                                 group="objective")
+    entropy_coef_delta: float = _f(0.005, "Step of entropy_coef per optimizer step under use_adaptive_entropy (TRL's name).",
+                                   group="objective")
+    entropy_target: float = _f(0.2, "Target mean token entropy (nats) of use_adaptive_entropy (TRL's name; set it near the "
+                               "entropy logged early in a run: language models sit at 0.5-10 nats).", group="objective")
+    top_entropy_quantile: float = _f(1.0, "TRL's rho of 'Beyond the 80/20 Rule' (2506.01939): train only on the valid "
+                                     "tokens whose entropy (the step's old policy) is in the top rho quantile of the "
+                                     "step's; 0.2 is the paper's choice, 1.0 = every token (off).", group="objective")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose correctness is all 0 or all 1 and refill "
                                 "the batch with new prompts.", group="objective")
     max_sampling_rounds: int = _f(3, "Dynamic sampling: at most this many generate rounds per step; a step keeps whatever "

@@ -127,6 +127,12 @@ def validate(cfg: TrainConfig) -> None:
              "(or a task registered with register_task(name, for_testbed=True))")
     need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
     need(0.0 <= cfg.gamma <= 1.0, "gamma", "must be in [0, 1]")
+    need(not (cfg.entropy_coeff and (cfg.entropy_coef or cfg.use_adaptive_entropy)), "entropy_coeff",
+         "not together with entropy_coef / use_adaptive_entropy (verl's and TRL's bonus differ only in aggregation: "
+         "choose one)")
+    need(cfg.entropy_coef_min <= cfg.entropy_coef_max, "entropy_coef_min", "must be <= entropy_coef_max")
+    need(cfg.entropy_coef_delta >= 0, "entropy_coef_delta", "must be >= 0")
+    need(0.0 <= cfg.top_entropy_quantile <= 1.0, "top_entropy_quantile", "must be in [0, 1]")
     need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",
          f"must be -1 (auto), 0 (off) or in [1, max_new_tokens={cfg.max_new_tokens})")
     need(cfg.lr > 0, "lr", "must be > 0")

@@ -48,6 +48,7 @@ from echotrain.runtime.precision import autocast, resolve_for_why, setting_name
 from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, read_jsonl, run_info, sample_rows,
                                      step_record, write_json_atomic)
 from echotrain.runtime.rollout import RolloutBatch
+from echotrain.train.best import BEST_DIR, BestTracker
 from echotrain.train.stability import stability_flags
 from echotrain.rl.correction import parse_rollout_correction, rollout_mismatch_metrics
 from echotrain.train.step import StepData
@@ -159,6 +160,8 @@ class Trainer:
         self.rollouts = LaggedRollouts(lambda: self.collector.collect(), cfg.staleness, cfg.steps)
         # use_adaptive_entropy: the coefficient and the last optimizer step's entropy (none yet: TRL applies 0 first)
         self.entropy_state: dict[str, float] = {"coef": cfg.entropy_coef, "last_entropy": float("inf")}
+        #: the best evaluation of best_metric so far (keep_best, early_stop_patience; train/best.py)
+        self.best = BestTracker(cfg.best_metric, cfg.early_stop_patience)
         if cfg.async_rollouts:  # a worker process generates while this process trains (train/async_rollouts.py)
             self.rollouts = self._async_rollouts(tokenizer, reward_fn, pad_id)
         self.start_step = 0
@@ -273,6 +276,7 @@ class Trainer:
         """Restore the trainer's own state from a checkpoint's ``extra``: the rollouts generated
         ahead and the adaptive entropy coefficient."""
         self.rollouts.load_state_dict(extra.get("rollouts"))
+        self.best.load_state_dict(extra.get("best"))
         if self.cfg.use_adaptive_entropy and "entropy" in extra:
             self.entropy_state = dict(extra["entropy"])
 
@@ -384,8 +388,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict[str, float]:
-        """Accuracy on ``cfg.eval_prompts`` fixed prompts (greedy, or one sample each at
-        ``cfg.eval_temperature``); appended to eval.jsonl.
+        """Accuracy on ``cfg.eval_prompts`` fixed prompts (greedy, or ``cfg.eval_n`` samples each at
+        ``cfg.eval_temperature`` / ``cfg.eval_top_p``: avg@n and pass@n); appended to eval.jsonl.
 
         Runs under a forked RNG, so enabling it does not change the training run."""
         from echotrain.train.evaluate import evaluate
@@ -393,11 +397,14 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[]), autocast(self.model, self.autocast_dtype):
-            res = evaluate(self.model, self.tokenizer, self.eval_task, num_prompts=cfg.eval_prompts, n=1, ks=(1,),
-                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature, seed=cfg.seed + 7,
+            res = evaluate(self.model, self.tokenizer, self.eval_task, num_prompts=cfg.eval_prompts, n=cfg.eval_n,
+                           ks=(cfg.eval_n,), max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature,
+                           top_p=cfg.eval_top_p, seed=cfg.seed + 7,
                            batch_prompts=max(cfg.prompts_per_step * cfg.num_generations, 1), decode_loop=cfg.decode_loop,
                            sampler=cfg.sampler)
         out = {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"]}
+        if cfg.eval_n > 1:
+            out["eval/pass@n"] = res[f"pass@{cfg.eval_n}"]
         self.logger.log_eval({"step": step, **out, "eval/prompts": cfg.eval_prompts,
                               "time/eval": time.perf_counter() - t0})
         return out
@@ -419,11 +426,22 @@ class Trainer:
                 extra["rollouts"] = self.rollouts.state_dict()
             if self.cfg.use_adaptive_entropy:  # the adaptive coefficient and the last step's entropy
                 extra["entropy"] = dict(self.entropy_state)
+            extra["best"] = self.best.state_dict()  # the best evaluation so far (keep_best, early stopping)
             path = self.checkpoints.save(self.run_dir, step, model=self.model, optimizer=self.optimizer,
                                          scheduler=self.scheduler, data_state=self.prompts.state_dict(),
                                          keep_last=self.cfg.keep_last, extra=extra,
                                          model_state=model_state(self.model))
         self.dist.barrier()
+        return path
+
+    def save_best(self, step: int) -> Path:
+        """The checkpoint of the best evaluation so far (``keep_best``, rank 0): written like
+        :meth:`save` into ``<run>/best/checkpoints/`` keeping one, and ``best/best.json``."""
+        extra = {"world_size": self.dist.world_size, "best": self.best.state_dict()}
+        path = self.checkpoints.save(self.run_dir / BEST_DIR, step, model=self.model, optimizer=self.optimizer,
+                                     scheduler=self.scheduler, data_state=self.prompts.state_dict(), keep_last=1,
+                                     extra=extra, model_state=model_state(self.model))
+        self.best.write_json(self.run_dir)
         return path
 
     def train(self) -> list[dict[str, Any]]:
@@ -439,7 +457,7 @@ class Trainer:
         try:
             if cfg.eval_prompts and self.start_step == 0 and main:
                 self.evaluate(0)
-            last_saved = self.start_step
+            last_saved = self.last_step = self.start_step
             for step in range(self.start_step + 1, cfg.steps + 1):
                 try:
                     record = self.train_step(step)
@@ -448,8 +466,13 @@ class Trainer:
                         self.save(step - 1)
                     raise
                 self.rollouts.after_step(step)  # async: publish the weights of version `step` to the worker
+                self.last_step, stop = step, False
                 if main and cfg.eval_prompts and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
                     record.update(self.evaluate(step))
+                    if self.best.update(step, record) and cfg.keep_best:
+                        self.save_best(step)
+                    stop = self.best.should_stop and step < cfg.steps
+                stop = bool(self.dist.broadcast(stop))  # rank 0 evaluates; every rank stops with it
                 self.logger.log(record)
                 self.logger.log_samples(self._samples)
                 warning = no_signal.update(record, last=step == cfg.steps)
@@ -460,11 +483,18 @@ class Trainer:
                                 len=f"{record['response_length/mean']:.0f}")
                 for cb in self.callbacks:
                     cb(step, record)
-                if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+                if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop:
                     self.save(step)
                     last_saved = step
-                    if cfg.plots and step != cfg.steps and main:
+                    if cfg.plots and step != cfg.steps and main and not stop:
                         self.write_plots()
+                if stop:
+                    if main:
+                        tqdm.write(f"echotrain: early stop after step {step}: {cfg.best_metric} did not improve in "
+                                   f"{self.best.since} evaluations (best {self.best.best:.4g} at step "
+                                   f"{self.best.best_step}; early_stop_patience={cfg.early_stop_patience})",
+                                   file=sys.stderr)
+                    break
         except BaseException:
             self.checkpoints.wait()  # a checkpoint being written in the background is finished first
             raise
@@ -479,7 +509,7 @@ class Trainer:
         self.train_seconds = time.perf_counter() - t0
         if main and cfg.progress:
             print_summary(records, self.run_dir, self.train_seconds, evals=read_jsonl(self.run_dir / "eval.jsonl"),
-                          steps_run=(self.start_step + 1, cfg.steps), stability=stability)
+                          steps_run=(self.start_step + 1, self.last_step), stability=stability)
         return records
 
     def _final_outputs(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:

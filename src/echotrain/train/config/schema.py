@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from echotrain.optim.schedules import LR_DECAYS
+from echotrain.train.best import BEST_METRICS
 from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, with_policy_loss_fields
 from echotrain.runtime.precision import AUTOCAST_CHOICES
 from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS
@@ -339,6 +340,19 @@ class TrainConfig:
                                  "same random numbers, so the curve compares policies, not draws). Sampled accuracy is "
                                  "what RL raises first: greedy decoding already picks the mode, so it moves later "
                                  "(the length testbed: greedy 0.30, sampled 0.12 at the start).", group="eval")
+    eval_n: int = _f(1, "Samples per evaluation prompt (needs eval_temperature > 0 when > 1): eval/accuracy is then avg@n "
+                     "(mean score over all samples) and eval/pass@n the share of prompts with a correct sample.",
+                     group="eval")
+    eval_top_p: float = _f(1.0, "Nucleus (top-p) of the sampled evaluation (eval_temperature > 0); 1.0 = off.",
+                           group="eval")
+    best_metric: str = _f("eval/accuracy", "The evaluation metric keep_best and early_stop_patience follow (higher is "
+                          "better).", choices=BEST_METRICS, group="eval")
+    early_stop_patience: int = _f(0, "Stop the run after this many evaluations in a row without a new best of "
+                                  "best_metric (its last checkpoint, plots and final model are written as at a normal "
+                                  "end); 0 = off. Needs eval_every > 0.", group="eval")
+    keep_best: bool = _f(False, "Also keep the checkpoint of the best evaluation of best_metric so far in "
+                         "<run>/best/checkpoints/ (with best/best.json: step, metric, value), besides the last ones.",
+                         group="eval")
 
     # ---- outputs -----------------------------------------------------------------------------
     save_every: int = _f(10, "Write a checkpoint every N steps (and at the end); 0 = only at the end.", group="outputs")

@@ -116,6 +116,15 @@ def validate(cfg: TrainConfig) -> None:
          f"must be <= prompts_per_step={cfg.prompts_per_step} (mini-batches hold whole groups)")
     need(cfg.temperature > 0, "temperature", "must be > 0 (RL needs sampling)")
     need(cfg.eval_temperature >= 0, "eval_temperature", "must be >= 0 (0 = greedy)")
+    need(cfg.eval_n >= 1, "eval_n", "must be >= 1")
+    need(cfg.eval_n == 1 or cfg.eval_temperature > 0, "eval_n",
+         "> 1 needs eval_temperature > 0 (greedy samples of a prompt are all the same)")
+    need(0.0 < cfg.eval_top_p <= 1.0, "eval_top_p", "must be in (0, 1]")
+    need(cfg.best_metric != "eval/pass@n" or cfg.eval_n > 1, "best_metric", "eval/pass@n needs eval_n > 1")
+    need(cfg.early_stop_patience >= 0, "early_stop_patience", "must be >= 0 (0 = off)")
+    need(not cfg.early_stop_patience or (cfg.eval_every > 0 and cfg.eval_prompts > 0), "early_stop_patience",
+         "needs evaluations during the run: eval_every > 0 and eval_prompts > 0")
+    need(not cfg.keep_best or cfg.eval_prompts > 0, "keep_best", "needs eval_prompts > 0")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     from echotrain.models.testbed import TESTBED_CONFIGS
     from echotrain.tasks import task_for_testbed

@@ -111,3 +111,12 @@ def test_bandwidth_benchmark_reports_each_kernel_against_the_peak():
                                                      "read-only sum (1)")]
     assert max(peak_kernels) == 1.0 and all(0 < v <= 1.0 for v in peak_kernels)
     assert len(r) == 6 and all(v["gb_s"] > 0 for v in r.values())
+
+
+def test_adv_estimator_benchmark_times_every_estimator():
+    from echotrain.rl import ADV_METHODS
+
+    res = _load("bench_adv_estimators").main(["--prompts", "2", "--generations", "2", "--T", "8", "--rounds", "2"])
+    assert set(res) == set(ADV_METHODS)
+    assert res["grpo"]["ratio"] == pytest.approx(1.0) or res["grpo"]["median_s"] == 0
+    assert all(r["step_share"] == pytest.approx(r["median_s"] / 16.0) for r in res.values())

@@ -8,7 +8,7 @@ here; a placeholder this module cannot fill fails :func:`test_commands_are_found
 What "tiny" means per subcommand (appended to the command, so they win over its own values;
 every other key of the command is kept as written):
 
-- ``train``: 1 step of 2+ prompts x 2 samples x 4 tokens, a 2-prompt evaluation, one thread,
+- ``train``: 1 step of 2+ prompts x 2 samples x 4 tokens, a 2-prompt evaluation (every step: the one), one thread,
   ``output_dir`` in a temporary folder (``prompts_per_step`` at least the resolved
   ``num_mini_batches``, read with ``--print-config``).
 - ``eval``: 2 prompts of at most 4 new tokens, one thread (``runs/<run>``: a tiny testbed run).
@@ -49,7 +49,7 @@ TINY_EVAL = ["--prompts", "2", "--max-new-tokens", "4", "--threads", "1"]
 
 def _tiny_train(prompts: int) -> list[str]:
     return [f"prompts_per_step={prompts}", "num_generations=2", "max_new_tokens=4", "micro_batch_size=8",
-            "eval_prompts=2", "eval_every=0", "num_threads=1", "progress=false", "plots=false",
+            "eval_prompts=2", "eval_every=1", "num_threads=1", "progress=false", "plots=false",
             "save_final_model=false", "save_every=0", "log_samples=1"]
 
 

@@ -23,8 +23,8 @@ _BUILTIN = ("import json; from echotrain.train.metrics import builtin_metrics; b
 #: runs that together switch on every condition a built-in metric is written under
 RUNS = {
     "echo-flags-kl-sam-eval": ["loss_mode=echo", "echo_pessimistic=true", "echo_token_clip=truncate", "kl_coef=0.01",
-                               "optimizer=sam", "eval_prompts=2", "eval_every=1"],
-    "clip_cov": ["loss_mode=clip_cov"],
+                               "optimizer=sam", "eval_prompts=2", "eval_every=1", "eval_n=2", "eval_temperature=1.0"],
+    "clip_cov-entropy": ["loss_mode=clip_cov", "entropy_coeff=0.001"],
     "vespo": ["loss_mode=vespo"],
     "corrections-staleness": ["rollout_correction=token_is,token_mask,rejection", "rollout_is_batch_normalize=true",
                               "rollout_is_threshold_lower=0.5", "staleness=1", "steps=2"],

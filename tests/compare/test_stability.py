@@ -40,6 +40,14 @@ def test_entropy_collapse():
     res = stability_flags(records(entropy=lambda i: 1.0 if i < 5 else 0.05))
     assert res["flags"]["entropy_collapse"] is True and res["flags"]["length_collapse"] is False
     assert stability_flags(records(entropy=lambda i: 1.0 if i < 5 else 0.2))["flags"]["entropy_collapse"] is False
+    # the flag says which knobs a user would turn, in the summary line and stability.json
+    from echotrain.train.stability import format_flags
+
+    line = format_flags(res)
+    assert line.startswith("entropy_collapse (turn: ") and all(
+        k in line for k in ("entropy_coeff", "entropy_coef", "use_adaptive_entropy", "top_entropy_quantile"))
+    assert set(res["remedies"]) == {"entropy_collapse"}
+    assert stability_flags(records())["remedies"] == {}
 
 
 def test_grad_explosion_is_relative_to_the_start():

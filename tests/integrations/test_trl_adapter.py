@@ -259,3 +259,36 @@ def test_rollout_correction_with_vllm_log_probs_is_exact_over_the_window(tmp_pat
     assert total == pytest.approx(float(ref.detach()), rel=1e-5, abs=1e-7)
     for a, b in zip(acc, _grads(model)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_entropy_coef_is_mapped_and_exact_over_the_window(tmp_path):
+    """TRL's entropy_coef: the step's token-mean entropy bonus, accumulated == whole-step oracle."""
+    from echotrain.rl import compute_step_stats
+    from echotrain.rl.entropy import entropy_bonus
+
+    trainer = make_trainer(tmp_path, loss_mode="vanilla", loss_agg_mode="token-mean", entropy_coef=0.5)
+    model = trainer.model
+    model.train()
+    mbs = fabricated_window(trainer, seed=2)
+    total, acc = accumulate_window(trainer, mbs)
+    model.zero_grad()
+    cat = {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0] if k != "num_items_in_batch"}
+    log_prob, ent = trainer._log_probs(model, cat)
+    mask = cat["completion_mask"]
+    step = compute_step_stats([dict(old_log_prob=cat["old_per_token_logps"], advantages=cat["advantages"],
+                                    response_mask=mask, group_index=cat["group_index"])],
+                              loss_mode="vanilla", loss_agg_mode="token-mean", config=trainer.policy_loss_config)
+    ref, _ = compute_policy_loss("vanilla", cat["old_per_token_logps"], log_prob, cat["advantages"], mask,
+                                 "token-mean", trainer.policy_loss_config, group_index=cat["group_index"])
+    h = entropy_bonus(ent, mask, step, "token-mean")
+    assert float(h.detach()) == pytest.approx(float((ent.detach() * mask).sum() / mask.sum()), rel=1e-6)
+    (ref - 0.5 * h).backward(retain_graph=True)
+    oracle = _grads(model)
+    for a, b in zip(acc, oracle):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    model.zero_grad()
+    ref.backward()  # the bonus has a gradient of its own (TRL's entropies carry grad)
+    assert sum(float((a - b).norm()) for a, b in zip(oracle, _grads(model))) > 1e-4
+    assert total == pytest.approx(float(ref - 0.5 * h), rel=1e-5, abs=1e-7)
+    with pytest.raises(ValueError, match="use_adaptive_entropy"):
+        make_trainer(tmp_path, use_adaptive_entropy=True)

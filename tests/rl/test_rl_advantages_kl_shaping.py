@@ -61,8 +61,8 @@ def test_zero_variance_flags_and_errors():
     gid = torch.tensor([0, 0, 1, 1, 2, 2])
     assert zero_variance_groups(rewards, gid).tolist() == [True, True, False, False, True, True]
     with pytest.raises(ValueError,
-                       match=r"adv_estimator='rloo' is unknown; valid: \['batch_std', 'grpo', 'grpo_no_std'\]"):
-        compute_advantages(rewards.float(), gid, "rloo")
+                       match=r"adv_estimator='loo' is unknown; valid: \['batch_std', 'gdpo', 'gpg', 'grpo', "):
+        compute_advantages(rewards.float(), gid, "loo")
     with pytest.raises(ValueError, match="rewards has 1 NaN/Inf"):
         compute_advantages(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="group_index has shape"):

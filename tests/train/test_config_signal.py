@@ -5,21 +5,38 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echotrain.rl import PRESETS, compute_advantages
-from echotrain.rl.advantages import ADV_METHODS
+from echotrain.rl import PRESETS, compute_token_advantages
+from echotrain.rl.advantages import ADV_ESTIMATOR_REGISTRY, ADV_METHODS
 from echotrain.train.config import ConfigError, resolve_config
 
 
+def _adv(rewards, groups, adv):
+    n = len(rewards)
+    return compute_token_advantages(torch.tensor(rewards), torch.tensor(groups), torch.ones(n, 3), adv_estimator=adv,
+                                    reward_baselines=torch.zeros(n))[0]
+
+
+GROUPED = [a for a in ADV_METHODS if ADV_ESTIMATOR_REGISTRY.info(a)["group_baseline"]]
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-@pytest.mark.parametrize("adv", ADV_METHODS)
+@pytest.mark.parametrize("adv", GROUPED)
 def test_one_generation_is_refused_naming_the_key(preset, adv):
-    # groups of one give every advantage exactly 0 under every estimator we have ...
-    assert not compute_advantages(torch.tensor([0.0, 1.0, 5.0]), torch.arange(3), adv_estimator=adv).any()
+    # groups of one give every advantage exactly 0 under every group-baseline estimator ...
+    assert not _adv([0.0, 1.0, 5.0], [0, 1, 2], adv).any()
     with pytest.raises(ConfigError, match=rf"num_generations=1: adv_estimator='{adv}'.*exactly 0"):
         resolve_config(overrides={"preset": preset, "adv_estimator": adv, "num_generations": 1})
     # ... and two already carry signal
-    assert compute_advantages(torch.tensor([0.0, 1.0]), torch.tensor([0, 0]), adv_estimator=adv).abs().sum() > 0
+    assert _adv([0.0, 1.0], [0, 0], adv).abs().sum() > 0
     assert resolve_config(overrides={"preset": preset, "adv_estimator": adv, "num_generations": 2}).num_generations == 2
+
+
+@pytest.mark.parametrize("adv", [a for a in ADV_METHODS if a not in GROUPED])
+def test_one_generation_is_accepted_without_a_group_baseline(adv):
+    # remax's greedy baseline and reinforce_plus_plus's batch whitening learn from G = 1
+    assert adv in ("remax", "reinforce_plus_plus")
+    assert _adv([0.0, 1.0, 5.0], [0, 1, 2], adv).any()
+    assert resolve_config(overrides={"adv_estimator": adv, "num_generations": 1}).num_generations == 1
 
 
 def test_greedy_top_k_is_refused():

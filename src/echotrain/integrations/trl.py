@@ -42,8 +42,14 @@ over accelerate's process group and ``group_index`` is step-global, so ECHO's R,
 and BA's group statistics are those of the whole step across processes, and each process's loss
 is multiplied by the world size (DDP averages gradients); tests/integrations/test_trl_distributed.py.
 
+TRL's static ``entropy_coef`` bonus is mapped: minus ``entropy_coef`` x the mean token entropy
+over the optimizer step's tokens (:func:`echotrain.rl.entropy.entropy_bonus`, ``"token-mean"``),
+exact over the accumulation window (TRL divides each micro-batch's own mean by the window's
+length, the same only when micro-batches hold equal token counts).
+
 Not supported (a clear error at construction): ``beta > 0`` (KL to a reference),
-``top_entropy_quantile < 1``, ``off_policy_mask_threshold``, the entropy bonus, vLLM
+``top_entropy_quantile < 1`` and ``use_adaptive_entropy`` (both read state beyond one loss call:
+the echotrain trainer has them, keys of the same names), ``off_policy_mask_threshold``, vLLM
 importance-sampling correction, MoE auxiliary losses. Metrics: ``echotrain/<name>`` for the
 loss's metrics (``pg_clipfrac``, ``ppo_kl``, ``echo/R_batch`` ...), and TRL's ``entropy``.
 """
@@ -56,6 +62,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from echotrain.rl.entropy import entropy_bonus
 from echotrain.rl import (
     AGG_MODES,
     POLICY_LOSSES,
@@ -142,7 +149,8 @@ class EchoGRPOTrainer(GRPOTrainer):
             "beta": args.beta != 0.0,
             "top_entropy_quantile": args.top_entropy_quantile < 1.0,
             "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
-            "entropy_coef / use_adaptive_entropy": args.entropy_coef != 0.0 or args.use_adaptive_entropy,
+            # the adaptive controller keeps state across TRL's steps: the echotrain trainer has it
+            "use_adaptive_entropy": args.use_adaptive_entropy,
             "vllm_importance_sampling_correction": args.use_vllm and args.vllm_importance_sampling_correction,
         }
         bad = [k for k, v in unsupported.items() if v]
@@ -233,6 +241,8 @@ class EchoGRPOTrainer(GRPOTrainer):
             self.args.loss_mode, old, log_prob, inputs["advantages"], mask, self.args.loss_agg_mode,
             self.policy_loss_config, group_index=inputs["group_index"], step=step,
             rollout_log_prob=inputs.get("sampling_per_token_logps"))  # vLLM's log-probs: rollout_correction
+        if self.args.entropy_coef != 0.0:  # TRL's bonus: the mean entropy over the step's tokens, exact
+            loss = loss - self.args.entropy_coef * entropy_bonus(entropies, mask, step, "token-mean")
         m = mask.bool()
         self._metrics[mode]["entropy"].append(float(entropies.detach()[m].mean()) if m.any() else 0.0)
         for k, v in metrics.items():

@@ -25,7 +25,8 @@ name tuples ``POLICY_LOSSES``, ``ADV_METHODS``, ``AGG_MODES``, ``KL_ESTIMATORS``
 - :mod:`~echotrain.rl.kl`, :mod:`~echotrain.rl.shaping`, :mod:`~echotrain.rl.presets`
 """
 
-from echotrain.rl.advantages import ADV_METHODS, compute_advantages, register_adv_estimator, zero_variance_groups
+from echotrain.rl.advantages import (ADV_METHODS, compute_advantages, compute_token_advantages, register_adv_estimator,
+                                     zero_variance_groups)
 from echotrain.rl.aggregation import (
     AGG_MODES,
     BalancedStats,
@@ -108,6 +109,7 @@ __all__ = [
     "needs_log_prob_prepass",
     "overlong_reward_penalty",
     "register_adv_estimator",
+    "compute_token_advantages",
     "register_agg_mode",
     "register_kl_estimator",
     "register_policy_loss",

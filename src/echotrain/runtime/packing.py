@@ -261,7 +261,8 @@ def pack_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_id
 
 def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                      response_mask: torch.Tensor, *, temperature: float = 1.0,
-                     with_entropy: bool = False, attention: str = "blocks") -> tuple[torch.Tensor, torch.Tensor | None]:
+                     with_entropy: bool = False, attention: str = "blocks",
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the response tokens: the prompts' common prefix once per packed row, each
     distinct prompt's rest once, its responses packed after it.
 
@@ -272,7 +273,8 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
         response_ids: (N, T) int64; response_mask: (N, T), 1 then 0 in every row
             (:func:`is_prefix_mask`).
         temperature: logits are divided by it before the log-softmax.
-        with_entropy: also return the entropy of each position's distribution (no grad).
+        with_entropy: also return the entropy of each position's distribution (no grad, unless
+            ``entropy_grad``: then differentiable, for an entropy term of the loss).
         attention: one of :data:`PACKED_ATTENTION_MODES`: ``blocks`` runs each row's attention
             block by block (:mod:`echotrain.runtime.block_attention`) for ``sdpa`` models; the
             whole-row ``mask`` for ``eager`` ones and for a with-grad forward under gradient
@@ -333,8 +335,8 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     log_prob = log_prob.masked_scatter(valid, logp_all[where, response_ids[valid]])
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            lp = logp_all.detach()
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            lp = logp_all if entropy_grad else logp_all.detach()
             entropy = torch.zeros(N, T, dtype=torch.float32, device=device)
-            entropy[valid] = (-(lp.exp() * lp).sum(-1))[where]
+            entropy = entropy.masked_scatter(valid, (-(lp.exp() * lp).sum(-1))[where])
     return log_prob, entropy

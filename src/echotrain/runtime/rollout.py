@@ -462,7 +462,8 @@ def _supports_decode_loop(model: Any) -> bool:
 def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                       response_mask: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False,
                       share_prefix: bool = True, pack: bool = True, kv_cache: bool = True,
-                      packed_attention: str = "blocks") -> tuple[torch.Tensor, torch.Tensor | None]:
+                      packed_attention: str = "blocks",
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of the response tokens under ``model``.
 
     Runs prompt + response through the model with position ids that skip the left padding (as
@@ -485,7 +486,8 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
         prompt_ids, prompt_mask: (N, P) int64, left-padded.
         response_ids, response_mask: (N, T) int64 / float, right-padded.
         temperature: the sampling temperature (so that on-policy ratios are exactly 1).
-        with_entropy: also return the per-token entropy (N, T) float32, computed without grad.
+        with_entropy: also return the per-token entropy (N, T) float32, computed without grad
+            (with grad when ``entropy_grad`` and grad is enabled: an entropy term of the loss).
         share_prefix: compute each distinct prompt once (falls back to one full forward when
             no layout below applies or no prompt repeats).
         pack: prefer the packed layout where the model supports it.
@@ -514,7 +516,7 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
             and bool(prompt_mask.bool().any(-1).all()):
         log_prob, entropy = packed_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                                              temperature=temperature, with_entropy=with_entropy,
-                                             attention=packed_attention)
+                                             attention=packed_attention, entropy_grad=entropy_grad)
         return F.pad(log_prob, (0, T_full - T)), (F.pad(entropy, (0, T_full - T)) if with_entropy else None)
     if share_prefix and kv_cache and _supports_shared_prefix(model):
         uniq, p_mask, inv = distinct_prompts(prompt_ids, prompt_mask)
@@ -547,8 +549,8 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
     log_prob = torch.gather(logp_all, -1, response_ids.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            lp = logp_all.detach()
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            lp = logp_all if entropy_grad else logp_all.detach()
             entropy = F.pad(-(lp.exp() * lp).sum(-1), (0, T_full - T))
     return F.pad(log_prob, (0, T_full - T)), entropy
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from echotrain.rl import zero_variance_groups
+from echotrain.rl.advantages import ADV_NEEDS_BASELINE
 from echotrain.train.config import TrainConfig
 from echotrain.train.dist import DistContext
 from echotrain.runtime.precision import autocast
@@ -89,6 +90,24 @@ class Collector:
         return generate_rollouts(self.model, self.tokenizer, [ex.messages for ex in local], cfg.num_generations,
                                  group_offset=group_offset + mine.start, **sampling)
 
+    def _decode(self, batch: Any) -> list[str]:
+        return [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                for ids, mask in zip(batch.response_ids, batch.response_mask)]
+
+    def _greedy_baselines(self, local: list[Any], sampling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+        """ReMax's baselines (Li et al., arXiv 2310.10505): the reward of one greedy rollout of
+        each prompt in ``local`` by the sampling weights, repeated over the prompt's G rows
+        ``(len(local) * G,)`` float32, and the seconds its generation took (scoring included).
+        Greedy decoding draws no random numbers, so the sampled rollouts' stream is unchanged."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        greedy = {k: v for k, v in sampling.items() if k not in ("temperature", "top_p", "top_k", "sampler")}
+        with autocast(self.model, self.autocast_dtype):
+            batch = generate_rollouts(self.model, self.tokenizer, [ex.messages for ex in local], 1, do_sample=False,
+                                      record_log_prob=False, **greedy)
+        rewards, _ = self.reward_fn(self._decode(batch), list(local))
+        return rewards.float().repeat_interleave(cfg.num_generations), time.perf_counter() - t0
+
     def rollout_round(self, group_offset: int) -> StepData:
         """One round: ``prompts_per_step`` prompts x ``num_generations`` completions, scored.
 
@@ -116,19 +135,24 @@ class Collector:
                 self.utilisation.generation(batch, generate_calls(len(batch), cfg.num_generations, cfg.rollout_rng,
                                                                   cfg.rollout_batch_size))
             t0 = time.perf_counter()
-            texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-                     for ids, mask in zip(batch.response_ids, batch.response_mask)]
+            texts = self._decode(batch)
             local_rows = [ex for ex in local for _ in range(cfg.num_generations)]
             rewards, info = self.reward_fn(texts, local_rows)
             t_score = time.perf_counter() - t0
+            base = None
+            if cfg.adv_estimator in ADV_NEEDS_BASELINE:
+                base, t_base = self._greedy_baselines(local, sampling)
+                t_gen += t_base
             part = (batch, texts, rewards.float(), {k: info[k] for k in ("correct", "format_ok") if k in info},
-                    (int(info.get("n_timeouts", 0)), int(info.get("n_exceptions", 0))))
+                    (int(info.get("n_timeouts", 0)), int(info.get("n_exceptions", 0))), base)
         # every rank gets the whole round (as one process would have it): rank order = group order
         parts = [p for p in self.dist.gather(part) if p is not None] if self.dist.enabled else [part]
         info = {k: torch.cat([torch.as_tensor(p[3][k]) for p in parts]) for k in parts[0][3]}
         correct = torch.as_tensor(info["correct"], dtype=torch.float32)
         fmt = torch.as_tensor(info.get("format_ok", torch.zeros(len(rows), dtype=torch.bool)), dtype=torch.bool)
+        baselines = torch.cat([p[5] for p in parts]) if parts[0][5] is not None else None
         return StepData(batch=concat_rollouts([p[0] for p in parts], self.pad_id), rewards=torch.cat([p[2] for p in parts]),
+                        reward_baselines=baselines,
                         correct=correct, format_ok=fmt, examples=rows, texts=[t for p in parts for t in p[1]],
                         time_generation=t_gen, time_scoring=t_score,
                         reward_timeouts=sum(p[4][0] for p in parts), reward_exceptions=sum(p[4][1] for p in parts))

@@ -34,12 +34,14 @@ def default_eval_task(task: Any, task_name: str, task_options: dict[str, Any]) -
 
 
 def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n: int = 4,
-             ks: Sequence[int] = (1,), max_new_tokens: int = 48, temperature: float = 0.7, seed: int = 1234,
+             ks: Sequence[int] = (1,), max_new_tokens: int = 48, temperature: float = 0.7, top_p: float = 1.0,
+             seed: int = 1234,
              batch_prompts: int = 16, reward_fn: Any = None, keep_samples: int = 0,
              decode_loop: str = "echotrain", sampler: str = "inverse_cdf") -> dict[str, Any]:
     """Sample ``n`` completions for each of ``num_prompts`` task prompts and score them.
 
-    ``temperature=0`` decodes greedily (then every sample of a prompt is the same; use n=1).
+    ``temperature=0`` decodes greedily (then every sample of a prompt is the same; use n=1);
+    ``top_p`` < 1 samples from the nucleus (unused when greedy).
     ``decode_loop``, ``sampler``: as in :func:`~echotrain.runtime.rollout.generate_rollouts`.
 
     Returns:
@@ -65,6 +67,7 @@ def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n:
         exs = examples[start:start + batch_prompts]
         batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, max_new_tokens=max_new_tokens,
                                   temperature=temperature if temperature > 0 else 1.0, do_sample=temperature > 0,
+                                  top_p=top_p if temperature > 0 else 1.0,
                                   record_log_prob=False, decode_loop=decode_loop, sampler=sampler)
         texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
                  for ids, m in zip(batch.response_ids, batch.response_mask)]

@@ -92,6 +92,9 @@ for _name, _unit, _help, _label in (
          "greedy eval format rate")):
     _step(_name, _unit, _help, file="eval", when="eval_prompts > 0, evaluation steps", label=_label,
           panel="Accuracy" if _name == "eval/accuracy" else None)
+_step("eval/pass@n", "fraction of prompts", "share of the fixed evaluation prompts with at least one correct sample "
+      "of eval_n (eval/accuracy is then avg@n)", file="eval", when="eval_n > 1, evaluation steps", label="pass@n",
+      panel="Accuracy")
 _step("eval/prompts", "prompts", "number of fixed evaluation prompts", file="eval", when="eval_prompts > 0")
 _step("time/eval", "seconds", "wall seconds of the evaluation", file="eval", when="eval_prompts > 0", volatile=True)
 

@@ -33,6 +33,14 @@ from typing import Any, Sequence
 
 FLAG_NAMES = ("nan", "length_collapse", "entropy_collapse", "grad_explosion", "accuracy_collapse")
 
+#: What a user would turn when a flag is raised (printed with it and kept in stability.json).
+REMEDIES = {
+    "entropy_collapse": "entropy terms: entropy_coeff (verl's bonus, e.g. 0.001) or entropy_coef with "
+                        "use_adaptive_entropy and entropy_target near the run's early entropy (TRL / Skywork-OR1); "
+                        "top_entropy_quantile=0.2 (train on the high-entropy tokens only); a wider clip_ratio_high "
+                        "(DAPO's clip-higher 0.28); a lower lr",
+}
+
 
 @dataclass(frozen=True)
 class StabilityThresholds:
@@ -145,7 +153,8 @@ def stability_flags(records: Sequence[dict[str, Any]], thresholds: StabilityThre
         values["accuracy_collapse"] = {"start_step": s0, "start": a0, "end_step": s1, "end": a1, "drop": a0 - a1}
         flags["accuracy_collapse"] = bool(a1 < th.accuracy_ratio * a0 and a0 - a1 >= th.accuracy_drop - 1e-12)
     return {"flags": flags, "any": any(bool(v) for v in flags.values()), "values": values,
-            "thresholds": asdict(th), "rules": th.describe(), "steps": len(records)}
+            "thresholds": asdict(th), "rules": th.describe(), "steps": len(records),
+            "remedies": {k: REMEDIES[k] for k, v in flags.items() if v and k in REMEDIES}}
 
 
 def format_flags(result: dict[str, Any]) -> str:
@@ -153,6 +162,6 @@ def format_flags(result: dict[str, Any]) -> str:
     flags = result["flags"]
     raised = [k for k, v in flags.items() if v]
     if raised:
-        return ", ".join(raised)
+        return ", ".join(f"{k} (turn: {REMEDIES[k]})" if k in REMEDIES else k for k in raised)
     unknown = [k for k, v in flags.items() if v is None]
     return "none" + (f" (not judged: {', '.join(unknown)})" if unknown else "")

@@ -33,6 +33,9 @@ class StepData:
         zero_variance_frac: share of the drawn prompt groups whose correctness did not vary.
         time_generation, time_scoring: wall seconds spent in ``generate`` and in scoring.
         reward_timeouts, reward_exceptions: completions whose reward call timed out / raised.
+        reward_baselines: (N,) float32 reward of one greedy rollout of each sequence's prompt
+            (repeated over its group), scored like the sampled ones; only for the estimators that
+            need one (``remax``), else None. Its generation counts in ``time_generation``.
 
     Attributes (set by the trainer before the update; None until then):
         response_mask: (N, T) float32 loss mask (``batch.response_mask``, minus truncated
@@ -67,6 +70,7 @@ class StepData:
     time_scoring: float = 0.0
     reward_timeouts: int = 0
     reward_exceptions: int = 0
+    reward_baselines: torch.Tensor | None = None
     response_mask: torch.Tensor | None = None
     seq_advantages: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
@@ -87,7 +91,7 @@ class StepData:
     def select(self, idx: torch.Tensor) -> "StepData":
         """Rows ``idx`` (1-d int64) of the rollout fields (a new object; the others are kept)."""
         rows = idx.tolist()
-        per_row = {k: getattr(self, k)[idx] for k in ("rollout_version", "rollout_log_prob")
+        per_row = {k: getattr(self, k)[idx] for k in ("rollout_version", "rollout_log_prob", "reward_baselines")
                    if getattr(self, k) is not None}
         return dataclasses.replace(self, batch=self.batch.select(idx), rewards=self.rewards[idx],
                                    correct=self.correct[idx], format_ok=self.format_ok[idx],
@@ -103,4 +107,6 @@ class StepData:
         return StepData(batch=batch, rewards=torch.cat([p.rewards for p in parts]),
                         correct=torch.cat([p.correct for p in parts]),
                         format_ok=torch.cat([p.format_ok for p in parts]),
-                        examples=[e for p in parts for e in p.examples], texts=[t for p in parts for t in p.texts])
+                        examples=[e for p in parts for e in p.examples], texts=[t for p in parts for t in p.texts],
+                        reward_baselines=(torch.cat([p.reward_baselines for p in parts])
+                                          if parts and all(p.reward_baselines is not None for p in parts) else None))

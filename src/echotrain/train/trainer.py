@@ -5,7 +5,7 @@ One training step (:meth:`Trainer.train_step`) reads top to bottom, in the spiri
 1. collect   B prompts x G completions per round, each round scored (``train/collect.py``);
              DAPO dynamic sampling keeps only groups with mixed correctness and refills
 2. score     DAPO overlong reward shaping; overlong filtering of the loss mask
-3. advantage group-relative advantages (``compute_advantages``)
+3. advantage group-relative or token-level advantages (``compute_token_advantages``)
 4. old log-probs of the sampled tokens under the learner's current weights (no grad; the
    rollout policy itself unless ``staleness > 0``; the first mini-batch's from its own forward,
    the others' the sampler's own when it ran these weights in float32), the token entropy, and
@@ -33,7 +33,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from echotrain.optim.sam import SAM
-from echotrain.rl import compute_advantages, overlong_reward_penalty, truncated_response_mask
+from echotrain.rl import compute_token_advantages, overlong_reward_penalty, truncated_response_mask
+from echotrain.rl.entropy import adaptive_entropy_coef, applied_entropy_coef, high_entropy_mask
 from echotrain.rl.objectives import loss_step_stats
 from echotrain.train.checkpoint import CheckpointWriter, resume_from, seed_everything
 from echotrain.train.collect import Collector, PromptStream, default_reward_fn
@@ -49,6 +50,7 @@ from echotrain.runtime.precision import autocast, resolve_for_why, setting_name
 from echotrain.train.metrics import (MetricsLogger, NullLogger, print_summary, read_jsonl, run_info, sample_rows,
                                      step_record, write_json_atomic)
 from echotrain.runtime.rollout import RolloutBatch
+from echotrain.train.best import BEST_DIR, BestTracker
 from echotrain.train.stability import stability_flags
 from echotrain.rl.correction import parse_rollout_correction, rollout_mismatch_metrics
 from echotrain.train.step import StepData
@@ -157,6 +159,10 @@ class Trainer:
         # staleness=k: each step's rollouts were generated k steps ahead by the weights of then (train/lag.py)
         # (generation records each rollout's rollout_log_prob itself, so no behaviour pass is needed)
         self.rollouts = LaggedRollouts(lambda: self.collector.collect(), cfg.staleness, cfg.steps)
+        # use_adaptive_entropy: the coefficient and the last optimizer step's entropy (none yet: TRL applies 0 first)
+        self.entropy_state: dict[str, float] = {"coef": cfg.entropy_coef, "last_entropy": float("inf")}
+        #: the best evaluation of best_metric so far (keep_best, early_stop_patience; train/best.py)
+        self.best = BestTracker(cfg.best_metric, cfg.early_stop_patience)
         if cfg.async_rollouts:  # a worker process generates while this process trains (train/async_rollouts.py)
             self.rollouts = self._async_rollouts(tokenizer, reward_fn, pad_id)
         self.start_step = 0
@@ -173,7 +179,7 @@ class Trainer:
         if resume:
             self.resumed = resume_from(self.run_dir, model=self.model, optimizer=self.optimizer,
                                        scheduler=self.scheduler, data=self.prompts, dist=self.dist,
-                                       extra_state=lambda extra: self.rollouts.load_state_dict(extra.get("rollouts")))
+                                       extra_state=self._load_extra_state)
             self.start_step = self.resumed.step
             from echotrain.optim.registry import set_adamw_fused
 
@@ -260,22 +266,53 @@ class Trainer:
     def reuses_first_forward(self) -> bool:
         """Whether the first mini-batch's old log-probs come from its own with-grad forward
         (``reuse_on_policy_log_probs``): not with several processes, SAM (its second pass runs at
-        w + e), losses whose step statistics read the log-probs before that forward (Clip-Cov's
+        w + e), ``top_entropy_quantile`` < 1 (its mask reads every old entropy first), losses whose
+        step statistics read the log-probs before that forward (Clip-Cov's
         mean log-prob) or a rollout correction (it reads every old log-prob before the first
         update). The later rows then take the sampler's numbers when :attr:`sampler_is_learner`."""
         declared = loss_step_stats(self.cfg.loss_mode)
         return (self.cfg.reuse_on_policy_log_probs and not self.dist.enabled and not isinstance(self.optimizer, SAM)
                 and (declared is None or declared.ratio_only)
-                and not parse_rollout_correction(self.loss_config.rollout_correction))
+                and not parse_rollout_correction(self.loss_config.rollout_correction)
+                and self.cfg.top_entropy_quantile >= 1.0)  # its mask reads every row's old entropy first
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
+        """Restore the trainer's own state from a checkpoint's ``extra``: the rollouts generated
+        ahead and the adaptive entropy coefficient."""
+        self.rollouts.load_state_dict(extra.get("rollouts"))
+        self.best.load_state_dict(extra.get("best"))
+        if self.cfg.use_adaptive_entropy and "entropy" in extra:
+            self.entropy_state = dict(extra["entropy"])
+
+    def entropy_coef_now(self) -> float | None:
+        """The entropy bonus's coefficient for the next optimizer step (None: no entropy term):
+        ``entropy_coeff`` (verl), the adaptive coefficient where the last step's entropy was at or
+        below ``entropy_target`` (else 0), or ``entropy_coef`` (TRL)."""
+        cfg = self.cfg
+        if cfg.entropy_coeff:
+            return cfg.entropy_coeff
+        if cfg.use_adaptive_entropy:
+            return applied_entropy_coef(self.entropy_state["coef"], self.entropy_state["last_entropy"],
+                                        cfg.entropy_target)
+        return cfg.entropy_coef or None
 
     # ------------------------------------------------------------------ 5. one optimizer step
     def update_mini_batch(self, data: StepData, rows: torch.Tensor, on_policy: bool = False,
                           fill_old: bool = False) -> dict[str, float]:
         """One optimizer step on the rows ``rows`` of ``data``
-        (:func:`echotrain.train.update.update_mini_batch`)."""
-        return update_mini_batch(data, rows, cfg=self.cfg, loss_config=self.loss_config, model=self.model,
-                                 optimizer=self.optimizer, scheduler=self.scheduler, dist=self.dist,
-                                 forward=self._log_probs, on_policy=on_policy, fill_old=fill_old)
+        (:func:`echotrain.train.update.update_mini_batch`); under ``use_adaptive_entropy`` the
+        coefficient then moves with that step's entropy (Skywork-OR1)."""
+        cfg = self.cfg
+        out = update_mini_batch(data, rows, cfg=cfg, loss_config=self.loss_config, model=self.model,
+                                optimizer=self.optimizer, scheduler=self.scheduler, dist=self.dist,
+                                forward=self._log_probs, on_policy=on_policy, fill_old=fill_old,
+                                entropy_coef=self.entropy_coef_now())
+        if cfg.use_adaptive_entropy:
+            h = out["entropy/current"]
+            self.entropy_state = {"coef": adaptive_entropy_coef(
+                self.entropy_state["coef"], h, target=cfg.entropy_target, delta=cfg.entropy_coef_delta,
+                coef_min=cfg.entropy_coef_min, coef_max=cfg.entropy_coef_max), "last_entropy": h}
+        return out
 
     # ------------------------------------------------------------------ one training step
     def train_step(self, step: int) -> dict[str, Any]:
@@ -296,9 +333,11 @@ class Trainer:
                               if cfg.overlong_filtering else batch.response_mask.clone())
         t_update = time.perf_counter()
 
-        # 3. advantages (one scalar per response, broadcast over its tokens)
-        data.seq_advantages = compute_advantages(data.rewards, batch.group_index, adv_estimator=cfg.adv_estimator)
-        data.advantages = data.seq_advantages.unsqueeze(-1) * data.response_mask
+        # 3. advantages (one scalar per response broadcast over its tokens, or per token for the
+        # token-level estimators; remax's baselines were rolled out with the responses)
+        data.advantages, data.seq_advantages = compute_token_advantages(
+            data.rewards, batch.group_index, data.response_mask, adv_estimator=cfg.adv_estimator,
+            reward_baselines=data.reward_baselines, gamma=cfg.gamma, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo)
         # the mini-batches of whole groups, per PPO epoch (rank 0 draws the split; every rank uses it)
         splits = mini_batch_splits(batch.group_index, cfg.num_mini_batches, cfg.ppo_epochs, self.dist)
 
@@ -321,6 +360,9 @@ class Trainer:
                                    "this rollout batch does not carry (generation did not record them)")
             data.old_log_prob, data.entropy = batch.rollout_log_prob.clone(), batch.rollout_entropy.clone()
         data.ref_log_prob = self._ref_log_probs(batch)
+        if cfg.top_entropy_quantile < 1.0:  # "Beyond the 80/20 Rule": the step's high-entropy tokens only
+            keep = high_entropy_mask(data.entropy, data.response_mask, cfg.top_entropy_quantile)
+            data.response_mask = data.response_mask * keep.to(data.response_mask.dtype)
 
         # 5. update: one optimizer step per mini-batch
         # (coupled, old_log_prob is the sampler's: not the current weights' numbers even before any update)
@@ -350,8 +392,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict[str, float]:
-        """Accuracy on ``cfg.eval_prompts`` fixed prompts (greedy, or one sample each at
-        ``cfg.eval_temperature``); appended to eval.jsonl.
+        """Accuracy on ``cfg.eval_prompts`` fixed prompts (greedy, or ``cfg.eval_n`` samples each at
+        ``cfg.eval_temperature`` / ``cfg.eval_top_p``: avg@n and pass@n); appended to eval.jsonl.
 
         Runs under a forked RNG, so enabling it does not change the training run."""
         from echotrain.train.evaluate import evaluate
@@ -360,11 +402,14 @@ class Trainer:
         t0 = time.perf_counter()
         # the CUDA generator forked too: evaluate() seeds torch (CPU and CUDA) and may sample on the GPU
         with torch.random.fork_rng(devices=rng_devices(self.device)), autocast(self.model, self.autocast_dtype):
-            res = evaluate(self.model, self.tokenizer, self.eval_task, num_prompts=cfg.eval_prompts, n=1, ks=(1,),
-                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature, seed=cfg.seed + 7,
+            res = evaluate(self.model, self.tokenizer, self.eval_task, num_prompts=cfg.eval_prompts, n=cfg.eval_n,
+                           ks=(cfg.eval_n,), max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature,
+                           top_p=cfg.eval_top_p, seed=cfg.seed + 7,
                            batch_prompts=max(cfg.prompts_per_step * cfg.num_generations, 1), decode_loop=cfg.decode_loop,
                            sampler=cfg.sampler)
         out = {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"]}
+        if cfg.eval_n > 1:
+            out["eval/pass@n"] = res[f"pass@{cfg.eval_n}"]
         self.logger.log_eval({"step": step, **out, "eval/prompts": cfg.eval_prompts,
                               "time/eval": time.perf_counter() - t0})
         return out
@@ -384,11 +429,24 @@ class Trainer:
             if self.cfg.staleness or self.cfg.async_rollouts:  # the rollouts generated ahead (train/lag.py;
                 # every rank holds the same) / the async mode and its regeneration stream
                 extra["rollouts"] = self.rollouts.state_dict()
+            if self.cfg.use_adaptive_entropy:  # the adaptive coefficient and the last step's entropy
+                extra["entropy"] = dict(self.entropy_state)
+            extra["best"] = self.best.state_dict()  # the best evaluation so far (keep_best, early stopping)
             path = self.checkpoints.save(self.run_dir, step, model=self.model, optimizer=self.optimizer,
                                          scheduler=self.scheduler, data_state=self.prompts.state_dict(),
                                          keep_last=self.cfg.keep_last, extra=extra,
                                          model_state=model_state(self.model))
         self.dist.barrier()
+        return path
+
+    def save_best(self, step: int) -> Path:
+        """The checkpoint of the best evaluation so far (``keep_best``, rank 0): written like
+        :meth:`save` into ``<run>/best/checkpoints/`` keeping one, and ``best/best.json``."""
+        extra = {"world_size": self.dist.world_size, "best": self.best.state_dict()}
+        path = self.checkpoints.save(self.run_dir / BEST_DIR, step, model=self.model, optimizer=self.optimizer,
+                                     scheduler=self.scheduler, data_state=self.prompts.state_dict(), keep_last=1,
+                                     extra=extra, model_state=model_state(self.model))
+        self.best.write_json(self.run_dir)
         return path
 
     def train(self) -> list[dict[str, Any]]:
@@ -419,7 +477,7 @@ class Trainer:
         try:
             if cfg.eval_prompts and self.start_step == 0 and main:
                 self.evaluate(0)
-            last_saved = self.start_step
+            last_saved = self.last_step = self.start_step
             for step in range(self.start_step + 1, cfg.steps + 1):
                 try:
                     record = self.train_step(step)
@@ -428,8 +486,13 @@ class Trainer:
                         self.save(step - 1)
                     raise
                 self.rollouts.after_step(step)  # async: publish the weights of version `step` to the worker
+                self.last_step, stop = step, False
                 if main and cfg.eval_prompts and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
                     record.update(self.evaluate(step))
+                    if self.best.update(step, record) and cfg.keep_best:
+                        self.save_best(step)
+                    stop = self.best.should_stop and step < cfg.steps
+                stop = bool(self.dist.broadcast(stop))  # rank 0 evaluates; every rank stops with it
                 self.logger.log(record)
                 self.logger.log_samples(self._samples)
                 warning = no_signal.update(record, last=step == cfg.steps)
@@ -440,11 +503,18 @@ class Trainer:
                                 len=f"{record['response_length/mean']:.0f}")
                 for cb in self.callbacks:
                     cb(step, record)
-                if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+                if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop:
                     self.save(step)
                     last_saved = step
-                    if cfg.plots and step != cfg.steps and main:
+                    if cfg.plots and step != cfg.steps and main and not stop:
                         self.write_plots()
+                if stop:
+                    if main:
+                        tqdm.write(f"echotrain: early stop after step {step}: {cfg.best_metric} did not improve in "
+                                   f"{self.best.since} evaluations (best {self.best.best:.4g} at step "
+                                   f"{self.best.best_step}; early_stop_patience={cfg.early_stop_patience})",
+                                   file=sys.stderr)
+                    break
         except BaseException:
             self.checkpoints.wait()  # a checkpoint being written in the background is finished first
             raise
@@ -459,7 +529,7 @@ class Trainer:
         self.train_seconds = time.perf_counter() - t0
         if main and cfg.progress:
             print_summary(records, self.run_dir, self.train_seconds, evals=read_jsonl(self.run_dir / "eval.jsonl"),
-                          steps_run=(self.start_step + 1, cfg.steps), stability=stability)
+                          steps_run=(self.start_step + 1, self.last_step), stability=stability)
         return records
 
     def _final_outputs(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:

@@ -25,6 +25,7 @@ from echotrain.optim.sam import SAM
 from echotrain.rl import compute_policy_loss, compute_step_stats, kl_penalty, needs_log_prob_prepass, step_agg_loss
 from echotrain.rl.config import PolicyLossConfig
 from echotrain.rl.correction import apply_rollout_correction, parse_rollout_correction
+from echotrain.rl.entropy import entropy_bonus
 from echotrain.rl.stepwise import split_micro_batches
 from echotrain.train.config import TrainConfig
 from echotrain.train.config.schema import LOG_PROB_PREPASSES
@@ -32,6 +33,15 @@ from echotrain.train.dist import DistContext
 from echotrain.runtime.rollout import RolloutBatch, forward_log_probs
 from echotrain.train.step import StepData
 
+ENTROPY_CURRENT = declare_metric(
+    "entropy/current", reduce="token_mean", unit="nats per token",
+    when="entropy_coeff, entropy_coef or use_adaptive_entropy",
+    help="mean token entropy of the policy being updated over the loss's tokens (the entropy term's H)",
+    label="current policy (entropy term)", panel="Entropy")
+ENTROPY_COEF = declare_metric(
+    "entropy/coef", reduce="last", unit="coefficient", when="entropy_coeff, entropy_coef or use_adaptive_entropy",
+    help="the entropy coefficient the last optimizer step applied (adaptive: 0 while entropy > entropy_target)",
+    label="applied coefficient", panel="Entropy coefficient")
 KL_REF = declare_metric("kl/ref", reduce="token_mean", unit="nats per token", when="kl_coef > 0",
                         help="mean KL estimate (kl_penalty) of the policy to the reference over valid tokens",
                         label="KL to reference", panel="Policy drift")
@@ -52,10 +62,16 @@ SAM_ACTIVE = declare_metric("sam/active", reduce="mean", unit="fraction of updat
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
+def entropy_in_loss(cfg: TrainConfig) -> bool:
+    """Whether the loss has an entropy term (``entropy_coeff``, ``entropy_coef`` or
+    ``use_adaptive_entropy``): the update's forward then returns the entropy with grad."""
+    return bool(cfg.entropy_coeff or cfg.entropy_coef or cfg.use_adaptive_entropy)
+
+
 def policy_log_probs(model: Any, batch: RolloutBatch, cfg: TrainConfig, with_entropy: bool = False,
                      grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``(b, T)`` (and entropy) of ``batch``'s response tokens at ``cfg.temperature``,
-    with grad if ``grad``; on the model's device. Under gradient checkpointing the with-grad
+    with grad if ``grad`` (the entropy too when the loss has an entropy term); on the model's device. Under gradient checkpointing the with-grad
     pass shares the prompt only through the packed layout (``pack_responses``), not the KV cache."""
     checkpointing = contextlib.nullcontext()
     if grad and cfg.gradient_checkpointing:
@@ -65,6 +81,7 @@ def policy_log_probs(model: Any, batch: RolloutBatch, cfg: TrainConfig, with_ent
     with torch.set_grad_enabled(grad), checkpointing:
         return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                  batch.response_mask, temperature=cfg.temperature, with_entropy=with_entropy,
+                                 entropy_grad=grad and entropy_in_loss(cfg),
                                  share_prefix=cfg.share_prompt_prefix, pack=cfg.pack_responses,
                                  packed_attention=cfg.packed_attention,
                                  # transformers turns the KV cache off under checkpointing
@@ -215,7 +232,8 @@ def micro_batches(data: StepData, rows: torch.Tensor, micro_batch_size: int, dis
 
 def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, loss_config: PolicyLossConfig,
                       model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, dist: DistContext,
-                      forward: Forward, on_policy: bool = False, fill_old: bool = False) -> dict[str, float]:
+                      forward: Forward, on_policy: bool = False, fill_old: bool = False,
+                      entropy_coef: float | None = None) -> dict[str, float]:
     """One optimizer step on the sequences ``rows`` of the step's data, exactly micro-batched.
 
     ``on_policy``: no optimizer step has happened since the old log-probs were computed (the
@@ -224,6 +242,9 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
     ``data.entropy`` of ``rows`` are not computed yet; the with-grad forward supplies them
     (detached, written into ``data``), and the step statistics use ratio 1 (old = current = 0
     placeholders). ``forward`` is :func:`policy_log_probs` (or a wrapper of it).
+    ``entropy_coef``: the entropy bonus's coefficient for this optimizer step (docs/design/
+    objectives.md §11): ``cfg.entropy_coeff`` (verl, aggregated by ``loss_agg_mode``) when that is
+    set, else TRL's token-mean bonus with this value (the trainer's adaptive state); None: no term.
 
     Returns this optimizer step's metrics (each reduced over the micro-batches as declared in
     :mod:`echotrain.metrics`), ``grad_norm``, ``lr`` and, with
@@ -246,7 +267,7 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
         elif retains_prepass_graph(cfg.log_prob_prepass):
             # every micro-batch's with-grad forward now, graphs kept: their detached log-probs are
             # the pre-pass, and the loss below reuses them (one forward of the mini-batch less)
-            retained = [forward(model, mb.batch, grad=True) for mb in mbs]
+            retained = [forward(model, mb.batch, grad=True, with_entropy=entropy_coef is not None) for mb in mbs]
             for mb, (log_prob, _) in zip(mbs, retained):
                 mb.log_prob = log_prob.detach().cpu()
         else:
@@ -269,11 +290,11 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
             if retained[i] is not None:  # the pre-pass's forward (first call only: SAM's at w + e runs its own)
                 (log_prob, ent), retained[i] = retained[i], None
             else:
-                log_prob, ent = forward(model, mb.batch, grad=True, with_entropy=fill_old)
+                log_prob, ent = forward(model, mb.batch, grad=True, with_entropy=fill_old or entropy_coef is not None)
             if fill_old:  # on-policy: the old log-probs are these, and no update has happened yet
                 mb.old_log_prob = log_prob.detach().cpu()
                 data.old_log_prob[mb.rows] = mb.old_log_prob
-                data.entropy[mb.rows] = ent.cpu()
+                data.entropy[mb.rows] = ent.detach().cpu()
             mask = mb.response_mask.to(log_prob.device)
             advantages, group_index = mb.advantages.to(log_prob.device), mb.group_index.to(log_prob.device)
             old = mb.old_log_prob.to(log_prob.device)
@@ -299,6 +320,14 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
                 loss = loss + cfg.kl_coef * kl_loss
                 kl_mean = torch.where(mask.bool(), kl_mat.detach(), 0).sum() / mask.sum().clamp(min=1)
                 m = dict(m, **{"kl/ref": float(kl_mean)})
+            if entropy_coef is not None:  # the entropy term, from this forward's entropy (with grad)
+                if ent is None:  # the retained pre-pass forward ran without entropy
+                    raise RuntimeError("the entropy term needs the update's forward to return the entropy")
+                h = entropy_bonus(ent, mask, stats, "loss_agg_mode" if cfg.entropy_coeff else "token-mean",
+                                  advantages=advantages, group_index=group_index)
+                loss = loss - entropy_coef * h
+                h_mean = torch.where(mask.bool(), ent.detach(), 0).sum() / mask.sum().clamp(min=1)
+                m = {**m, ENTROPY_CURRENT.name: float(h_mean), ENTROPY_COEF.name: float(entropy_coef)}
             loss.backward()
             total += loss.detach().float().cpu()
             acc.add(m, float(mask.sum()))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from echotrain.optim.schedules import LR_DECAYS
+from echotrain.train.best import BEST_METRICS
 from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, with_policy_loss_fields
 from echotrain.runtime.precision import AUTOCAST_CHOICES, CPU_BF16_MEASURED, CPU_BF16_MIN_PARAMS
 from echotrain.runtime.decode import DECODE_LOOPS, DEFAULT_DECODE_LOOP, DEFAULT_SAMPLER, SAMPLERS
@@ -167,9 +168,17 @@ class TrainConfig:
                                       "Not with a rollout_correction (its ratio pi_old/mu would be 1).", group="rollout")
 
     # ---- objective (defaults come from the preset) ------------------------------------------
-    adv_estimator: str = _f("grpo", "Advantage estimator (echotrain.rl.compute_advantages): grpo = (r-mean)/std per group; "
-                            "grpo_no_std = Dr. GRPO r-mean; batch_std = group-centred, batch-std scaled.",
+    adv_estimator: str = _f("grpo", "Advantage estimator (echotrain.rl.ADV_METHODS, docs/design/objectives.md §1): grpo = "
+                            "(r-mean)/std per group; grpo_no_std = Dr. GRPO r-mean; batch_std = group-centred, batch-std "
+                            "scaled; verl's rloo, opo (length-weighted baseline), grpo_passk, gpg, remax (baseline: one "
+                            "greedy rollout per prompt, generated and scored with the rollouts), reinforce_plus_plus "
+                            "(discounted by gamma, whitened over the batch's tokens), reinforce_plus_plus_baseline, gdpo.",
                             group="objective")
+    gamma: float = _f(1.0, "Discount of reinforce_plus_plus's token returns (verl's algorithm.gamma), in [0, 1]; the other "
+                      "estimators ignore it.", group="objective")
+    norm_adv_by_std_in_grpo: bool = _f(True, "Divide by the group's reward std in grpo, grpo_passk and gdpo (verl's "
+                                       "algorithm.norm_adv_by_std_in_grpo); false = Dr. GRPO's centring only.",
+                                       group="objective")
     loss_mode: str = _f("echo", "Policy loss from echotrain.rl.POLICY_LOSSES: vanilla (token PPO clip), gspo, gspo_token, echo, and "
                         "verl's/TRL's cispo, sapo, geo_mean (GMPO), dppo_tv, dppo_kl, gpg, clip_cov, kl_cov, dro, luspo, "
                         "vespo (docs/design/objectives.md §9).",
@@ -181,6 +190,28 @@ class TrainConfig:
                         "model. GRPO used 0.04; DAPO and Dr. GRPO drop it (0).", group="objective")
     kl_penalty: str = _f("k3", "KL estimator (echotrain.rl.kl_penalty): k1, k2 or k3 (Schulman's unbiased, low-variance; "
                          "GRPO's choice).", group="objective")
+    entropy_coeff: float = _f(0.0, "verl's actor.entropy_coeff: subtract entropy_coeff x the token entropy aggregated by "
+                              "loss_agg_mode (the step's normalisers) from the loss; > 0 rewards exploration. The entropy "
+                              "comes from the update's own forward (no second pass). 0 = off (verl's default).",
+                              group="objective")
+    entropy_coef: float = _f(0.0, "TRL's entropy_coef: subtract entropy_coef x the mean token entropy over the step's "
+                             "valid tokens (the same for every loss_agg_mode) from the loss; the starting value under "
+                             "use_adaptive_entropy. Not together with entropy_coeff. 0 = off.", group="objective")
+    use_adaptive_entropy: bool = _f(False, "TRL's / Skywork-OR1's (2505.22312) adaptive entropy control: after each "
+                                    "optimizer step entropy_coef moves by entropy_coef_delta up (that step's mean "
+                                    "entropy <= entropy_target) or down, within [entropy_coef_min, entropy_coef_max], "
+                                    "and the bonus applies only while entropy <= entropy_target.", group="objective")
+    entropy_coef_min: float = _f(0.0, "Lower bound of entropy_coef under use_adaptive_entropy (TRL's name).",
+                                 group="objective")
+    entropy_coef_max: float = _f(1.0, "Upper bound of entropy_coef under use_adaptive_entropy (TRL's name).",
+                                 group="objective")
+    entropy_coef_delta: float = _f(0.005, "Step of entropy_coef per optimizer step under use_adaptive_entropy (TRL's name).",
+                                   group="objective")
+    entropy_target: float = _f(0.2, "Target mean token entropy (nats) of use_adaptive_entropy (TRL's name; set it near the "
+                               "entropy logged early in a run: language models sit at 0.5-10 nats).", group="objective")
+    top_entropy_quantile: float = _f(1.0, "TRL's rho of 'Beyond the 80/20 Rule' (2506.01939): train only on the valid "
+                                     "tokens whose entropy (the step's old policy) is in the top rho quantile of the "
+                                     "step's; 0.2 is the paper's choice, 1.0 = every token (off).", group="objective")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose correctness is all 0 or all 1 and refill "
                                 "the batch with new prompts.", group="objective")
     max_sampling_rounds: int = _f(3, "Dynamic sampling: at most this many generate rounds per step; a step keeps whatever "
@@ -312,6 +343,19 @@ class TrainConfig:
                                  "same random numbers, so the curve compares policies, not draws). Sampled accuracy is "
                                  "what RL raises first: greedy decoding already picks the mode, so it moves later "
                                  "(the length testbed: greedy 0.30, sampled 0.12 at the start).", group="eval")
+    eval_n: int = _f(1, "Samples per evaluation prompt (needs eval_temperature > 0 when > 1): eval/accuracy is then avg@n "
+                     "(mean score over all samples) and eval/pass@n the share of prompts with a correct sample.",
+                     group="eval")
+    eval_top_p: float = _f(1.0, "Nucleus (top-p) of the sampled evaluation (eval_temperature > 0); 1.0 = off.",
+                           group="eval")
+    best_metric: str = _f("eval/accuracy", "The evaluation metric keep_best and early_stop_patience follow (higher is "
+                          "better).", choices=BEST_METRICS, group="eval")
+    early_stop_patience: int = _f(0, "Stop the run after this many evaluations in a row without a new best of "
+                                  "best_metric (its last checkpoint, plots and final model are written as at a normal "
+                                  "end); 0 = off. Needs eval_every > 0.", group="eval")
+    keep_best: bool = _f(False, "Also keep the checkpoint of the best evaluation of best_metric so far in "
+                         "<run>/best/checkpoints/ (with best/best.json: step, metric, value), besides the last ones.",
+                         group="eval")
 
     # ---- outputs -----------------------------------------------------------------------------
     save_every: int = _f(10, "Write a checkpoint every N steps (and at the end); 0 = only at the end.", group="outputs")

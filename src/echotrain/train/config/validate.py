@@ -116,12 +116,28 @@ def validate(cfg: TrainConfig) -> None:
          f"must be <= prompts_per_step={cfg.prompts_per_step} (mini-batches hold whole groups)")
     need(cfg.temperature > 0, "temperature", "must be > 0 (RL needs sampling)")
     need(cfg.eval_temperature >= 0, "eval_temperature", "must be >= 0 (0 = greedy)")
+    need(cfg.eval_n >= 1, "eval_n", "must be >= 1")
+    need(cfg.eval_n == 1 or cfg.eval_temperature > 0, "eval_n",
+         "> 1 needs eval_temperature > 0 (greedy samples of a prompt are all the same)")
+    need(0.0 < cfg.eval_top_p <= 1.0, "eval_top_p", "must be in (0, 1]")
+    need(cfg.best_metric != "eval/pass@n" or cfg.eval_n > 1, "best_metric", "eval/pass@n needs eval_n > 1")
+    need(cfg.early_stop_patience >= 0, "early_stop_patience", "must be >= 0 (0 = off)")
+    need(not cfg.early_stop_patience or (cfg.eval_every > 0 and cfg.eval_prompts > 0), "early_stop_patience",
+         "needs evaluations during the run: eval_every > 0 and eval_prompts > 0")
+    need(not cfg.keep_best or cfg.eval_prompts > 0, "keep_best", "needs eval_prompts > 0")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     from echotrain.runtime.preflight import model_task_mismatch
 
     mismatch = model_task_mismatch(cfg.model, cfg.task, model_label=f"model={cfg.model}", task_label=f"task={cfg.task}")
     need(mismatch is None, "task", mismatch or "")
     need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
+    need(0.0 <= cfg.gamma <= 1.0, "gamma", "must be in [0, 1]")
+    need(not (cfg.entropy_coeff and (cfg.entropy_coef or cfg.use_adaptive_entropy)), "entropy_coeff",
+         "not together with entropy_coef / use_adaptive_entropy (verl's and TRL's bonus differ only in aggregation: "
+         "choose one)")
+    need(cfg.entropy_coef_min <= cfg.entropy_coef_max, "entropy_coef_min", "must be <= entropy_coef_max")
+    need(cfg.entropy_coef_delta >= 0, "entropy_coef_delta", "must be >= 0")
+    need(0.0 <= cfg.top_entropy_quantile <= 1.0, "top_entropy_quantile", "must be in [0, 1]")
     need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",
          f"must be -1 (auto), 0 (off) or in [1, max_new_tokens={cfg.max_new_tokens})")
     need(cfg.lr > 0, "lr", "must be > 0")
@@ -163,8 +179,10 @@ def _check_learning_signal(cfg: TrainConfig) -> None:
 
     - ``num_generations=1`` with an estimator that centres rewards within each prompt's group
       (probed on groups of one, so a new estimator is covered by its own behaviour): a group of
-      one response always has advantage 0. All of ours centre by group (``batch_std`` is Lite
-      PPO's group mean with the batch std, arXiv 2508.08221), so G=1 is refused for each.
+      one response always has advantage 0. Every group-baseline estimator is refused (``batch_std``
+      is Lite PPO's group mean with the batch std, arXiv 2508.08221); ``remax`` (a greedy
+      rollout's baseline) and ``reinforce_plus_plus`` (batch whitening, no groups) learn from
+      G = 1 and pass.
     - ``top_k=1``: greedy sampling makes the G responses of a prompt identical, so every group
       has zero reward variance and advantage 0 (the KL term, if any, is 0 with 0 gradient at the
       reference too).
@@ -174,10 +192,11 @@ def _check_learning_signal(cfg: TrainConfig) -> None:
     """
     import torch
 
-    from echotrain.rl import compute_advantages
+    from echotrain.rl import compute_token_advantages
 
     if cfg.num_generations == 1:
-        probe = compute_advantages(torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), adv_estimator=cfg.adv_estimator)
+        probe, _ = compute_token_advantages(torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), torch.ones(3, 2),
+                                            adv_estimator=cfg.adv_estimator, reward_baselines=torch.zeros(3))
         if not probe.any():
             raise ConfigError(
                 f"num_generations=1: adv_estimator={cfg.adv_estimator!r} centres rewards within each prompt's group, "

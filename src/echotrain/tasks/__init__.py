@@ -64,6 +64,7 @@ from echotrain.tasks.math_sets import JsonlMathTask, load_gsm8k, load_math500
 from echotrain.tasks import jsonl as _jsonl  # noqa: F401  registers task=jsonl
 from echotrain.tasks.testbed import TestbedTask
 from echotrain.tasks.testbed_length import LengthTestbedTask
+from echotrain.tasks import testbed_calc as _testbed_calc  # noqa: F401  registers task=testbed-calc
 
 __all__ = [
     "TASKS",

@@ -1,0 +1,142 @@
+"""Tools (echotrain.envs.tools, echotrain.envs.python_exec): schemas from signatures, Hermes/Qwen
+tool-call parsing, and every failure -- a malformed call, a tool that raises, hangs or prints
+10 MB -- ending as a counted error of the episode while the run continues."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from echotrain.envs import ToolEnvironment, get_env_factory, parse_tool_calls, tool_schema
+from echotrain.envs.calculator import calculator
+from echotrain.envs.python_exec import PythonToolError, run_python
+from echotrain.envs.tools import ToolCall, call_tool
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first term.
+        b: the second term.
+    """
+    return a + b
+
+
+def boom(x: int) -> int:
+    """Always raises.
+
+    Args:
+        x: anything.
+    """
+    raise RuntimeError("kaput")
+
+
+def hang(x: int) -> int:
+    """Never returns.
+
+    Args:
+        x: anything.
+    """
+    time.sleep(60)
+    return x
+
+
+def chatty(x: int) -> int:
+    """Prints 10 MB.
+
+    Args:
+        x: anything.
+    """
+    for _ in range(10):
+        print("y" * (1 << 20))
+    return x
+
+
+def test_schema_from_signature_and_docstring():
+    assert tool_schema(add) == {"type": "function", "function": {
+        "name": "add", "description": "Add two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "the first term."},
+                                                        "b": {"type": "integer", "description": "the second term."}},
+                       "required": ["a", "b"]},
+        "return": {"type": "integer"}}}
+    with pytest.raises(ValueError, match="'undocumented'"):
+        def undocumented(a):  # no hints, no docstring
+            return a
+        tool_schema(undocumented)
+
+
+def test_parse_hermes_calls_and_malformed_ones():
+    text = ('I will add. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>'
+            "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call>"
+            '<tool_call>{"name": "add", "arguments": [1]}</tool_call><tool_call>{"name": "add"')
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments, c.error is None) for c in calls[:2]] == [("add", {"a": 1, "b": 2}, True),
+                                                                            ("add", {"a": 3, "b": 4}, True)]
+    assert [c.error for c in calls[2:]] == [
+        "the tool call is not valid JSON (Expecting property name enclosed in double quotes at char 1)",
+        'the tool call must be a JSON object with a string "name"', '"arguments" must be a JSON object',
+        "<tool_call> without its closing </tool_call>"]
+    assert parse_tool_calls("The answer is <answer>3</answer>") == []
+
+
+def test_every_failure_is_a_counted_error_and_the_episode_goes_on():
+    env = ToolEnvironment([add, boom, hang, chatty], timeout_s=0.5, max_output_chars=1000)
+    turn = ("<tool_call>{oops}</tool_call>"
+            '<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>'
+            '<tool_call>{"name": "hang", "arguments": {"x": 1}}</tool_call>'
+            '<tool_call>{"name": "chatty", "arguments": {"x": 1}}</tool_call>'
+            '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 40, "b": 2}}</tool_call>')
+    t0 = time.perf_counter()
+    reply = env.step(turn)
+    assert time.perf_counter() - t0 < 5  # the hang is cut at 0.5 s
+    assert (reply.done, reply.tool_calls, reply.tool_errors) == (False, 7, 6)
+    assert [r.kind for r in env.results] == ["malformed", "raised", "timeout", "output_too_long", "unknown_tool",
+                                             "bad_arguments", "ok"]
+    assert [m["role"] for m in reply.messages] == ["tool"] * 7
+    assert reply.messages[1]["content"] == "Error: boom raised RuntimeError: kaput"
+    assert reply.messages[-1]["content"] == "42"
+    assert max(len(m["content"]) for m in reply.messages) < 1000  # 10 MB never reaches the model
+    assert env.step("<answer>42</answer>").done  # and the episode goes on to its final answer
+
+
+def test_call_result_too_long_is_an_error():
+    r = call_tool(ToolCall("calculator", {"expression": "10**20"}), {"calculator": calculator})
+    assert r.error and r.kind == "raised"  # ** is not a calculator operation
+    r = call_tool(ToolCall("calculator", {"expression": "(4817 + 2933) * 2"}), {"calculator": calculator})
+    assert (r.content, r.error) == ("15500", False)
+    r = call_tool(ToolCall("calculator", {"expression": "123456789*987654321"}), {"calculator": calculator},
+                  max_output_chars=5)
+    assert r.error and r.kind == "output_too_long"
+
+
+@pytest.mark.parametrize("code, why", [
+    ("import time; time.sleep(30)", "did not finish within 1.0 s"),
+    ("while True: pass", "did not finish within 1.0 s"),
+    ("print('y' * 10_000_000)", "printed more than 4096 bytes"),
+    ("x = bytearray(2 << 30)", "MemoryError"),
+    ("import socket; socket.create_connection(('1.1.1.1', 80), timeout=1)", "OSError"),
+    ("raise ValueError('bad')", "ValueError: bad"),
+])
+def test_python_tool_limits(code, why):
+    t0 = time.perf_counter()
+    with pytest.raises(PythonToolError, match=why.replace("(", r"\(").replace(".", r"\.")):
+        run_python(code, timeout_s=1.0, memory_mb=256)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_python_tool_runs_code():
+    assert run_python("print(sum(range(10)))") == "45\n"
+
+
+def test_env_registry_and_bad_options():
+    make = get_env_factory("calculator", timeout_s=1.0)
+    assert make() is not make()  # one instance per episode
+    with pytest.raises(ValueError, match="env='nope' is unknown; valid: \\['calculator', 'feedback', 'tools'\\]"):
+        get_env_factory("nope")
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        get_env_factory("calculator", timeout_s=0)

@@ -41,7 +41,6 @@ def _segments(mask_row: torch.Tensor, n: int) -> list[tuple[int, int, int]]:
     return out
 
 
-@pytest.mark.usefixtures("real_testbed")
 def test_ids_trained_equal_ids_sampled_on_the_testbed(monkeypatch):
     from echotrain.models import load_policy
     from echotrain.tasks import get_task

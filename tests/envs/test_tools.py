@@ -136,7 +136,52 @@ def test_python_tool_runs_code():
 def test_env_registry_and_bad_options():
     make = get_env_factory("calculator", timeout_s=1.0)
     assert make() is not make()  # one instance per episode
-    with pytest.raises(ValueError, match="env='nope' is unknown; valid: \\['calculator', 'feedback', 'tools'\\]"):
+    with pytest.raises(ValueError, match="env='nope' is unknown; valid: \\['calculator', 'feedback', 'python', 'tools'\\]"):
         get_env_factory("nope")
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         get_env_factory("calculator", timeout_s=0)
+
+
+def test_failing_tools_in_an_episode_are_counted_and_the_episode_reaches_its_answer(monkeypatch):
+    """Through run_episodes: turn 1 calls a tool that hangs, turn 2 one that prints 10 MB, turn 3
+    a malformed call, turn 4 a tool that raises, turn 5 answers; each error is counted and the
+    episode goes on to its final answer (the sampler is scripted, the environment real)."""
+    import torch
+
+    from echotrain.models.byte_tokenizer import ByteTokenizer
+    from echotrain.runtime import episodes as episodes_mod
+    from echotrain.runtime.episodes import EPISODE_STATS, run_episodes
+    from echotrain.tasks import Example
+
+    tok = ByteTokenizer()
+    turns = ['<tool_call>{"name": "hang", "arguments": {"x": 1}}</tool_call>\n',
+             '<tool_call>{"name": "chatty", "arguments": {"x": 1}}</tool_call>\n',
+             '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>\n',
+             '<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>\n',
+             "42\n"]
+
+    def fake(model, ids, attn, *, max_new_tokens, **kw):
+        t = torch.tensor([tok.encode(turns[fake.turn])] * ids.shape[0])
+        fake.turn += 1
+        return t, torch.zeros(t.shape), torch.zeros(t.shape)
+
+    fake.turn = 0
+    monkeypatch.setattr(episodes_mod, "_sample", fake)
+    model = torch.nn.Linear(1, 1)
+    env = lambda: ToolEnvironment([add, boom, hang, chatty], timeout_s=0.5)  # noqa: E731
+    ex = Example(messages="40+2=", question="40+2=", answer="42", task="t", index=0)
+    res = run_episodes(model, tok, [ex], 1, env, max_new_tokens=80, max_turns=6, max_episode_tokens=2000)
+    stats = dict(zip(EPISODE_STATS, res.batch.episode_stats[0].tolist()))
+    assert (stats["turns"], stats["tool_calls"], stats["tool_errors"]) == (5, 4, 4)
+    assert res.final_texts == ["42"] and not bool(res.batch.truncated[0])
+    assert [m["content"][:40] for m in res.transcripts[0] if m["role"] == "tool"] == [
+        "Error: hang did not finish within 0.5 s", "Error: chatty printed more than 2000 cha",
+        "Error: the tool call is not valid JSON (", "Error: boom raised RuntimeError: kaput"]
+
+
+def test_python_env_runs_a_call_and_counts_a_hang():
+    env = get_env_factory("python")()
+    reply = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
+                     '<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>')
+    assert [m["content"] for m in reply.messages] == ["42\n", "Error: python raised PythonToolError: did not finish within 5.0 s"]
+    assert (reply.tool_calls, reply.tool_errors) == (2, 1)

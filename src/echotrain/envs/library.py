@@ -1,5 +1,5 @@
-"""Generic environments: ``tools`` (plain callables by import path, TRL's ``tools=``) and
-``feedback`` (a fixed reply after every turn).
+"""Generic environments: ``tools`` (plain callables by import path, TRL's ``tools=``),
+``python`` (the sandboxed Python tool) and ``feedback`` (a fixed reply after every turn).
 
 ``env=tools tools=[mypkg.tools:search,./my_tools.py:lookup]``: a
 :class:`~echotrain.envs.base.ToolEnvironment` over the named callables (``module:function`` or
@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from echotrain.envs.base import EnvReply, ToolEnvironment, register_env
+from echotrain.envs.python_exec import python
 
-__all__ = ["FeedbackEnv", "ToolsEnv", "load_callable"]
+__all__ = ["FeedbackEnv", "PythonEnv", "ToolsEnv", "load_callable"]
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
@@ -89,3 +90,17 @@ class FeedbackEnv:
     def step(self, completion: str) -> EnvReply:
         """The fixed reply."""
         return EnvReply(messages=[{"role": self.role, "content": self.message}])
+
+
+@register_env("python")
+class PythonEnv(ToolEnvironment):
+    """A :class:`ToolEnvironment` with the sandboxed ``python`` tool
+    (:mod:`echotrain.envs.python_exec`: a limited subprocess per call, no network).
+
+    Args:
+        timeout_s: each call's wall-clock limit in-process (seconds; the subprocess has its own 5 s).
+        **kwargs: :class:`ToolEnvironment`'s settings.
+    """
+
+    def __init__(self, timeout_s: float = 10.0, **kwargs: Any):
+        super().__init__([python], timeout_s=timeout_s, **kwargs)

@@ -130,3 +130,31 @@ def test_kl_penalty_on_holed_masks(estimator, agg):
                        advantages=holed["advantages"],
                        group_index=holed["group_index"], norm_constant=7.0)
     torch.testing.assert_close(kl_h, kl_c, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(__import__("echotrain.rl.correction_names", fromlist=["x"]).ROLLOUT_CORRECTIONS))
+def test_rollout_corrections_on_holed_masks(name):
+    """Every registered behaviour-policy correction: the kept tokens, the IS weights and the
+    step's metrics of a holed batch are those of the same model tokens without holes."""
+    from echotrain.rl import PolicyLossConfig, apply_rollout_correction
+
+    compact, holed, where = _holed(seed=3)
+    g = torch.Generator().manual_seed(7)
+    noise = 0.4 * torch.randn(B, T_MODEL, generator=g, dtype=torch.float64)
+    roll_c = compact["old_log_prob"].clone()
+    roll_c[:, :T_MODEL] += noise
+    roll_h = -torch.rand(B, T, generator=g, dtype=torch.float64) * 9  # garbage at the holes
+    for i in range(B):
+        for t in range(T_MODEL):
+            if where[i, t] < T:
+                roll_h[i, where[i, t]] = roll_c[i, t]
+    cfg = PolicyLossConfig(rollout_correction=name)
+    out_c = apply_rollout_correction(compact["old_log_prob"], roll_c, compact["advantages"], compact["response_mask"], cfg)
+    out_h = apply_rollout_correction(holed["old_log_prob"], roll_h, holed["advantages"], holed["response_mask"], cfg)
+    cols = where.clamp(max=T - 1)
+    m = compact["response_mask"][:, :T_MODEL]
+    assert torch.equal(out_h.response_mask.gather(1, cols)[m], out_c.response_mask[:, :T_MODEL][m])
+    torch.testing.assert_close(out_h.rollout_is_weights.gather(1, cols)[m], out_c.rollout_is_weights[:, :T_MODEL][m],
+                               rtol=1e-10, atol=1e-12)
+    assert not out_h.response_mask[~holed["response_mask"]].any()
+    assert out_h.metrics == pytest.approx(out_c.metrics, rel=1e-9, abs=1e-12)

@@ -111,3 +111,12 @@ def test_bandwidth_benchmark_reports_each_kernel_against_the_peak():
                                                      "read-only sum (1)")]
     assert max(peak_kernels) == 1.0 and all(0 < v <= 1.0 for v in peak_kernels)
     assert len(r) == 6 and all(v["gb_s"] > 0 for v in r.values())
+
+
+def test_episodes_benchmark_reports_both_throughputs():
+    """benchmarks/bench_episodes.py on the testbed: feedback episodes of several turns against
+    single-turn rollouts, model tokens per second of each and their ratio."""
+    res = _load("bench_episodes").main(["--model", "testbed", "--task", "testbed", "--prompts", "2",
+                                        "--generations", "2", "--turns", "2", "--max-new-tokens", "8", "--reps", "1"])
+    assert res["episodes"]["env_tokens"] > 0 and res["episodes"]["turns"] > 1
+    assert res["ratio"] == pytest.approx(res["episodes"]["tokens_per_s"] / res["single-turn"]["tokens_per_s"])

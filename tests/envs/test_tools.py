@@ -136,7 +136,7 @@ def test_python_tool_runs_code():
 def test_env_registry_and_bad_options():
     make = get_env_factory("calculator", timeout_s=1.0)
     assert make() is not make()  # one instance per episode
-    with pytest.raises(ValueError, match="env='nope' is unknown; valid: \\['calculator', 'feedback', 'python', 'tools'\\]"):
+    with pytest.raises(ValueError, match="env='nope' is unknown; valid: \\['calculator', 'feedback', 'python', 'tools', 'trl'\\]"):
         get_env_factory("nope")
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         get_env_factory("calculator", timeout_s=0)
@@ -185,3 +185,39 @@ def test_python_env_runs_a_call_and_counts_a_hang():
                      '<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>')
     assert [m["content"] for m in reply.messages] == ["42\n", "Error: python raised PythonToolError: did not finish within 5.0 s"]
     assert (reply.tool_calls, reply.tool_errors) == (2, 1)
+
+
+class Counter:
+    """A TRL-style environment_factory class: reset(**row), public methods as tools, get_reward."""
+
+    def reset(self, **row):
+        self.total, self.answer = 0, int(row["answer"])
+        return f" (start from {self.total})"
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: how much to add.
+        """
+        self.total += step
+        return self.total
+
+    def get_reward(self) -> float:
+        return float(self.total == self.answer)
+
+
+def test_trl_environment_factory_objects():
+    from echotrain.tasks import Example
+
+    env = get_env_factory("trl", factory=Counter)()
+    ex = Example(messages=[{"role": "user", "content": "Count to 5"}], question="Count to 5", answer="5", task="t",
+                 index=0)
+    prompt = env.reset(ex)
+    assert prompt[-1]["content"] == "Count to 5 (start from 0)" and '"name": "increment"' in prompt[0]["content"]
+    reply = env.step('<tool_call>{"name": "increment", "arguments": {"step": 5}}</tool_call>')
+    assert reply.messages == [{"role": "tool", "content": "5"}] and not reply.done
+    final = env.step("<answer>5</answer>")
+    assert final.done and final.reward == 1.0  # get_reward() at the final answer
+    with pytest.raises(ValueError, match="env=trl needs env_options.factory"):
+        get_env_factory("trl")

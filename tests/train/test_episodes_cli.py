@@ -62,7 +62,7 @@ def test_tools_key_takes_plain_callables(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("over, message", [
-    (["env=nope"], "env='nope' is not valid; valid: calculator, feedback, python, tools"),
+    (["env=nope"], "env='nope' is not valid; valid: calculator, feedback, python, tools, trl"),
     (["env=calculator", "async_rollouts=true"], "async_rollouts=True: true is not supported with env"),
     (["env_options.timeout_s=1"], "env_options={'timeout_s': 1}: is set but env is not"),
     (["env=calculator", "env_options.timeout_s=0"], "env='calculator': timeout_s must be > 0 seconds, got 0"),

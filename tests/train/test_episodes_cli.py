@@ -47,7 +47,9 @@ def test_feedback_episodes_resume_exactly(monkeypatch, tmp_path):
     assert strip(a) == strip(b) and len(a) == 3
     assert all(r["episode/turns"] == 2 and r["episode/env_token_frac"] > 0 for r in a)
     assert any(r["grad_norm"] > 0 for r in a)  # not vacuous: the policy moved
-    assert read_jsonl(full / "samples.jsonl") == read_jsonl(part / "samples.jsonl")
+    samples = read_jsonl(full / "samples.jsonl")
+    assert samples == read_jsonl(part / "samples.jsonl")
+    assert all("12+13=\n" in r["completion"] for r in samples)  # the whole episode, the feedback's turn included
 
 
 def test_tools_key_takes_plain_callables(monkeypatch, tmp_path):

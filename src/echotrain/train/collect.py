@@ -134,6 +134,9 @@ class Collector:
                 from echotrain.runtime.episodes import EPISODE_STATS
 
                 rewards = rewards.float() + batch.episode_stats[:, EPISODE_STATS.index("shaping")]
+                # samples.jsonl shows the whole episode (model and environment tokens), not only the scored turn
+                texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
+                         for ids, mask in zip(batch.response_ids, batch.attended_mask)]
             t_score = time.perf_counter() - t0
             part = (batch, texts, rewards.float(), {k: info[k] for k in ("correct", "format_ok") if k in info},
                     (int(info.get("n_timeouts", 0)), int(info.get("n_exceptions", 0))))

@@ -168,3 +168,62 @@ def test_forward_layouts_give_the_sampler_log_probs_on_holed_responses(layout):
     lp, _ = forward_log_probs(model, b.prompt_ids, b.prompt_mask, b.response_ids, b.attended_mask, **layout)
     m = b.response_mask.bool()
     torch.testing.assert_close(lp[m], b.rollout_log_prob[m], rtol=0, atol=1e-4)
+
+
+def _scripted_bytes(monkeypatch, turns: list[str]):
+    """The turn sampler replaced by fixed byte-level turns (every row the same)."""
+    from echotrain.models.byte_tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+
+    def fake(model, ids, attn, *, max_new_tokens, **kw):
+        t = torch.tensor([tok.encode(turns[fake.turn])] * ids.shape[0])[:, :max_new_tokens]
+        fake.turn += 1
+        return t, torch.full(t.shape, -0.5), torch.zeros(t.shape)
+
+    fake.turn = 0
+    monkeypatch.setattr(episodes_mod, "_sample", fake)
+    return tok
+
+
+@pytest.mark.parametrize("turns, kw, expect", [
+    # turn 1 calls, the reply (7 ids) fits, turn 2 answers: 2 turns, no cut
+    (["ab\n", "7\n"], dict(max_turns=3, max_episode_tokens=12), dict(turns=2, env_tokens=7, model_tokens=5, cut=(0, 0))),
+    # the reply would pass the budget (3 + 7 >= 10): cut by tokens after turn 1, truncated
+    (["ab\n"], dict(max_turns=3, max_episode_tokens=10), dict(turns=1, env_tokens=0, model_tokens=3, cut=(1, 0))),
+    # max_turns=2 and turn 2 is still not an answer: cut by turns, not truncated
+    (["ab\n", "cd\n"], dict(max_turns=2, max_episode_tokens=64), dict(turns=2, env_tokens=7, model_tokens=6, cut=(0, 1))),
+    # a turn without its EOS within max_new_tokens=4: cut by tokens, truncated
+    (["abcdef\n"], dict(max_turns=3, max_episode_tokens=64), dict(turns=1, env_tokens=0, model_tokens=4, cut=(1, 0))),
+])
+def test_episode_ends_and_counts(monkeypatch, turns, kw, expect):
+    """Hand-counted episodes of the byte tokenizer (one id a character): the environment's turn
+    is the plain renderer's ``again!\\n`` (7 ids); a model turn ends at its ``\\n`` (EOS);
+    ``max_new_tokens=4``."""
+    tok = _scripted_bytes(monkeypatch, turns)
+    make = get_env_factory("feedback", message="again!")  # plain renderer: "again!\n" = 7 ids
+    if turns[-1] == "7\n":
+        class Answer:
+            def __init__(self):
+                self.n = 0
+
+            def reset(self, ex):
+                return ex.messages
+
+            def step(self, text):
+                from echotrain.envs import EnvReply
+
+                self.n += 1
+                return EnvReply(done=text == "7", messages=[{"role": "user", "content": "again!"}])
+        make = Answer
+    ex = Example(messages="3+4=", question="3+4=", answer="7", task="t", index=0)
+    res = run_episodes(torch.nn.Linear(1, 1), tok, [ex], 1, make, max_new_tokens=4, **kw)
+    stats = dict(zip(EPISODE_STATS, res.batch.episode_stats[0].tolist()))
+    assert (stats["turns"], stats["env_tokens"], stats["model_tokens"]) == (
+        expect["turns"], expect["env_tokens"], expect["model_tokens"])
+    assert (stats["cut_by_tokens"], stats["cut_by_turns"]) == expect["cut"]
+    assert bool(res.batch.truncated[0]) == bool(expect["cut"][0])
+    b = res.batch
+    assert float(b.response_mask.sum()) == expect["model_tokens"]
+    assert float((b.attended_mask - b.response_mask).sum()) == expect["env_tokens"]
+    assert b.rollout_log_prob[b.response_mask.bool()].eq(-0.5).all() and b.rollout_log_prob[~b.response_mask.bool()].eq(0).all()

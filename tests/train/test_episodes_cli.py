@@ -93,3 +93,28 @@ def test_calculator_env_on_smollm2(monkeypatch, tmp_path):
     assert set(EPISODE_METRICS) <= set(rec) and rec["episode/model_tokens"] > 0
     sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
     assert sample
+
+
+def test_group_rng_episodes_do_not_depend_on_the_split():
+    """rollout_rng=group: a prompt group's episodes are the same whether played with the others
+    or alone (its own seed), as single-turn rollouts."""
+    import torch
+
+    from echotrain.models import load_policy
+    from echotrain.tasks import get_task
+    from echotrain.train.config import TrainConfig
+    from echotrain.train.episodes import EpisodeRollouts
+
+    model, tok = load_policy("testbed")
+    cfg = TrainConfig(model="testbed", task="testbed-calc", env="feedback", rollout_rng="group", num_generations=2,
+                      max_new_tokens=6, max_turns=2, seed=3, temperature=1.5)
+    er = EpisodeRollouts(cfg, model, tok, pad_id=0)
+    ex = get_task("testbed-calc").sample(3, 0)
+    whole, texts = er.run(ex, range(0, 3), 0, draw=5)
+    alone, texts_alone = er.run(ex[2:], range(2, 3), 0, draw=5)
+    w = alone.response_ids.shape[1]
+    assert torch.equal(whole.response_ids[4:6, :w], alone.response_ids) and texts[4:] == texts_alone
+    assert torch.equal(whole.response_mask[4:6, :w], alone.response_mask)
+    assert whole.group_index.tolist() == [0, 0, 1, 1, 2, 2] and alone.group_index.tolist() == [2, 2]
+    other, _ = er.run(ex[2:], range(2, 3), 0, draw=6)
+    assert not torch.equal(other.response_ids, alone.response_ids) or other.response_ids.shape != alone.response_ids.shape

@@ -168,8 +168,8 @@ class TrainConfig:
                          "an episode in which the model and the environment take turns (tool results, feedback) "
                          "until a final answer, max_turns or max_episode_tokens; the environment's tokens are in "
                          "the trajectory with response_mask 0; the reward is the task's scorer on the final model "
-                         "turn. Registered: calculator, tools (the tools= key), feedback, and any register_env "
-                         "plugin. Empty: single-turn completions.", group="environment")
+                         "turn. The names are echotrain.envs' registry (register_env; plugins welcome): an unknown "
+                         "one is refused listing them. Empty: single-turn completions.", group="environment")
     env_options: dict = _f({}, "Keyword options of the environment (YAML mapping, or env_options.KEY=VALUE), e.g. "
                            "env_options.timeout_s=2 (each tool call's limit).", group="environment")
     tools: list = _f([], "Tools as plain Python callables by import path, module:function or file.py:function (TRL's "

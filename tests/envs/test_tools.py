@@ -49,7 +49,10 @@ def chatty(x: int) -> int:
     Args:
         x: anything.
     """
-    for _ in range(10):
+    import sys
+
+    for _ in range(5):
+        print("z" * (1 << 20), file=sys.stderr)  # stderr is captured (and capped) too
         print("y" * (1 << 20))
     return x
 

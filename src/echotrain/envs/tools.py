@@ -156,7 +156,7 @@ def call_tool(call: ToolCall, tools: Mapping[str, Callable[..., Any]], *, timeou
     """Run one parsed call; every failure is a :class:`ToolResult` with ``error=True``.
 
     The tool's return value (``str()`` of it; its printed output when it returns None) is the
-    content; prints go to a capped buffer, not the terminal.
+    content; prints (stdout and stderr) go to a capped buffer, not the terminal.
 
     Args:
         call: from :func:`parse_tool_calls`.
@@ -181,7 +181,7 @@ def call_tool(call: ToolCall, tools: Mapping[str, Callable[..., Any]], *, timeou
         pass
     out = _CappedWriter(max_output_chars)
     try:
-        with contextlib.redirect_stdout(out):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             value = call_with_timeout(fn, timeout_s=timeout_s, **call.arguments)
     except RewardTimeout:
         return ToolResult(call.name, f"Error: {call.name} did not finish within {timeout_s} s", True, "timeout")

@@ -47,6 +47,9 @@ def test_feedback_episodes_resume_exactly(monkeypatch, tmp_path):
     assert strip(a) == strip(b) and len(a) == 3
     assert all(r["episode/turns"] == 2 and r["episode/env_token_frac"] > 0 for r in a)
     assert any(r["grad_norm"] > 0 for r in a)  # not vacuous: the policy moved
+    # step 1's rollouts were sampled by the learner's weights: the trainer's recomputed old log-probs
+    # of the episodes' model tokens are the sampler's (the ids and positions trained are those sampled)
+    assert a[0]["rollout_corr/log_prob_abs_diff"] < 1e-5
     samples = read_jsonl(full / "samples.jsonl")
     assert samples == read_jsonl(part / "samples.jsonl")
     assert all("12+13=\n" in r["completion"] for r in samples)  # the whole episode, the feedback's turn included

@@ -120,3 +120,12 @@ def test_adv_estimator_benchmark_times_every_estimator():
     assert set(res) == set(ADV_METHODS)
     assert res["grpo"]["ratio"] == pytest.approx(1.0) or res["grpo"]["median_s"] == 0
     assert all(r["step_share"] == pytest.approx(r["median_s"] / 16.0) for r in res.values())
+
+
+def test_episodes_benchmark_reports_both_throughputs():
+    """benchmarks/bench_episodes.py on the testbed: feedback episodes of several turns against
+    single-turn rollouts, model tokens per second of each and their ratio."""
+    res = _load("bench_episodes").main(["--model", "testbed", "--task", "testbed", "--prompts", "2",
+                                        "--generations", "2", "--turns", "2", "--max-new-tokens", "8", "--reps", "1"])
+    assert res["episodes"]["env_tokens"] > 0 and res["episodes"]["turns"] > 1
+    assert res["ratio"] == pytest.approx(res["episodes"]["tokens_per_s"] / res["single-turn"]["tokens_per_s"])

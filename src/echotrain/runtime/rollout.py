@@ -47,6 +47,12 @@ class RolloutBatch:
         rollout_entropy: (N, T) float32 entropy (nats) of the distribution each response token
             was sampled from (the same log-softmax), 0 off ``response_mask``; None when not
             recorded. The trainer's ``entropy`` when ``recompute_old_log_prob=false``.
+        response_attention_mask: (N, T) float32, 1 on every token of the trajectory the forward
+            attends to; None = ``response_mask``. Multi-turn episodes
+            (:mod:`echotrain.runtime.episodes`) set it: their ``response_mask`` has holes (0 on the
+            environment's tokens), this mask has none.
+        episode_stats: (N, K) float32 per-episode counts (columns
+            :data:`echotrain.runtime.episodes.EPISODE_STATS`); None for single-turn rollouts.
     """
 
     prompt_ids: torch.Tensor
@@ -57,9 +63,17 @@ class RolloutBatch:
     truncated: torch.Tensor
     rollout_log_prob: torch.Tensor | None = None
     rollout_entropy: torch.Tensor | None = None
+    response_attention_mask: torch.Tensor | None = None
+    episode_stats: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
+
+    @property
+    def attended_mask(self) -> torch.Tensor:
+        """(N, T) the response tokens the forward attends to: ``response_attention_mask`` where
+        set (episodes: model and environment tokens), else ``response_mask``."""
+        return self.response_mask if self.response_attention_mask is None else self.response_attention_mask
 
     @property
     def response_length(self) -> torch.Tensor:
@@ -447,6 +461,10 @@ def concat_rollouts(batches: Sequence[RolloutBatch], pad_token_id: int) -> Rollo
         torch.cat([rpad(b.rollout_log_prob, T, 0) for b in batches]),
         rollout_entropy=None if any(b.rollout_entropy is None for b in batches) else
         torch.cat([rpad(b.rollout_entropy, T, 0) for b in batches]),
+        response_attention_mask=None if all(b.response_attention_mask is None for b in batches) else
+        torch.cat([rpad(b.attended_mask, T, 0) for b in batches]),
+        episode_stats=None if any(b.episode_stats is None for b in batches) else
+        torch.cat([b.episode_stats for b in batches]),
     )
 
 
@@ -484,7 +502,9 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
 
     Args:
         prompt_ids, prompt_mask: (N, P) int64, left-padded.
-        response_ids, response_mask: (N, T) int64 / float, right-padded.
+        response_ids, response_mask: (N, T) int64 / float, right-padded; ``response_mask`` is
+            what the forward attends to (a multi-turn episode's model *and* environment tokens:
+            ``RolloutBatch.attended_mask``), not the loss mask, which callers apply.
         temperature: the sampling temperature (so that on-policy ratios are exactly 1).
         with_entropy: also return the per-token entropy (N, T) float32, computed without grad
             (with grad when ``entropy_grad`` and grad is enabled: an entropy term of the loss).
@@ -506,7 +526,8 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
     device = next(model.parameters()).device
     N, T_full = response_ids.shape
     # exact trimming: all-padding columns carry no valid token and are attended by none
-    T = max(1, int(response_mask.sum(-1).max()))
+    cols = response_mask.bool().any(0).nonzero()  # up to the last attended column (a mask may have holes)
+    T = max(1, int(cols[-1]) + 1 if len(cols) else 1)
     keep_from = int(prompt_mask.long().sum(0).nonzero()[0]) if prompt_mask.any() else 0
     prompt_ids, prompt_mask = prompt_ids[:, keep_from:].to(device), prompt_mask[:, keep_from:].long().to(device)
     response_ids, response_mask = response_ids[:, :T].to(device), response_mask[:, :T].long().to(device)

@@ -39,6 +39,8 @@ Public API
     ``"testbed"``           bare ``81-88=`` -> ``-7`` arithmetic of the CPU testbed policy
                             (``model=testbed``; ``echotrain.tasks.testbed``), exact integer match,
                             with a held-out split its ``eval_task()`` returns.
+    ``"testbed-calc"``      four-digit ``4817+2933=`` in the testbed's format, for ``env=calculator``
+                            (``echotrain.tasks.testbed_calc``): larger than the testbed adds alone.
     ``"testbed-length"``    sums of 2-8 terms worked step by step (``7+25=32;32+3=35;#35``) for the
                             length testbed policy (``model=testbed-length``;
                             ``echotrain.tasks.testbed_length``), scored on the final ``#<int>``.
@@ -64,6 +66,7 @@ from echotrain.tasks.math_sets import JsonlMathTask, load_gsm8k, load_math500
 from echotrain.tasks import jsonl as _jsonl  # noqa: F401  registers task=jsonl
 from echotrain.tasks.testbed import TestbedTask
 from echotrain.tasks.testbed_length import LengthTestbedTask
+from echotrain.tasks import testbed_calc as _testbed_calc  # noqa: F401  registers task=testbed-calc
 
 __all__ = [
     "TASKS",

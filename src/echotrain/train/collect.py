@@ -78,6 +78,12 @@ class Collector:
         self.cfg, self.model, self.tokenizer, self.reward_fn = cfg, model, tokenizer, reward_fn
         self.prompts, self.dist, self.pad_id = prompts, dist, pad_id
         self.autocast_dtype, self.utilisation = autocast_dtype, utilisation
+        #: env set: multi-turn episodes instead of single completions (train/episodes.py)
+        self.episodes = None
+        if cfg.env or cfg.tools:
+            from echotrain.train.episodes import EpisodeRollouts
+
+            self.episodes = EpisodeRollouts(cfg, model, tokenizer, pad_id)
 
     def _generate(self, local: list[Any], mine: range, group_offset: int, draw: int, sampling: dict[str, Any]) -> Any:
         """This rank's rollouts of ``local`` (its share ``mine`` of the round's prompt groups)."""
@@ -127,17 +133,28 @@ class Collector:
                             top_k=cfg.top_k, batch_size=cfg.rollout_batch_size, decode_loop=cfg.decode_loop,
                             sampler=cfg.sampler)
             with autocast(self.model, self.autocast_dtype):
-                batch = self._generate(local, mine, group_offset, draw, sampling)
+                if self.episodes is not None:  # the texts scored: each episode's final model turn
+                    batch, texts = self.episodes.run(local, mine, group_offset, draw)
+                else:
+                    batch = self._generate(local, mine, group_offset, draw, sampling)
             t_gen = time.perf_counter() - t0
-            if self.utilisation is not None:
+            if self.utilisation is not None and self.episodes is None:
                 from echotrain.train.utilisation import generate_calls
 
                 self.utilisation.generation(batch, generate_calls(len(batch), cfg.num_generations, cfg.rollout_rng,
                                                                   cfg.rollout_batch_size))
             t0 = time.perf_counter()
-            texts = self._decode(batch)
+            if self.episodes is None:
+                texts = self._decode(batch)
             local_rows = [ex for ex in local for _ in range(cfg.num_generations)]
             rewards, info = self.reward_fn(texts, local_rows)
+            if self.episodes is not None:  # the environment's per-turn shaping, summed per episode
+                from echotrain.runtime.episodes import EPISODE_STATS
+
+                rewards = rewards.float() + batch.episode_stats[:, EPISODE_STATS.index("shaping")]
+                # samples.jsonl shows the whole episode (model and environment tokens), not only the scored turn
+                texts = [self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
+                         for ids, mask in zip(batch.response_ids, batch.attended_mask)]
             t_score = time.perf_counter() - t0
             base = None
             if cfg.adv_estimator in ADV_NEEDS_BASELINE:

@@ -28,7 +28,9 @@ class StepData:
         correct: (N,) float32 0/1 correctness from the scorer.
         format_ok: (N,) bool, the completion had the expected answer format.
         examples: the N task examples (one per sequence, repeated over a group).
-        texts: the N decoded completions.
+        texts: the N decoded completions (episodes, ``env``: the whole trajectory after the
+            prompt, model and environment tokens, special tokens kept; the reward scored the last
+            model turn).
         rounds: rollout rounds this step drew (> 1 only with dynamic sampling).
         zero_variance_frac: share of the drawn prompt groups whose correctness did not vary.
         time_generation, time_scoring: wall seconds spent in ``generate`` and in scoring.

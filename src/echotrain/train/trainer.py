@@ -378,6 +378,10 @@ class Trainer:
         record[ALL_ZERO_VARIANCE] = int(all_zero_variance(data.rewards, batch.group_index))
         # staleness/* (none when synchronous), async/*
         record.update(self.rollouts.step_metrics(step, data, record["time/step"]))
+        if batch.episode_stats is not None:  # env=: turns, tool calls / errors, tokens, cuts (train/episodes.py)
+            from echotrain.train.episodes import episode_metrics
+
+            record.update(episode_metrics(batch))
         if data.rollout_log_prob is not None:  # train/inference mismatch of the step's recomputed rows, every step
             measured = data.response_mask  # (with the sampler's numbers reused: the first mini-batch's rows)
             if sampled is not None:

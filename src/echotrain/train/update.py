@@ -79,8 +79,10 @@ def policy_log_probs(model: Any, batch: RolloutBatch, cfg: TrainConfig, with_ent
 
         checkpointing = checkpointed_forward(model)
     with torch.set_grad_enabled(grad), checkpointing:
+        # (attended_mask: an episode's response_mask has holes on the environment's tokens, which
+        # the forward still attends to; the log-probs there are ignored by the loss)
         return forward_log_probs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                 batch.response_mask, temperature=cfg.temperature, with_entropy=with_entropy,
+                                 batch.attended_mask, temperature=cfg.temperature, with_entropy=with_entropy,
                                  entropy_grad=grad and entropy_in_loss(cfg),
                                  share_prefix=cfg.share_prompt_prefix, pack=cfg.pack_responses,
                                  packed_attention=cfg.packed_attention,

@@ -76,9 +76,13 @@ def _suggest(key: str) -> str:
     return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else f"; valid keys: {', '.join(FIELDS)}"
 
 
+#: The mapping keys set one entry at a time with ``KEY.NAME=VALUE`` (merged over the layers).
+NESTED_KEYS = ("task_options", "loss_options", "env_options")
+
+
 def parse_overrides(tokens: list[str]) -> dict[str, Any]:
     """Parse ``key=value`` tokens (``task_options.KEY=VALUE`` nests into ``task_options``, and
-    ``loss_options.KEY=VALUE`` into ``loss_options``).
+    likewise for every key of :data:`NESTED_KEYS`).
 
     Values are parsed as YAML scalars later, against the field's type; ``*_options`` values as YAML.
 
@@ -91,7 +95,7 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
             raise ConfigError(f"expected key=value, got {tok!r}" + ("" if tok.startswith("-") else _suggest(tok)))
         key, _, value = tok.partition("=")
         key = key.strip().replace("-", "_")
-        if key.startswith(("task_options.", "loss_options.")):
+        if key.startswith(tuple(k + "." for k in NESTED_KEYS)):
             try:
                 out.setdefault(key.split(".", 1)[0], {})[key.split(".", 1)[1]] = yaml.safe_load(value)
             except yaml.YAMLError:
@@ -156,7 +160,7 @@ def resolve_config(yaml_values: dict[str, Any] | None = None, overrides: dict[st
     values["preset"] = preset
     for layer in (yaml_values, overrides):
         for key, value in layer.items():
-            if key in ("task_options", "loss_options") and isinstance(value, dict):
+            if key in NESTED_KEYS and isinstance(value, dict):
                 merged = dict(values.get(key) or {})
                 merged.update(value)
                 values[key] = merged

@@ -167,6 +167,23 @@ class TrainConfig:
                                       "since sampling (naive PPO of AReaL's Table); one no-grad pass less per step. "
                                       "Not with a rollout_correction (its ratio pi_old/mu would be 1).", group="rollout")
 
+    # ---- environment (multi-turn episodes) ---------------------------------------------------
+    env: str | None = _f(None, "Multi-turn environment (echotrain.envs; docs/design/environments.md): each rollout is "
+                         "an episode in which the model and the environment take turns (tool results, feedback) "
+                         "until a final answer, max_turns or max_episode_tokens; the environment's tokens are in "
+                         "the trajectory with response_mask 0; the reward is the task's scorer on the final model "
+                         "turn. The names are echotrain.envs' registry (register_env; plugins welcome): an unknown "
+                         "one is refused listing them. Empty: single-turn completions.", group="environment")
+    env_options: dict = _f({}, "Keyword options of the environment (YAML mapping, or env_options.KEY=VALUE), e.g. "
+                           "env_options.timeout_s=2 (each tool call's limit).", group="environment")
+    tools: list = _f([], "Tools as plain Python callables by import path, module:function or file.py:function (TRL's "
+                     "tools=): their JSON schema comes from the signature and docstring "
+                     "(transformers.utils.get_json_schema); implies env=tools.", group="environment")
+    max_turns: int = _f(4, "Most model turns per episode (with env).", group="environment")
+    max_episode_tokens: int = _f(0, "Most tokens after the prompt per episode, model and environment tokens together "
+                                 "(with env); max_new_tokens is the limit of one model turn. 0 = 2 x max_turns x "
+                                 "max_new_tokens.", group="environment")
+
     # ---- objective (defaults come from the preset) ------------------------------------------
     adv_estimator: str = _f("grpo", "Advantage estimator (echotrain.rl.ADV_METHODS, docs/design/objectives.md §1): grpo = "
                             "(r-mean)/std per group; grpo_no_std = Dr. GRPO r-mean; batch_std = group-centred, batch-std "

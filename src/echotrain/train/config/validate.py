@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from echotrain.errors import ConfigError
 from echotrain.train.config.schema import BALANCED_SUFFIX
@@ -130,6 +130,7 @@ def validate(cfg: TrainConfig) -> None:
 
     mismatch = model_task_mismatch(cfg.model, cfg.task, model_label=f"model={cfg.model}", task_label=f"task={cfg.task}")
     need(mismatch is None, "task", mismatch or "")
+    _check_env(cfg, need)
     need(cfg.kl_coef >= 0, "kl_coef", "must be >= 0")
     need(0.0 <= cfg.gamma <= 1.0, "gamma", "must be in [0, 1]")
     need(not (cfg.entropy_coeff and (cfg.entropy_coef or cfg.use_adaptive_entropy)), "entropy_coeff",
@@ -172,6 +173,45 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda") or cfg.device == "mps",
          "device", "valid: auto, cpu, cuda, cuda:N, mps")
     _check_learning_signal(cfg)
+
+
+def _check_env(cfg: TrainConfig, need: Any) -> None:
+    """The multi-turn keys (env, env_options, tools, max_turns, max_episode_tokens): ``tools``
+    implies ``env=tools``; the environment is built once with its options (bad ones fail here)."""
+    env = cfg.env or ("tools" if cfg.tools else None)
+    need(cfg.max_turns >= 1, "max_turns", "must be >= 1")
+    need(cfg.max_episode_tokens >= 0, "max_episode_tokens", "must be >= 0 (0 = 2 x max_turns x max_new_tokens)")
+    if not env:
+        need(not cfg.env_options, "env_options", "is set but env is not: name the environment (env=<name>)")
+        return
+    from echotrain.envs import ENVIRONMENTS, env_names
+    from echotrain.rl.advantages import ADV_NEEDS_BASELINE
+
+    if env not in ENVIRONMENTS:
+        raise ConfigError(unknown_value_msg("env", env, env_names()))
+    need(not cfg.tools or env == "tools", "tools", f"takes env=tools (or no env), not env={env!r}")
+    need(env != "tools" or bool(cfg.tools), "env", "env=tools needs tools=[module:function,...]")
+    need(not cfg.async_rollouts, "async_rollouts",
+         "true is not supported with env (multi-turn episodes): use staleness=k for off-policy episodes")
+    need(cfg.adv_estimator not in ADV_NEEDS_BASELINE, "adv_estimator",
+         f"{cfg.adv_estimator!r} rolls out one greedy single-turn response per prompt as its baseline, which is not an "
+         "episode of this environment: choose another estimator with env")
+    need(cfg.overlong_buffer == 0, "overlong_buffer_len",
+         "DAPO's overlong penalty counts one response's tokens against max_new_tokens, which an episode of "
+         "several turns does not have: set overlong_buffer_len=0 with env")
+    need(not cfg.max_episode_tokens or cfg.max_episode_tokens >= cfg.max_new_tokens, "max_episode_tokens",
+         f"must be 0 or >= max_new_tokens={cfg.max_new_tokens} (one whole model turn)")
+    from echotrain.models.testbed import TESTBED_CONFIGS
+
+    if cfg.model in TESTBED_CONFIGS:
+        need(bool(ENVIRONMENTS.info(env).get("for_testbed")), "env",
+             f"model={cfg.model} speaks plain byte-level text: use an environment registered for_testbed")
+    from echotrain.train.episodes import env_factory_of
+
+    try:
+        env_factory_of(cfg)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"env={env!r}: {exc}") from None
 
 
 def _check_learning_signal(cfg: TrainConfig) -> None:

@@ -1,0 +1,124 @@
+"""``echotrain train env=...`` through the real CLI: multi-turn episodes on the testbed and on the
+embedded SmolLM2-135M, offline, with the per-step episode metrics; exact resume; clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from echotrain.runtime.checkpoints import latest_checkpoint
+from echotrain.train.episodes import EPISODE_METRICS
+from echotrain.train.metrics import read_jsonl
+from tests.train.test_staleness import cli, strip
+
+
+TINY = ["model=testbed", "prompts_per_step=2", "num_generations=2", "max_new_tokens=6", "num_mini_batches=1",
+        "micro_batch_size=4", "num_threads=1", "eval_prompts=0", "plots=false", "save_final_model=false",
+        "progress=false", "seed=0", "log_samples=1"]
+
+
+def test_calculator_env_on_the_testbed(monkeypatch, tmp_path):
+    run = tmp_path / "r"
+    assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", "env=calculator", "max_turns=2", "steps=1",
+               "save_every=0", f"output_dir={run}") == 0
+    rec = read_jsonl(run / "metrics.jsonl")[0]
+    assert set(EPISODE_METRICS) <= set(rec)
+    assert rec["episode/turns"] >= 1 and rec["episode/model_tokens"] > 0
+
+
+def test_feedback_episodes_resume_exactly(monkeypatch, tmp_path):
+    """Episodes of 2 turns (the feedback environment answers every turn, the reward reads the
+    last), ECHO, a fixed lag of 1: resumed from the step-2 checkpoint, step 3 is the uninterrupted
+    run's (metrics and samples)."""
+    (tmp_path / "parity.py").write_text("def reward(completion, example):\n    return float(len(completion) % 2)\n")
+    monkeypatch.chdir(tmp_path)  # a reward that varies within groups: the update is not zero
+    args = [*TINY, "task=testbed", "env=feedback", "env_options.message=12+13=", "max_turns=2", "staleness=1",
+            "save_every=1", "keep_last=3", "preset=echo", "lr=1e-2", "num_generations=4", "temperature=1.5",
+            "reward=parity:reward"]
+    full = tmp_path / "full"
+    assert cli(monkeypatch, "train", *args, "steps=3", f"output_dir={full}") == 0
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    latest_checkpoint(part).unlink()  # as if killed after step 2's checkpoint
+    assert cli(monkeypatch, "train", "--resume", str(part)) == 0
+    a, b = read_jsonl(full / "metrics.jsonl"), read_jsonl(part / "metrics.jsonl")
+    assert strip(a) == strip(b) and len(a) == 3
+    assert all(r["episode/turns"] == 2 and r["episode/env_token_frac"] > 0 for r in a)
+    assert any(r["grad_norm"] > 0 for r in a)  # not vacuous: the policy moved
+    # step 1's rollouts were sampled by the learner's weights: the trainer's recomputed old log-probs
+    # of the episodes' model tokens are the sampler's (the ids and positions trained are those sampled)
+    assert a[0]["rollout_corr/log_prob_abs_diff"] < 1e-5
+    samples = read_jsonl(full / "samples.jsonl")
+    assert samples == read_jsonl(part / "samples.jsonl")
+    assert all("12+13=\n" in r["completion"] for r in samples)  # the whole episode, the feedback's turn included
+
+
+def test_tools_key_takes_plain_callables(monkeypatch, tmp_path):
+    (tmp_path / "my_tools.py").write_text(
+        'def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: first.\n        b: second.\n    """\n'
+        "    return a + b\n")
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "r"
+    assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", "tools=[my_tools.py:add]", "steps=1", "save_every=0",
+               f"output_dir={run}") == 0
+    assert "episode/tool_calls" in read_jsonl(run / "metrics.jsonl")[0]
+
+
+@pytest.mark.parametrize("over, message", [
+    (["env=nope"], "env='nope' is not valid; valid: calculator, feedback, python, tools, trl"),
+    (["env=calculator", "async_rollouts=true"], "async_rollouts=True: true is not supported with env"),
+    (["env_options.timeout_s=1"], "env_options={'timeout_s': 1}: is set but env is not"),
+    (["env=calculator", "env_options.timeout_s=0"], "env='calculator': timeout_s must be > 0 seconds, got 0"),
+    (["env=calculator", "max_turns=0"], "max_turns=0: must be >= 1"),
+    (["tools=[nowhere:fn]"], "env='tools': cannot import 'nowhere' for 'nowhere:fn'"),
+    (["env=calculator", "tools=[x:y]"], "tools=['x:y']: takes env=tools (or no env), not env='calculator'"),
+    (["env=calculator", "overlong_buffer_len=2"], "overlong_buffer_len=2: DAPO's overlong penalty"),
+    (["env=calculator", "adv_estimator=remax"], "adv_estimator='remax': 'remax' rolls out one greedy single-turn"),
+])
+def test_bad_env_settings_exit_2_with_one_line(monkeypatch, tmp_path, capsys, over, message):
+    assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", *over, f"output_dir={tmp_path / 'r'}") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_calculator_env_on_smollm2(monkeypatch, tmp_path):
+    """The embedded SmolLM2-135M-Instruct with the calculator tool on reasoning-gym arithmetic:
+    1 step, 2 prompts x 2 episodes of at most 2 turns (about a minute on a loaded core)."""
+    run = tmp_path / "r"
+    assert cli(monkeypatch, "train", "env=calculator", "task=rg:basic_arithmetic", "steps=1", "prompts_per_step=2",
+               "num_generations=2", "max_new_tokens=24", "max_turns=2", "num_mini_batches=1", "micro_batch_size=4",
+               "num_threads=1", "eval_prompts=0", "plots=false", "save_final_model=false", "save_every=0",
+               "progress=false", "log_samples=1", f"output_dir={run}") == 0
+    rec = read_jsonl(run / "metrics.jsonl")[0]
+    assert set(EPISODE_METRICS) <= set(rec) and rec["episode/model_tokens"] > 0
+    sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
+    assert sample
+
+
+def test_group_rng_episodes_do_not_depend_on_the_split():
+    """rollout_rng=group: a prompt group's episodes are the same whether played with the others
+    or alone (its own seed), as single-turn rollouts."""
+    import torch
+
+    from echotrain.models import load_policy
+    from echotrain.tasks import get_task
+    from echotrain.train.config import TrainConfig
+    from echotrain.train.episodes import EpisodeRollouts
+
+    model, tok = load_policy("testbed")
+    cfg = TrainConfig(model="testbed", task="testbed-calc", env="feedback", rollout_rng="group", num_generations=2,
+                      max_new_tokens=6, max_turns=2, seed=3, temperature=1.5)
+    er = EpisodeRollouts(cfg, model, tok, pad_id=0)
+    ex = get_task("testbed-calc").sample(3, 0)
+    whole, texts = er.run(ex, range(0, 3), 0, draw=5)
+    alone, texts_alone = er.run(ex[2:], range(2, 3), 0, draw=5)
+    w = alone.response_ids.shape[1]
+    assert torch.equal(whole.response_ids[4:6, :w], alone.response_ids) and texts[4:] == texts_alone
+    assert torch.equal(whole.response_mask[4:6, :w], alone.response_mask)
+    assert whole.group_index.tolist() == [0, 0, 1, 1, 2, 2] and alone.group_index.tolist() == [2, 2]
+    other, _ = er.run(ex[2:], range(2, 3), 0, draw=6)
+    assert not torch.equal(other.response_ids, alone.response_ids) or other.response_ids.shape != alone.response_ids.shape

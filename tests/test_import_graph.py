@@ -158,12 +158,12 @@ FLOORS = (
     ("<top-level modules>",),
     ("echotrain.rl", "echotrain.optim", "echotrain.roofline"),
     ("echotrain.rewards",),
-    ("echotrain.tasks",),
+    ("echotrain.tasks", "echotrain.envs"),
     ("echotrain.models",),
     ("echotrain.runtime",),
     ("echotrain.evalsuite", "echotrain.experiments", "echotrain.integrations"),
     ("echotrain.train",),
-    ("echotrain.compare",),
+    ("echotrain.compare", "echotrain.devicecheck"),
     ("echotrain.cli",),
 )
 

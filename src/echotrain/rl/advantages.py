@@ -362,12 +362,12 @@ def _grpo_passk(g: GroupedRewards) -> torch.Tensor:
     / (std_g r + eps) (no std with ``norm_adv_by_std_in_grpo=False``), every other response 0;
     ties: the first best response in batch order; a group of one: 0."""
     r, ids, n = g.rewards, g.ids, g.num_groups
-    hi = torch.full((n,), -torch.inf, dtype=r.dtype).scatter_reduce(0, ids, r, "amax")
-    pos = torch.arange(len(r))
-    first = torch.full((n,), len(r), dtype=torch.long).scatter_reduce(
+    hi = torch.full((n,), -torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, ids, r, "amax")
+    pos = torch.arange(len(r), device=r.device)
+    first = torch.full((n,), len(r), dtype=torch.long, device=r.device).scatter_reduce(
         0, ids, torch.where(r == hi[ids], pos, len(r)), "amin")
     is_best = pos == first[ids]
-    second = torch.full((n,), -torch.inf, dtype=r.dtype).scatter_reduce(
+    second = torch.full((n,), -torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(
         0, ids, torch.where(is_best, -torch.inf, r), "amax")
     gap = torch.where(torch.isfinite(second), hi - second, 0.0)
     if g.norm_adv_by_std_in_grpo:

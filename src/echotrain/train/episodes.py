@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from echotrain.runtime.device import rng_devices
+
 from echotrain.metrics import Metric, declare_metric
 from echotrain.runtime.episodes import EPISODE_STATS, run_episodes
 from echotrain.runtime.rollout import RolloutBatch, concat_rollouts, group_seed
@@ -104,8 +106,7 @@ class EpisodeRollouts:
             res = run_episodes(self.model, self.tokenizer, examples, cfg.num_generations, self.make_env,
                                group_offset=group_offset + mine.start, **kw)
             return res.batch, res.final_texts
-        device = next(self.model.parameters()).device
-        devices = [device.index or 0] if device.type == "cuda" else []
+        devices = rng_devices(next(self.model.parameters()).device)  # the CUDA generator forked too
         parts, texts = [], []
         for k, (ex, g) in enumerate(zip(examples, mine)):
             with torch.random.fork_rng(devices=devices):

@@ -135,7 +135,9 @@ class TrainConfig:
                         "prime-rl run 2-8 asynchronously.", group="rollout")
     async_rollouts: bool = _f(False, "Asynchronous rollouts (echotrain.train.async_rollouts): a worker process generates "
                               "and scores batches with the newest weights it has while the learner trains on a "
-                              "bounded queue; the weights reach it through shared memory after every step. Not "
+                              "bounded queue (it waits for the weights rather than generate a batch that would be "
+                              "older than max_staleness when trained); the weights reach it through shared memory "
+                              "after every step. Not "
                               "deterministic (fixed lag, staleness=k, is the reproducible mode). CPU, one process "
                               "(refused under torchrun and on other devices). On 2 CPU cores it does not pay "
                               "(docs/benchmarks.md): false stays the default.", group="rollout")
@@ -145,7 +147,8 @@ class TrainConfig:
     async_stale: str = _f("drop", "async_rollouts: a batch older than max_staleness is dropped (the next one is "
                           "taken; biases towards problems whose batches return sooner) or regenerated (the learner "
                           "generates one itself with its current weights, from a second prompt stream); both are "
-                          "counted (async/dropped, async/regenerated).", choices=("drop", "regenerate"),
+                          "counted (async/dropped, async/regenerated). A guard: the worker waits for fresh enough "
+                          "weights before generating, so no batch it sends is too old.", choices=("drop", "regenerate"),
                           group="rollout")
     async_timeout_s: float = _f(600.0, "async_rollouts: seconds the learner waits for one batch before the run ends with "
                                 "an error naming the worker (a stalled worker); a worker that died is noticed within "

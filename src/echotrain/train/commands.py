@@ -143,7 +143,8 @@ def run_train(args: argparse.Namespace) -> int:
                if cfg.async_rollouts else f"{torch.get_num_threads()} threads")
     print(f"echotrain: run directory {trainer.run_dir} ({outputs}); {threads}, device "
           f"{trainer.device}, {describe_precision(trainer.autocast_dtype, trainer.autocast_reason)}; OpenMP wait "
-          f"policy {omp_wait_in_force()}", file=sys.stderr)
+          f"policy {omp_wait_in_force()}" + (f"; {note}" if (note := getattr(trainer.rollouts, "resume_note", None))
+                                              else ""), file=sys.stderr)
     try:
         trainer.train()
     except RolloutWorkerError as exc:  # the async worker died or stalled; the last completed step is saved

@@ -14,30 +14,31 @@ Processes and data (docs/design/architecture.md draws them):
   ``rollout_version`` (the sampler's log-probs and entropy are recorded inside generation), put it
   on the bounded queue (``max_staleness`` batches). The learner takes one batch a step, in order,
   so the worker knows the step each batch will train: the n-th batch it queues (from 0) trains at
-  step ``first_step + n``, by the learner's weights of version ``first_step + n - 1``. Before
-  generating, it waits (polling the version every 5 ms) until its weights are at most
-  ``max_staleness`` versions older than those, so it never generates a batch that would be
-  too old: nothing it generates is dropped (the wait is in ``async/worker_wait_frac``, the count
-  in ``async/worker_generated``). A full queue blocks only the worker (a put with a 0.5 s timeout,
+  step ``first_step + n``, by the learner's weights of version ``first_step + n - 1``. With
+  ``async_stale=wait`` (the default), before generating it waits (polling the version every
+  5 ms) until its weights are at most ``max_staleness`` versions older than those, so it never
+  generates a batch that would be too old: nothing it generates is dropped (the wait is in
+  ``async/worker_wait_frac``, the count in ``async/worker_generated``). With ``drop`` /
+  ``regenerate`` it does not wait (verl's and tinker-cookbook's sampler that never pauses). A full queue blocks only the worker (a put with a 0.5 s timeout,
   retried until the learner stops it); with the wait it is full only for the moment between the
   learner's publish and its take.
 - **learner** (the Trainer, ``learner_threads``): at step t takes the queue's oldest batch; a batch
   older than k (``(t - 1) - rollout_version > max_staleness``) is dropped (the next one is taken)
   or, with ``async_stale=regenerate``, replaced by a batch the learner generates itself with its
-  current weights from a second prompt stream; both are counted. The worker's wait makes this a
-  guard of the bound that does not fire (a drop would only make the worker's later batches train
-  a step earlier than it counted, i.e. fresher). After each step it publishes its
+  current weights from a second prompt stream; both are counted. Under ``wait`` this is a guard
+  of the bound that does not fire (a drop would only make the worker's later batches train a
+  step earlier than it counted, i.e. fresher). After each step it publishes its
   weights: the trainable tensors are copied in place, under a lock, into one shared-memory buffer
   (``torch.Tensor.share_memory_``, no pickling), and a version counter is raised; the worker copies
   the buffer into its own model before its next batch, so it never samples from half-written
   weights. Memory: two more copies of the model on the machine (the buffer and the worker's).
 - **batches** travel as ``torch.save`` bytes (a ~0.1 MB rollout batch on the default job), with
-  the worker's prompt-stream position after the batch, its generation seconds and the seconds it
-  waited on the full queue before.
+  the worker's prompt-stream position after the batch, its generation seconds, the seconds it
+  waited before (for the weights, on the full queue) and its count of generated batches.
 
-Dropping would bias the trained batches towards problems whose batches come back sooner (short
-ones), as tinker-cookbook found; regenerating would cost the learner a generation; the worker's
-wait avoids both. Not
+Dropping wastes generation and skips prompts, and can bias the trained batches towards problems
+whose batches come back sooner (short ones), as tinker-cookbook found; regenerating costs the
+learner a generation; waiting avoids both (docs/benchmarks.md measures the three). Not
 deterministic (which weights sample a batch depends on timing): fixed lag (``staleness=k``) is
 the reproducible special case for studies.
 
@@ -66,7 +67,7 @@ from echotrain.metrics import Metric, declare_metric
 from echotrain.train.step import StepData
 
 #: ``async_stale`` values: what the learner does with a batch older than ``max_staleness``
-STALE_POLICIES = ("drop", "regenerate")
+STALE_POLICIES = ("wait", "drop", "regenerate")
 
 #: The metrics this module adds (only with ``async_rollouts=true``; the ``staleness/*`` metrics of
 #: :mod:`echotrain.train.lag` are written too), declared in the metric schema.
@@ -118,6 +119,8 @@ class WorkerSpec:
         max_staleness: the worker samples the batch of step s only with weights of version
             >= s - 1 - max_staleness (it waits for them).
         first_step: the step its first batch trains (the learner's version at the start + 1).
+        wait: whether it waits for fresh enough weights (``async_stale=wait``); False: it
+            generates with the newest weights it has and the learner drops / regenerates.
     """
 
     cfg: Any
@@ -132,6 +135,7 @@ class WorkerSpec:
     seed: int
     max_staleness: int = 1
     first_step: int = 1
+    wait: bool = True
 
 
 def trainable_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
@@ -206,8 +210,10 @@ def worker_main(spec: WorkerSpec, version: Any, lock: Any, q: Any, stop: Any) ->
                     with lock:
                         _copy_into(mine, shared)
                         have = int(version.value)
-                if (target - 1) - have <= spec.max_staleness or stop.wait(0.005):
+                if not spec.wait or (target - 1) - have <= spec.max_staleness or stop.is_set():
                     break
+                time.sleep(0.005)  # (not stop.wait: a worker killed while waiting on the event would
+                # leave it a sleeper that the learner's stop.set() waits for forever)
             if stop.is_set():
                 break
             waited += time.perf_counter() - t0
@@ -239,7 +245,8 @@ class AsyncRollouts:
             drawing from ``regen_prompts`` (a second stream, so the worker's is not disturbed;
             its position is in :meth:`state_dict`).
         max_staleness: k >= 1, the oldest batch trained on is sampled by version ``t - 1 - k``.
-        stale: ``drop`` or ``regenerate``.
+        stale: ``wait`` (the worker waits; a too-old batch, which it does not send, would be
+            dropped), ``drop`` or ``regenerate``.
         timeout_s: seconds the learner waits for one batch before :class:`RolloutWorkerError`.
 
     Raises:
@@ -247,7 +254,7 @@ class AsyncRollouts:
     """
 
     def __init__(self, spec: WorkerSpec, model: Any, prompts: Any, regenerate: Callable[[], StepData],
-                 max_staleness: int, stale: str = "drop", timeout_s: float = 600.0, regen_prompts: Any = None):
+                 max_staleness: int, stale: str = "wait", timeout_s: float = 600.0, regen_prompts: Any = None):
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1, got {max_staleness}")
         if stale not in STALE_POLICIES:
@@ -271,10 +278,12 @@ class AsyncRollouts:
         buffer.share_memory()
         self._shared = [p for _, p in trainable_tensors(buffer)]
         self._mine = [p for _, p in trainable_tensors(self.model)]
-        self.version = ctx.Value("q", int(version))
+        # no lock of its own (written under self.lock, an aligned int64 read whole): the worker polls
+        # it every 5 ms, and a worker killed holding a Value's lock would block the next publish
+        self.version = ctx.Value("q", int(version), lock=False)
         self.lock, self.stop, self.queue = ctx.Lock(), ctx.Event(), ctx.Queue(maxsize=self.max_staleness)
         self.spec.buffer, self.spec.prompt_draws = buffer, int(self.prompts.draws)
-        self.spec.first_step = int(version) + 1
+        self.spec.first_step, self.spec.wait = int(version) + 1, self.stale == "wait"
         self.proc = ctx.Process(target=worker_main, args=(self.spec, self.version, self.lock, self.queue, self.stop),
                                 name="echotrain-rollout-worker", daemon=True)
         self.proc.start()
@@ -339,7 +348,7 @@ class AsyncRollouts:
             self.prompts.draws = int(draws_after)  # the stream continues after the batches taken
             if int((step - 1) - int(data.rollout_version.min())) <= self.max_staleness:
                 break
-            if self.stale == "drop":
+            if self.stale != "regenerate":
                 dropped += 1
                 if time.perf_counter() - t0 > self.timeout_s:  # never a loop that drops forever
                     raise self._died(f"sent only batches older than max_staleness={self.max_staleness} for "
@@ -388,7 +397,8 @@ class AsyncRollouts:
         """Stop the worker (drain the queue so its put returns, join 10 s, then terminate)."""
         if self.proc is None:
             return
-        self.stop.set()
+        if self.proc.is_alive():  # (a killed worker may hold the event's lock: set() would wait forever)
+            self.stop.set()
         deadline = time.time() + 10
         while self.proc.is_alive() and time.time() < deadline:
             try:

@@ -145,11 +145,15 @@ class TrainConfig:
     max_staleness: int = _f(1, "async_rollouts: the oldest batch trained on at step t is sampled by the weights of step "
                             "t - max_staleness (>= 1); also the queue's size. prime-rl's max_off_policy_steps, AReaL's "
                             "max_head_offpolicyness.", group="rollout")
-    async_stale: str = _f("drop", "async_rollouts: a batch older than max_staleness is dropped (the next one is "
-                          "taken; biases towards problems whose batches return sooner) or regenerated (the learner "
-                          "generates one itself with its current weights, from a second prompt stream); both are "
-                          "counted (async/dropped, async/regenerated). A guard: the worker waits for fresh enough "
-                          "weights before generating, so no batch it sends is too old.", choices=("drop", "regenerate"),
+    async_stale: str = _f("wait", "async_rollouts: what happens to a batch that would be older than max_staleness "
+                          "when trained. wait (default): the worker, which knows the step each batch trains, waits "
+                          "for fresh enough weights before generating, so none is too old and nothing generated is "
+                          "wasted. drop / regenerate: the worker generates without waiting, with the newest weights "
+                          "it has, and the learner drops a too-old batch (the next one is taken; its prompts are "
+                          "skipped) or replaces it by one it generates itself with its current weights (a second "
+                          "prompt stream); counted (async/dropped, async/regenerated, async/worker_generated). For "
+                          "studies of those policies (verl, tinker-cookbook): they waste generation.",
+                          choices=("wait", "drop", "regenerate"),
                           group="rollout")
     async_timeout_s: float = _f(600.0, "async_rollouts: seconds the learner waits for one batch before the run ends with "
                                 "an error naming the worker (a stalled worker); a worker that died is noticed within "

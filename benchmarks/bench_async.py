@@ -33,7 +33,7 @@ def run(config: str | None, seed: int, mode: str, args: argparse.Namespace, out:
         "eval_every=0", "plots=false", "save_final_model=false", "save_every=0", "progress=false",
         f"output_dir={run_dir}"]
     if mode == "async":
-        cmd += ["async_rollouts=true", f"max_staleness={args.max_staleness}"]
+        cmd += ["async_rollouts=true", f"max_staleness={args.max_staleness}", f"async_stale={args.async_stale}"]
         cmd += [f"rollout_threads={args.rollout_threads}"] if args.rollout_threads else []
         cmd += [f"learner_threads={args.learner_threads}"] if args.learner_threads else []
     t0 = time.perf_counter()
@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="default: the config's steps")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--async-stale", default="wait", help="wait (default), drop or regenerate")
     p.add_argument("--rollout-threads", type=int, default=0)
     p.add_argument("--learner-threads", type=int, default=0)
     p.add_argument("--eval-prompts", type=int, default=64)

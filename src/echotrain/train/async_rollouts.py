@@ -19,7 +19,8 @@ Processes and data (docs/design/architecture.md draws them):
   5 ms) until its weights are at most ``max_staleness`` versions older than those, so it never
   generates a batch that would be too old: nothing it generates is dropped (the wait is in
   ``async/worker_wait_frac``, the count in ``async/worker_generated``). With ``drop`` /
-  ``regenerate`` it does not wait (verl's and tinker-cookbook's sampler that never pauses). A full queue blocks only the worker (a put with a 0.5 s timeout,
+  ``regenerate`` it does not wait (verl's and tinker-cookbook's sampler that never pauses).
+  A full queue blocks only the worker (a put with a 0.5 s timeout,
   retried until the learner stops it); with the wait it is full only for the moment between the
   learner's publish and its take.
 - **learner** (the Trainer, ``learner_threads``): at step t takes the queue's oldest batch; a batch

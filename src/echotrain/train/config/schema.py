@@ -130,8 +130,8 @@ class TrainConfig:
                         "sampler's log-probs are kept as rollout_log_prob with each rollout's rollout_version. "
                         "Memory: the k queued rollout batches (token ids, masks, rewards, log-probs; "
                         "staleness/queue_mb: ~0.12 MB per batch on the default job), no weight snapshots, with or "
-                        "without LoRA; the queue is in each checkpoint (the last k steps generate for the steps after the run's end "
-                        "too), so --resume is exact, also with more steps, and needs the same k. "
+                        "without LoRA; the queue is in each checkpoint (the last k steps generate for the steps "
+                        "after the run's end too), so --resume is exact, also with more steps, and needs the same k. "
                         "Same seed and k: bit-identical runs. 0 = synchronous (on-policy) training. AReaL and "
                         "prime-rl run 2-8 asynchronously.", group="rollout")
     async_rollouts: bool = _f(False, "Asynchronous rollouts (echotrain.train.async_rollouts): a worker process generates "

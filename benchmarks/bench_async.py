@@ -33,7 +33,7 @@ def run(config: str | None, seed: int, mode: str, args: argparse.Namespace, out:
         "eval_every=0", "plots=false", "save_final_model=false", "save_every=0", "progress=false",
         f"output_dir={run_dir}"]
     if mode == "async":
-        cmd += ["async_rollouts=true", f"max_staleness={args.max_staleness}"]
+        cmd += ["async_rollouts=true", f"max_staleness={args.max_staleness}", f"async_stale={args.async_stale}"]
         cmd += [f"rollout_threads={args.rollout_threads}"] if args.rollout_threads else []
         cmd += [f"learner_threads={args.learner_threads}"] if args.learner_threads else []
     t0 = time.perf_counter()
@@ -44,10 +44,14 @@ def run(config: str | None, seed: int, mode: str, args: argparse.Namespace, out:
         if (run_dir / "eval.jsonl").exists() else []
     step_s = statistics.median(r["time/step"] for r in recs[1:]) if len(recs) > 1 else recs[0]["time/step"]
     out_rec = {"step_s": step_s, "steps_per_s": 1.0 / step_s, "wall_s": wall,
-               "accuracy": evals[-1]["eval/accuracy"] if evals else float("nan")}
+               "accuracy": evals[-1]["eval/accuracy"] if evals else float("nan"),
+               # the trained samples' mean response length (every step has the same number of samples)
+               "response_length": statistics.mean(r["response_length/mean"] for r in recs)}
     if mode == "async":
         out_rec["learner_wait_frac"] = statistics.mean(r["async/learner_wait_frac"] for r in recs[1:] or recs)
         out_rec["dropped"] = sum(r["async/dropped"] for r in recs)
+        # batches the worker generated up to the last one trained, beyond the one per step trained
+        out_rec["wasted"] = recs[-1].get("async/worker_generated", float("nan")) - len(recs)
         out_rec["staleness_mean"] = statistics.mean(r["staleness/mean"] for r in recs)
     return out_rec
 
@@ -59,6 +63,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="default: the config's steps")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--async-stale", default="wait", help="wait (default), drop or regenerate")
     p.add_argument("--rollout-threads", type=int, default=0)
     p.add_argument("--learner-threads", type=int, default=0)
     p.add_argument("--eval-prompts", type=int, default=64)
@@ -74,19 +79,22 @@ def main() -> None:
             for mode in order:
                 rows[mode].append(run(args.config, seed, mode, args, Path(tmp)))
                 print(f"seed {seed} {mode}: {rows[mode][-1]}", file=sys.stderr)
-    print(f"| mode | median s / step | steps / s | wall s | held-out accuracy after {args.steps} steps |")
-    print("|---|---:|---:|---:|---|")
+    print(f"| mode | median s / step | steps / s | wall s | mean response length trained (tokens) "
+          f"| held-out accuracy after {args.steps} steps |")
+    print("|---|---:|---:|---:|---:|---|")
     for mode, rs in rows.items():
         acc = [r["accuracy"] for r in rs]
         sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
         print(f"| {mode} | {statistics.mean(r['step_s'] for r in rs):.2f} | "
               f"{statistics.mean(r['steps_per_s'] for r in rs):.3f} | {statistics.mean(r['wall_s'] for r in rs):.0f} | "
+              f"{statistics.mean(r['response_length'] for r in rs):.2f} | "
               f"{statistics.mean(acc):.3f} +- {sd:.3f} ({', '.join(f'{a:.3f}' for a in acc)}) |")
     ratios = [a["steps_per_s"] / s["steps_per_s"] for a, s in zip(rows["async"], rows["sync"])]
     print(f"\nasync / sync steps per second, per seed: {', '.join(f'{r:.2f}x' for r in ratios)}; "
           f"mean {statistics.mean(ratios):.2f}x; async learner waited "
           f"{statistics.mean(r['learner_wait_frac'] for r in rows['async']):.0%} of its steps, dropped "
-          f"{sum(r['dropped'] for r in rows['async']):.0f} batches, mean staleness "
+          f"{sum(r['dropped'] for r in rows['async']):.0f} batches, generated "
+          f"{sum(r['wasted'] for r in rows['async']):.0f} it did not train on, mean staleness "
           f"{statistics.mean(r['staleness_mean'] for r in rows['async']):.2f}")
 
 

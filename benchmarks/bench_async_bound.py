@@ -24,6 +24,7 @@ the process got on a loaded machine.
 
     python benchmarks/bench_async_bound.py                               # phases, ~2 minutes loaded
     python benchmarks/bench_async_bound.py --mode cli --prompts 8 --steps 3   # the full default job
+    python benchmarks/bench_async_bound.py --mode cli --config configs/testbed_length.yaml --steps 12 --rounds 2
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ def run_phases(threads: int, prompts: int, reps: int) -> dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run(threads: int, prompts: int, steps: int, out: Path) -> dict[str, float]:
-    """One CLI run at ``threads`` threads; the median generation / update seconds over steps 2.."""
-    args = [sys.executable, "-m", "echotrain.cli", "train", f"num_threads={threads}", f"prompts_per_step={prompts}",
+def run(threads: int, prompts: int | None, steps: int, out: Path, config: str | None = None) -> dict[str, float]:
+    """One CLI run at ``threads`` threads (of ``config``, default the default job; ``prompts``
+    None: its prompts_per_step); the median generation / update seconds over steps 2.."""
+    args = [sys.executable, "-m", "echotrain.cli", "train"] + (["--config", config] if config else []) + [
+            f"num_threads={threads}"] + ([f"prompts_per_step={prompts}"] if prompts else []) + [
             f"steps={steps}", "eval_prompts=0", "save_final_model=false", "plots=false", "progress=false",
             "save_every=0", f"output_dir={out}"]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -92,7 +95,9 @@ def run(threads: int, prompts: int, steps: int, out: Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", type=int, default=4, help="prompts_per_step (default job: 8)")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="prompts_per_step (default: 4 in phases, the config's in cli; default job: 8)")
+    ap.add_argument("--config", default=None, help="cli: a train config (default: the default job)")
     ap.add_argument("--steps", type=int, default=2, help="steps per run (the first is dropped)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--mode", choices=("phases", "cli"), default="phases")
@@ -102,12 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             for threads in (2, 1) if rnd % 2 == 0 else (1, 2):
-                times[threads].append(run_phases(threads, args.prompts, args.reps) if args.mode == "phases" else
-                                      run(threads, args.prompts, args.steps, Path(tmp) / f"t{threads}_r{rnd}"))
+                times[threads].append(run_phases(threads, args.prompts or 4, args.reps) if args.mode == "phases" else
+                                      run(threads, args.prompts, args.steps, Path(tmp) / f"t{threads}_r{rnd}",
+                                          args.config))
                 print(f"round {rnd} threads {threads}: {times[threads][-1]}", file=sys.stderr, flush=True)
     med = {t: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for t, ms in times.items()}
     g1, u1, g2, u2 = med[1]["generation"], med[1]["update"], med[2]["generation"], med[2]["update"]
-    print(f"mode {args.mode}, {args.prompts} prompts x 8 rollouts x 32 new tokens, {args.rounds} round(s), "
+    what = (f"{args.config or 'the default job'}, prompts_per_step={args.prompts or 'its own'}" if args.mode == "cli"
+            else f"{args.prompts or 4} prompts x 8 rollouts x 32 new tokens")
+    print(f"mode {args.mode}, {what}, {args.rounds} round(s), "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print("| threads | generation s | update s | step s | generation CPU s | update CPU s |")
     print("|---:|---:|---:|---:|---:|---:|")

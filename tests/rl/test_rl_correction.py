@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from echotrain.rl import AGG_MODES, POLICY_LOSSES, PolicyLossConfig, compute_policy_loss, compute_step_stats
-from echotrain.rl.config import RS_STATISTICS
+from echotrain.rl.config import CAP_LOG_TOLERANCE, RS_STATISTICS
 from echotrain.rl.correction import (
     CORRECTION_METRICS,
     ROLLOUT_CORRECTIONS,
@@ -132,6 +132,32 @@ def test_offpolicy_mask_by_hand():
     assert out.rollout_is_weights.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
     assert out.response_mask.all()  # the masked sequence stays in the normalisers
     assert out.metrics["rollout_corr/zero_weight_frac"] == pytest.approx(1 / 3)
+
+
+def test_decoupled_cap_ignores_float_noise_by_hand():
+    """behav_imp_weight_cap compares log w with log(cap) + CAP_LOG_TOLERANCE (1e-3 nats): rounding
+    of an on-policy token (log w = 5e-4) is kept with its weight, a real excess (2e-3) is masked."""
+    assert CAP_LOG_TOLERANCE == 1e-3
+    log_w = torch.tensor([[0.0, 5e-4, -5e-4, 2e-3, math.log(2.0)]], dtype=torch.float64)
+    old, roll = log_w.clone(), torch.zeros_like(log_w)
+    adv, mask = torch.ones_like(log_w), torch.ones_like(log_w, dtype=torch.bool)
+
+    def run(cap):
+        return apply_rollout_correction(old, roll, adv, mask, dict(rollout_correction="decoupled",
+                                                                  behav_imp_weight_cap=cap))
+
+    out = run(1.0)
+    w = torch.exp(log_w)
+    torch.testing.assert_close(out.rollout_is_weights, torch.tensor([[1.0, w[0, 1], w[0, 2], 0.0, 0.0]],
+                                                                    dtype=torch.float64), rtol=0, atol=0)
+    assert out.metrics["rollout_corr/frac_high"] == pytest.approx(2 / 5)
+    # cap 2: log 2 itself, and log 2 + 5e-4, are kept; log 2 + 2e-3 is masked
+    log_w2 = math.log(2.0) + torch.tensor([[0.0, 5e-4, 2e-3]], dtype=torch.float64)
+    out2 = apply_rollout_correction(log_w2, torch.zeros_like(log_w2), torch.ones_like(log_w2),
+                                    torch.ones_like(log_w2, dtype=torch.bool),
+                                    dict(rollout_correction="decoupled", behav_imp_weight_cap=2.0))
+    torch.testing.assert_close(out2.rollout_is_weights,
+                               torch.tensor([[2.0, 2.0 * math.exp(5e-4), 0.0]], dtype=torch.float64))
 
 
 def test_decoupled_ppo_gradient_is_the_behaviour_weight_times_the_surrogate_gradient():

@@ -37,12 +37,28 @@ def test_async_run_never_trains_on_a_batch_older_than_max_staleness(tmp_path, ca
     assert [r["step"] for r in recs] == list(range(1, 7))
     for r in recs:
         assert 0 <= r["staleness/min"] <= r["staleness/max"] <= 2
-        assert r["async/regenerated"] == 0  # async_stale=drop
+        assert r["async/regenerated"] == r["async/dropped"] == 0  # async_stale=wait
         assert 0 <= r["async/learner_wait_frac"] <= 1 and 0 <= r["async/worker_wait_frac"] <= 1
         assert "throughput/decode_bw_util" not in r  # the learner did not generate
     assert recs[0]["staleness/max"] == 0  # step 1 is sampled by the initial weights (version 0)
     ck = torch.load(latest_checkpoint(run), weights_only=False)
     assert ck["extra"]["rollouts"]["mode"] == "async"
+
+
+def test_no_generated_batch_is_wasted_through_the_cli(tmp_path):
+    """Issue 40: with max_staleness=1 the worker queued batches that were one version too old by
+    the time the learner took them (5 of 17 dropped in 12 steps, one every other step). The worker
+    now waits for fresh enough weights before generating: every batch it generates is trained on,
+    in order, no prompt draw is skipped, and the bound holds."""
+    run = tmp_path / "w"
+    assert main(["train", *RUN, "steps=12", "max_staleness=1", "save_every=0", f"output_dir={run}"]) == 0
+    recs = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(1, 13))
+    assert [r["async/dropped"] for r in recs] == [0] * 12 and [r["async/regenerated"] for r in recs] == [0] * 12
+    assert [r["async/worker_generated"] for r in recs] == list(range(1, 13))  # generated = trained
+    assert all(0 <= r["staleness/min"] <= r["staleness/max"] <= 1 for r in recs)
+    ck = torch.load(latest_checkpoint(run), weights_only=False)
+    assert ck["data"]["draws"] == 12  # one prompt draw a step: none skipped
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])
@@ -89,16 +105,27 @@ def test_rollout_log_probs_are_those_of_the_recorded_version(tmp_path, lora_r):
     assert 1 in seen  # the lag happened at least once
 
 
-def test_a_slow_learner_never_deadlocks_and_the_worker_discards_what_went_stale(tmp_path):
+@pytest.mark.parametrize("stale", ["wait", "drop"])
+def test_a_slow_learner_never_deadlocks_and_the_worker_waits_instead_of_wasting_batches(tmp_path, stale):
+    """A learner slower than the worker: under async_stale=wait the worker waits for the weights
+    (every batch it generates is trained on); under drop it generates on with the weights it has
+    and the learner drops what went too old (counted: generated = trained + dropped)."""
     from echotrain.train.trainer import Trainer
 
-    cfg = resolve_config(overrides={**_over(RUN), "steps": 4, "max_staleness": 1, "output_dir": str(tmp_path / "slow")})
+    cfg = resolve_config(overrides={**_over(RUN), "steps": 4, "max_staleness": 1, "async_stale": stale,
+                                    "output_dir": str(tmp_path / "slow")})
     trainer = Trainer(cfg, callbacks=[lambda step, rec: time.sleep(1.5)])  # the queue fills meanwhile
     t0 = time.perf_counter()
     recs = trainer.train()
     assert time.perf_counter() - t0 < 60 and trainer.rollouts.proc is None  # the worker was stopped
-    assert sum(r["async/worker_discarded"] for r in recs) >= 1  # it waited on the full queue past max_staleness
-    assert all(r["staleness/max"] <= 1 for r in recs) and sum(r["async/dropped"] for r in recs) == 0
+    assert all(r["staleness/max"] <= 1 for r in recs)
+    dropped = sum(r["async/dropped"] for r in recs)
+    assert recs[-1]["async/worker_generated"] == 4 + dropped
+    if stale == "wait":
+        assert [r["async/worker_generated"] for r in recs] == [1, 2, 3, 4] and dropped == 0
+        assert max(r["async/worker_wait_frac"] for r in recs[1:]) > 0.3  # most of the 1.5 s sleep
+    else:
+        assert dropped >= 1
 
 
 class _Alive:
@@ -154,12 +181,12 @@ def test_the_learner_drops_or_regenerates_a_batch_older_than_max_staleness(stale
                        stale=stale)
     ar.proc, ar.queue = _Alive(), queue.Queue()
     for v, draws in ((2, 7), (3, 8)):
-        ar.queue.put(("batch", _encode(batch(v)), draws, 1.0, 0.5, 2))
+        ar.queue.put(("batch", _encode(batch(v)), draws, 1.0, 0.5, v))
     data = ar.rollouts_for(5)
     m = ar.step_metrics(5, data, step_seconds=2.0)
     if stale == "drop":
         assert float(data.rewards[0]) == 3 and prompts.draws == 8  # the version-3 batch; stream after both
-        assert m["async/dropped"] == 1 and m["async/regenerated"] == 0 and m["async/worker_discarded"] == 4
+        assert m["async/dropped"] == 1 and m["async/regenerated"] == 0 and m["async/worker_generated"] == 3
         assert m["staleness/max"] == 1
     else:
         assert float(data.rewards[0]) == 99 and data.rollout_version.tolist() == [4, 4]  # the learner's own
@@ -215,7 +242,7 @@ def test_a_stalled_worker_times_out_with_a_message(tmp_path, monkeypatch):
     (["staleness=2"], "staleness=2: fixed lag and async_rollouts=true are two modes"),
     (["device=cuda"], "device='cuda': async_rollouts=true runs on the CPU only"),
     (["max_staleness=0"], "max_staleness=0: must be >= 1"),
-    (["async_stale=wait"], "async_stale"),
+    (["async_stale=pause"], "async_stale"),
     (["async_timeout_s=0"], "async_timeout_s=0.0: must be > 0 seconds"),
 ])
 def test_bad_async_settings_are_refused(tokens, message, capsys):

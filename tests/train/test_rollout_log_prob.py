@@ -14,6 +14,7 @@ import torch
 from echotrain import cli
 from echotrain.rl.correction import CORRECTION_METRICS, ROLLOUT_CORRECTIONS
 from echotrain.runtime.rollout import forward_log_probs, generate_rollouts
+from echotrain.train.metrics import read_jsonl
 
 RUN = ["model=testbed", "task=testbed", "prompts_per_step=2", "num_generations=2", "max_new_tokens=6",
        "micro_batch_size=2", "num_mini_batches=2", "eval_prompts=0", "num_threads=1", "progress=false",
@@ -106,3 +107,22 @@ def test_bad_correction_settings_exit_2_naming_the_key(tmp_path, capsys, argv, n
     assert rc == 2, err
     assert all(n in err for n in needles), err
     assert not (tmp_path / "bad").exists()  # before any work
+
+
+def test_cap_at_1_masks_no_on_policy_token_through_the_cli(tmp_path):
+    """behav_imp_weight_cap=1.0 on a synchronous run (every step on-policy: old_log_prob and the
+    sampler's differ by float rounding only) masks no token; a strict w > 1 masked ~21% (issue 40).
+    At staleness=2 the drift is real and the same cap masks tokens from step 3 on."""
+    cap = ["rollout_correction=decoupled", "behav_imp_weight_cap=1.0", "lr=1e-2", "prompts_per_step=4",
+           "num_generations=4"]
+    assert cli.main(["train", *RUN, *cap, "steps=3", f"output_dir={tmp_path / 'sync'}"]) == 0
+    recs = read_jsonl(tmp_path / "sync" / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert all(r["rollout_corr/log_prob_abs_diff"] > 0 for r in recs)  # the noise is there
+    assert [r["rollout_corr/frac_high"] for r in recs] == [0.0, 0.0, 0.0]
+    assert [r["rollout_corr/zero_weight_frac"] for r in recs] == [0.0, 0.0, 0.0]
+    assert cli.main(["train", *RUN, *cap, "steps=4", "staleness=2", f"output_dir={tmp_path / 'lag'}"]) == 0
+    lag = read_jsonl(tmp_path / "lag" / "metrics.jsonl")
+    assert [r["staleness/max"] for r in lag] == [0, 1, 2, 2]
+    assert lag[0]["rollout_corr/frac_high"] == 0.0
+    assert lag[2]["rollout_corr/frac_high"] + lag[3]["rollout_corr/frac_high"] > 0

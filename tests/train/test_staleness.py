@@ -84,13 +84,15 @@ def test_queue_generates_ahead_with_the_versions_of_then():
     # step t trains on the t-th generated batch; batches 1-3 at step 1 (initial weights), then t+2 at step t
     assert [g[0] for g in got] == [1, 2, 3, 4, 5]
     assert [g[1] for g in got] == [0, 0, 0, 1, 2]  # version of the weights that sampled it
-    # seconds generating in that step (3 batches, 1, 1, none, none; plus the tiny behaviour log-prob call)
-    assert [g[2] for g in got] == pytest.approx([3.0, 1.0, 1.0, 0.0, 0.0], abs=0.05)
+    # seconds generating in that step (3 batches, then 1 each: steps 6 and 7's at steps 4 and 5 too,
+    # so the final queue continues the run; plus the tiny behaviour log-prob call)
+    assert [g[2] for g in got] == pytest.approx([3.0, 1.0, 1.0, 1.0, 1.0], abs=0.05)
     assert [g[3]["staleness/max"] for g in got] == [0, 1, 2, 2, 2]  # min(k, t - 1)
-    assert [g[3]["staleness/queue_depth"] for g in got] == [2, 2, 2, 1, 0]
+    assert [g[3]["staleness/queue_depth"] for g in got] == [2, 2, 2, 2, 2]
+    assert [t for t, _ in lag.state_dict()["queue"]] == [6, 7] and lag.next_target == 8
     # one queued batch: prompt/response ids and masks, rollout_log_prob (2 x 3 each), 6 per-row tensors
     one = 2 * 3 * (8 + 8 + 8 + 4 + 4) + 2 * (8 + 1 + 4 + 4 + 1 + 8)
-    assert got[3][3]["staleness/queue_mb"] == pytest.approx(one / 2**20)
+    assert got[3][3]["staleness/queue_mb"] == pytest.approx(2 * one / 2**20)
     assert set(got[0][3]) == set(STALENESS_METRICS)
 
 
@@ -306,7 +308,7 @@ def test_cli_testbed_lag_2_versions_and_log_probs_match_saved_snapshots(monkeypa
     checked = 0
     for s, ck in ckpts.items():
         queue = ck["extra"]["rollouts"]["queue"]
-        assert [t for t, _ in queue] == list(range(s + 1, min(s + 2, 5) + 1))
+        assert [t for t, _ in queue] == [s + 1, s + 2]  # past steps=5 too: the run can be continued
         for t, data in queue:
             version = max(t - 3, 0)
             assert data.rollout_version.tolist() == [version] * len(data)
@@ -337,6 +339,42 @@ def test_cli_testbed_same_seed_same_lag_bit_identical(monkeypatch, tmp_path):
     assert a[1][:2] == sync[1][:2]  # step 1 samples the same prompts with the same (initial) weights
     assert any(not torch.equal(a[2][k], sync[2][k]) for k in a[2])  # the lag changes the run
     assert not any(k.startswith("staleness/") for k in sync[0][0])  # the synchronous record is unchanged
+
+
+def test_cli_continuing_a_finished_run_keeps_the_lag(monkeypatch, tmp_path, capsys):
+    """Issue 40: 3 steps at staleness=2, then ``--resume RUN steps=6``, restarted the lag (staleness
+    0, 1, 2, 0, 1, 2). The final checkpoint now holds the next 2 steps' rollouts: the continued run
+    is the uninterrupted 6-step run (staleness 0, 1, 2, 2, 2, 2; metrics, samples and weights)."""
+    full, cont = tmp_path / "full", tmp_path / "cont"
+    assert cli(monkeypatch, "train", *TESTBED, "steps=6", "staleness=2", f"output_dir={full}") == 0
+    assert cli(monkeypatch, "train", *TESTBED, "steps=3", "staleness=2", f"output_dir={cont}") == 0
+    capsys.readouterr()
+    assert cli(monkeypatch, "train", "--resume", str(cont), "steps=6") == 0
+    assert "generated ahead" not in capsys.readouterr().err  # nothing to say: the lag continues
+    a, b = read_jsonl(full / "metrics.jsonl"), read_jsonl(cont / "metrics.jsonl")
+    assert [r["staleness/max"] for r in b] == [r["staleness/min"] for r in b] == [0, 1, 2, 2, 2, 2]
+    assert strip(b) == strip(a)
+    assert read_jsonl(cont / "samples.jsonl") == read_jsonl(full / "samples.jsonl")
+    wa, wb = load_checkpoint(latest_checkpoint(full))["model"], load_checkpoint(latest_checkpoint(cont))["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_cli_resume_of_a_short_queue_says_the_lag_restarts(monkeypatch, tmp_path, capsys):
+    """A checkpoint whose queue stops at its last step (written by an echotrain before the change):
+    the resume generates the missing batches with the current weights and its first line says so."""
+    run = tmp_path / "old"
+    assert cli(monkeypatch, "train", *TESTBED, "steps=3", "staleness=2", f"output_dir={run}") == 0
+    path = latest_checkpoint(run)
+    ck = torch.load(path, weights_only=False)
+    ck["extra"]["rollouts"]["queue"], ck["extra"]["rollouts"]["next_target"] = [], 4  # the old format
+    torch.save(ck, path)
+    capsys.readouterr()
+    assert cli(monkeypatch, "train", "--resume", str(run), "steps=6") == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("echotrain: run directory") and (
+        "staleness=2: the checkpoint holds 0 of the 2 batches generated ahead" in first
+        and "steps 4-5 are sampled by the weights of step 4 instead" in first), first
+    assert [r["staleness/max"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 0, 1, 2]
 
 
 def test_cli_resume_with_another_staleness_exits_2(monkeypatch, tmp_path, capsys):

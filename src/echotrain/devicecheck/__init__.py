@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``echotrain device-check``; 0 when every check passed or was skipped."""
     import torch
 
-    from echotrain.runtime.errors import ConfigError
+    from echotrain.errors import ConfigError
 
     dry = args.dry_run or not torch.cuda.is_available()
     if not args.dry_run and dry:

@@ -83,6 +83,16 @@ def _positive_threshold(optional: bool = False) -> Check:
     return check
 
 
+#: Float-noise tolerance of the ``behav_imp_weight_cap`` comparison, in nats of log(pi_prox / mu):
+#: a token is masked only when log w > log(cap) + CAP_LOG_TOLERANCE. The learner's recomputed
+#: float32 log-prob and the sampler's differ by rounding alone on an on-policy step (testbed,
+#: float32, 3 steps: mean 4e-7 nats, largest 5e-5 on an unlikely token), which under a strict
+#: ``w > cap`` masked ~21% of the tokens at cap = 1; 1e-3 is 20x the largest of that noise, a cap
+#: moved by a factor 1.001, and below a real drift (bfloat16 rounding alone is ~1e-2).
+#: Ours: AReaL's cap is a strict comparison. Read by echotrain.rl.correction.decoupled.
+CAP_LOG_TOLERANCE = 1e-3
+
+
 def _rollout_correction_check(v: Any) -> str | None:
     """Check of ``rollout_correction``: None or a comma-separated list of registered names."""
     if v is None:
@@ -322,7 +332,9 @@ class PolicyLossConfig:
         "rollout_rs_threshold.", _positive_threshold(optional=True))
     behav_imp_weight_cap: float | None = _setting(
         None, "decoupled PPO: tokens whose behaviour weight pi_prox/pi_behav (= exp(old_log_prob - "
-        "rollout_log_prob)) exceeds this cap get weight 0 (AReaL behav_imp_weight_cap, arXiv 2505.24298). "
+        "rollout_log_prob)) exceeds this cap get weight 0 (AReaL behav_imp_weight_cap, arXiv 2505.24298), "
+        f"compared with a float-noise tolerance of {CAP_LOG_TOLERANCE:g} nats (CAP_LOG_TOLERANCE, ours): "
+        "on-policy tokens, whose two log-probs differ by rounding only, are not masked even at cap 1. "
         "Empty/none: no cap.", lambda v: None if v is None or (_is_real(v) and v >= 1) else
         "must be a finite float >= 1 (or none for no cap)")
     offpolicy_mask_delta: float = _setting(

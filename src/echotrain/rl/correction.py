@@ -42,13 +42,14 @@ step's value; ``rollout_corr/*`` is the prefix verl uses) - :data:`CORRECTION_ME
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
 from echotrain.metrics import Metric, declare_metric
-from echotrain.rl.config import PolicyLossConfig, as_policy_loss_config
+from echotrain.rl.config import CAP_LOG_TOLERANCE, PolicyLossConfig, as_policy_loss_config
 from echotrain.rl.correction_names import (  # noqa: F401  re-exported
     LEVELS,
     ROLLOUT_CORRECTIONS,
@@ -283,13 +284,15 @@ def decoupled(x: CorrectionInputs, cfg: PolicyLossConfig) -> Correction:
 
     J = E_mu[ (pi_prox/mu) min(r A, clip(r, 1-eps, 1+eps) A) ], r = pi_theta / pi_prox (Hilton et
     al. 2021, arXiv 2110.00641, Eq. 2; AReaL, arXiv 2505.24298, Eq. 5). With
-    ``behav_imp_weight_cap`` c, tokens with pi_prox/mu > c get weight 0 (AReaL's cap). Same
-    weights as ``token_is`` with C = inf when uncapped; verl's default decoupled mode is that.
+    ``behav_imp_weight_cap`` c, tokens with pi_prox/mu > c e^tol get weight 0 (AReaL's cap; tol =
+    :data:`CAP_LOG_TOLERANCE` nats, so float rounding of an on-policy token is not masked at c = 1;
+    a kept weight may exceed c by that factor, ~1.001). Same weights as ``token_is`` with C = inf
+    when uncapped; verl's default decoupled mode is that. Returns ``(B, T)`` float64 weights.
     """
     w = torch.exp(x.log_ratio)
     if cfg.behav_imp_weight_cap is None:
         return Correction(weights=w)
-    high = w > cfg.behav_imp_weight_cap
+    high = x.log_ratio > math.log(cfg.behav_imp_weight_cap) + CAP_LOG_TOLERANCE
     return Correction(weights=torch.where(high, 0.0, w), high=high)
 
 

@@ -152,7 +152,8 @@ def run_train(args: argparse.Namespace) -> int:
                if cfg.async_rollouts else f"{torch.get_num_threads()} threads")
     print(f"echotrain: run directory {trainer.run_dir} ({outputs}); {threads}, device "
           f"{trainer.device} (because {trainer.device_reason}), {describe_precision(trainer.autocast_dtype, trainer.autocast_reason)}; OpenMP wait "
-          f"policy {omp_wait_in_force()}", file=sys.stderr)
+          f"policy {omp_wait_in_force()}" + (f"; {note}" if (note := getattr(trainer.rollouts, "resume_note", None))
+                                              else ""), file=sys.stderr)
     if trainer.resumed is not None:
         print(f"echotrain: {trainer.resumed.describe()}", file=sys.stderr)
     try:

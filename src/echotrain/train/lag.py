@@ -12,7 +12,15 @@ the rollouts of step t + k and puts them at the back of the queue; then it train
 front, the rollouts of step t, which were generated k steps earlier by the weights of step t - k.
 At step 1 it fills the queue with the rollouts of steps 1 .. k + 1, all from the initial weights,
 so for t <= k the rollouts come from the initial weights (version 0) and the staleness of step t
-is ``min(k, t - 1)``. Nothing is generated for steps past ``steps``.
+is ``min(k, t - 1)``. The last k steps generate too, for steps past ``steps`` (our choice, a
+documented flag): the queue then always holds the next k steps' rollouts, the final checkpoint
+included, so ``--resume RUN steps=N`` continues at lag k exactly as an uninterrupted N-step run
+(staleness 0, 1, 2, 2, 2, 2 for 3 + 3 steps at k = 2, not 0, 1, 2, 0, 1, 2) and a run of N steps
+is the first N steps of a longer one (the same random draws). The cost: k batches generated that
+a run which is not continued never trains on (k / steps of the generation, 2 / 150 on the
+testbed). A checkpoint of an earlier echotrain (a finished run's queue empty) still resumes: the
+missing batches are generated with the current weights, and the run's first line says so
+(:attr:`LaggedRollouts.resume_note`).
 
 This gives exactly the rollouts that k weight snapshots would (the same weights sample the same
 prompt draws, in the same order) at a fraction of the memory: the queue holds k rollout batches
@@ -31,7 +39,7 @@ per-token log-probs travel with the rollouts as ``rollout_log_prob`` (the behavi
 Metrics (added to each ``metrics.jsonl`` record when ``staleness > 0``; a synchronous run has
 none of them, so its records are unchanged) are declared in :data:`STALENESS_METRICS`. With
 ``staleness > 0`` the step's ``time/generation`` and ``time/scoring`` are the seconds the step
-spent generating (the batches of later steps: k + 1 of them at step 1, none in the last k steps),
+spent generating (the batches of later steps: k + 1 of them at step 1, one at each later step),
 and ``entropy`` / ``ppo_kl`` are the learner's on the older weights' rollouts. KL(old || current)
 is the existing ``ppo_kl``.
 """
@@ -87,6 +95,11 @@ def _on_cpu(data: StepData) -> StepData:
     return dataclasses.replace(data, batch=dataclasses.replace(data.batch, **moved(data.batch)), **moved(data))
 
 
+def _steps(a: int, b: int) -> str:
+    """'step 5 is' or 'steps 4-5 are'."""
+    return f"step {a} is" if a == b else f"steps {a}-{b} are"
+
+
 class LaggedRollouts:
     """The rollouts of each training step, sampled ``staleness`` steps earlier (module docstring).
 
@@ -94,7 +107,8 @@ class LaggedRollouts:
         collect: ``collect() -> StepData``: one step's rollouts and rewards with the current
             weights (:meth:`echotrain.train.collect.Collector.collect`).
         staleness: k >= 0; 0 calls ``collect`` at each step (the synchronous trainer).
-        steps: the run's last step (nothing is generated beyond it).
+        steps: the run's last step (the queue is filled k steps beyond it all the same; ``steps``
+            only dates the note of a resumed queue that was not).
         behaviour_log_prob: ``fn(batch) -> (N, T) float32`` no-grad log-probs of the current
             weights; used right after generation (k > 0) when the generation function did not
             record ``rollout_log_prob`` itself. None: leave it unset.
@@ -113,6 +127,8 @@ class LaggedRollouts:
         self.queue: list[tuple[int, StepData]] = []
         #: the next step whose rollouts are to be generated
         self.next_target = 1
+        #: set by :meth:`load_state_dict` when the checkpoint's queue is short (the lag restarts)
+        self.resume_note: str | None = None
 
     def _generate(self, version: int) -> StepData:
         data = self.collect()
@@ -123,8 +139,8 @@ class LaggedRollouts:
         """The rollouts step ``step`` (1-based) trains on, with ``rollout_version`` set.
 
         k = 0: generated now (version ``step - 1``). k > 0: first generate, with the current
-        weights (version ``step - 1``), every step up to ``min(step + k, steps)`` not generated yet
-        (steps 1 .. k + 1 at step 1, else step + k), then return the queue's front. The returned
+        weights (version ``step - 1``), every step up to ``step + k`` not generated yet (steps
+        1 .. k + 1 at step 1, else step + k; past ``steps`` too), then return the queue's front. The returned
         ``time_generation`` / ``time_scoring`` are the seconds spent generating and scoring in
         this call (for the later steps), not those of the returned batch.
 
@@ -136,7 +152,7 @@ class LaggedRollouts:
             return self._generate(version)
         self.next_target = max(self.next_target, step)
         t_gen = t_score = 0.0
-        while self.next_target <= max(step, min(step + self.staleness, self.steps)):
+        while self.next_target <= step + self.staleness:
             data = self._generate(version)
             t_gen, t_score = t_gen + data.time_generation, t_score + data.time_scoring
             if data.rollout_log_prob is None and data.batch.rollout_log_prob is not None:
@@ -192,3 +208,11 @@ class LaggedRollouts:
         if state:
             self.queue = [(int(t), _on_cpu(d)) for t, d in state["queue"]]
             self.next_target = int(state["next_target"])
+            first = self.next_target - len(self.queue)  # the first step this run trains
+            if self.staleness and len(self.queue) < self.staleness and first <= self.steps:
+                fresh = range(self.next_target, min(first + self.staleness - 1, self.steps) + 1)
+                self.resume_note = (
+                    f"staleness={self.staleness}: the checkpoint holds {len(self.queue)} of the {self.staleness} "
+                    f"batches generated ahead (an echotrain that stopped generating at its last step wrote it); "
+                    f"{_steps(fresh.start, fresh.stop - 1)} sampled by the weights of step {first} instead, "
+                    f"less stale than in an uninterrupted run")

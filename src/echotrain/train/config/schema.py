@@ -134,22 +134,30 @@ class TrainConfig:
                         "sampler's log-probs are kept as rollout_log_prob with each rollout's rollout_version. "
                         "Memory: the k queued rollout batches (token ids, masks, rewards, log-probs; "
                         "staleness/queue_mb: ~0.12 MB per batch on the default job), no weight snapshots, with or "
-                        "without LoRA; the queue is in each checkpoint, so --resume is exact and needs the same k. "
+                        "without LoRA; the queue is in each checkpoint (the last k steps generate for the steps "
+                        "after the run's end too), so --resume is exact, also with more steps, and needs the same k. "
                         "Same seed and k: bit-identical runs. 0 = synchronous (on-policy) training. AReaL and "
                         "prime-rl run 2-8 asynchronously.", group="rollout")
     async_rollouts: bool = _f(False, "Asynchronous rollouts (echotrain.train.async_rollouts): a worker process generates "
                               "and scores batches with the newest weights it has while the learner trains on a "
-                              "bounded queue; the weights reach it through shared memory after every step. Not "
+                              "bounded queue (it waits for the weights rather than generate a batch that would be "
+                              "older than max_staleness when trained); the weights reach it through shared memory "
+                              "after every step. Not "
                               "deterministic (fixed lag, staleness=k, is the reproducible mode). CPU, one process "
                               "(refused under torchrun and on other devices). On 2 CPU cores it does not pay "
                               "(docs/benchmarks.md): false stays the default.", group="rollout")
     max_staleness: int = _f(1, "async_rollouts: the oldest batch trained on at step t is sampled by the weights of step "
                             "t - max_staleness (>= 1); also the queue's size. prime-rl's max_off_policy_steps, AReaL's "
                             "max_head_offpolicyness.", group="rollout")
-    async_stale: str = _f("drop", "async_rollouts: a batch older than max_staleness is dropped (the next one is "
-                          "taken; biases towards problems whose batches return sooner) or regenerated (the learner "
-                          "generates one itself with its current weights, from a second prompt stream); both are "
-                          "counted (async/dropped, async/regenerated).", choices=("drop", "regenerate"),
+    async_stale: str = _f("wait", "async_rollouts: what happens to a batch that would be older than max_staleness "
+                          "when trained. wait (default): the worker, which knows the step each batch trains, waits "
+                          "for fresh enough weights before generating, so none is too old and nothing generated is "
+                          "wasted. drop / regenerate: the worker generates without waiting, with the newest weights "
+                          "it has, and the learner drops a too-old batch (the next one is taken; its prompts are "
+                          "skipped) or replaces it by one it generates itself with its current weights (a second "
+                          "prompt stream); counted (async/dropped, async/regenerated, async/worker_generated). For "
+                          "studies of those policies (verl, tinker-cookbook): they waste generation.",
+                          choices=("wait", "drop", "regenerate"),
                           group="rollout")
     async_timeout_s: float = _f(600.0, "async_rollouts: seconds the learner waits for one batch before the run ends with "
                                 "an error naming the worker (a stalled worker); a worker that died is noticed within "

@@ -144,10 +144,11 @@ def test_accuracy_collapse_is_flagged_in_the_report(tmp_path):
 
 
 def _study(root, confirm=True, **extra):
-    # exploration seeds 0-2: echo +0.2 over grpo at every evaluation after step 0 (AUC + 1/6 each)
+    # exploration seeds 0-2: echo +0.2, +0.22, +0.24 over grpo at every evaluation after step 0 (AUC
+    # + 5/6 of that; unequal, so the t-test decides: equal differences get the sign test, no verdict at n = 3)
     for seed in range(3):
         make_run(root, "grpo", seed, (0.0, 0.2, 0.2, 0.2))
-        make_run(root, "echo", seed, (0.0, 0.4, 0.4, 0.4))
+        make_run(root, "echo", seed, (0.0,) + (0.4 + 0.02 * seed,) * 3)
     # confirmation seeds 10-14: echo = grpo + c after step 0, c = (0.1, -0.1, 0.05, -0.05, 0): AUC + 5c/6
     for seed, c in zip(range(10, 15), (0.1, -0.1, 0.05, -0.05, 0.0)):
         make_run(root, "grpo", seed, (0.0, 0.3, 0.3, 0.3))

@@ -132,9 +132,18 @@ class CompareSpec:
         for k, v in ran.items():
             if k in self.file_values and self.file_values[k] != v:
                 out[k] = {"file": self.file_values[k], "ran": v}
+        from echotrain.train.config.coerce import coerce
+
+        def typed(k: str, v: Any) -> Any:  # "2" and 2 are the same steps
+            try:
+                return coerce(k, v)
+            except (ConfigError, TypeError, ValueError):
+                return v
+
         for k, v in self.overrides.items():
-            if self.base.get(k, "default") != v:
-                out[k] = {"file": self.base.get(k, "default"), "ran": v}
+            file_value = typed(k, self.base[k]) if k in self.base else "default"
+            if file_value != typed(k, v):
+                out[k] = {"file": file_value, "ran": typed(k, v)}
         return out
 
     def all_seeds(self) -> list[int]:

@@ -415,7 +415,9 @@ def test_sweep_report_has_a_dose_response_figure_and_table(tmp_path, monkeypatch
     assert a[1]["change"]["diff_mean"] == pytest.approx(-0.025) and a[2]["mean"] == pytest.approx(0.75 * 5 / 6 / 3)
     assert dose["statistics"]["final"]["echo"][2]["change"]["diff_mean"] == 0.0
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "## Dose-response: the statistics against `staleness`" in md
+    assert "## Dose-response: the statistics against `staleness` (every seed run)" in md
+    assert "Per arm, on seeds 0-2 (every seed run): the mean over seeds and, in parentheses, the change from " \
+           "`staleness=0` paired by seed [95% paired t-interval]." in md
     assert "![dose_response](plots/dose_response.png)" in md
     assert "| grpo | final | 0.33 | 0.3 (-0.03 [-0.105, 0.0445]) | 0.25 (-0.08 [" in md
     assert (tmp_path / "out" / "plots" / "dose_response.png").is_file()

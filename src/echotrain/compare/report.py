@@ -550,7 +550,7 @@ def dose_response(runs: Sequence[dict[str, Any]], sweep: dict[str, Any], seeds: 
         if r["arm"] in groups and (keep is None or r["seed"] in keep):
             per.setdefault(groups[r["arm"]], {})[r["seed"]] = r
     arms = list(dict.fromkeys(a for a, _ in groups.values()))
-    out: dict[str, Any] = {"sweep": sweep["name"], "values": values,
+    out: dict[str, Any] = {"sweep": sweep["name"], "values": values, "alpha": alpha,
                            "seeds": sorted({s for cells in per.values() for s in cells}), "statistics": {}}
     for stat in statistics:
         table: dict[str, list[dict[str, Any]]] = {}
@@ -576,8 +576,53 @@ def dose_response(runs: Sequence[dict[str, Any]], sweep: dict[str, Any], seeds: 
     return out
 
 
-def plot_dose_response(dose: dict[str, Any], out_dir: str | os.PathLike, alpha: float = ALPHA) -> Path | None:
-    """``dose_response.png``: per statistic of ``dose`` (:func:`dose_response`) a column, the
+def add_dose_response(summary: dict[str, Any], sweep: dict[str, Any], plot_dir: Path | None) -> None:
+    """Put :func:`dose_response` into ``summary`` (``dose_response``, on the confirmation seeds when
+    they have run, else on every seed run) and, with confirmation seeds run, the exploration
+    seeds' into ``summary["exploration"]``; with ``plot_dir`` also their figures
+    (``dose_response.png``, ``dose_response_exploration.png``; paths under ``dose_plot``)."""
+    alpha = (summary.get("verdict_rule") or {}).get("alpha", ALPHA)
+    explo = summary.get("exploration")
+    confirmed = bool(explo) and bool(summary.get("arms"))
+    parts = [(summary, summary["verdict_rule"]["seeds"] if confirmed else None, "dose_response.png")]
+    if confirmed:
+        parts.append((explo, explo["seeds"], "dose_response_exploration.png"))
+    for where, seeds, name in parts:
+        where["dose_response"] = dose_response(summary["runs"], sweep, seeds, alpha=alpha)
+        png = plot_dose_response(where["dose_response"], plot_dir, alpha, name) if plot_dir is not None else None
+        where["dose_plot"] = str(png) if png else None
+
+
+def replot_report(report_dir: str | os.PathLike, sweep: dict[str, Any] | None = None) -> list[Path]:
+    """Redraw a written report's figures from its ``curves.json`` and ``summary.json`` alone (no run
+    directories needed: committed studies whose cells are gone): ``plots/<metric>.png`` (a sweep's
+    curves grouped by arm) and, with a sweep, the dose-response figures. ``sweep``: ``{"name",
+    "values"}``, default the summary's ``setting.sweep``. Returns the paths written; report.md is
+    not rewritten (``summary["dose_response"]`` is added to summary.json).
+
+    Raises:
+        FileNotFoundError: no curves.json / summary.json in ``report_dir``.
+    """
+    d = Path(report_dir)
+    curves = json.loads((d / "curves.json").read_text())
+    summary = json.loads((d / "summary.json").read_text())
+    sweep = sweep or (summary.get("setting") or {}).get("sweep")
+    labels = list(dict.fromkeys(a for per_arm in curves.values() for a in per_arm))
+    groups = sweep_groups(labels, sweep)
+    written = plot_curves(curves, d / "plots", groups)
+    if groups:
+        add_dose_response(summary, sweep, d / "plots")
+        for where in (summary, summary.get("exploration") or {}):
+            if where.get("dose_plot"):
+                where["dose_plot"] = os.path.relpath(where["dose_plot"], d)
+                written.append(d / where["dose_plot"])
+        (d / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    return written
+
+
+def plot_dose_response(dose: dict[str, Any], out_dir: str | os.PathLike, alpha: float = ALPHA,
+                       name: str = "dose_response.png") -> Path | None:
+    """``name`` (default ``dose_response.png``): per statistic of ``dose`` (:func:`dose_response`) a column, the
     level (mean over seeds, t-interval) on top and the change from the first sweep value (paired
     t-interval) below, against the sweep value; one colour and marker per arm, arms nudged apart
     on the x axis so their intervals do not hide each other. Numeric sweep values are placed at
@@ -614,24 +659,24 @@ def plot_dose_response(dose: dict[str, Any], out_dir: str | os.PathLike, alpha: 
                         for y, p in zip(ys, points)]]
                 axes[row][col].errorbar(x, ys, yerr=err, color=st["color"], marker=st["marker"], lw=1.8, capsize=4,
                                         markersize=6, label=f"{arm} (n={max(p['n'] for p in points)})")
-        name = names.get(stat, stat)
+        label = names.get(stat, stat)
         first = f"{dose['sweep']}={values[0]}"
-        axes[0][col].set_title(textwrap.fill(f"{name}: mean over seeds, {level} t-interval", 48), fontsize=11, loc="left")
-        axes[1][col].set_title(textwrap.fill(f"{name} change from {first}, paired by seed, {level} paired t-interval",
+        axes[0][col].set_title(textwrap.fill(f"{label}: mean over seeds, {level} t-interval", 48), fontsize=11, loc="left")
+        axes[1][col].set_title(textwrap.fill(f"{label} change from {first}, paired by seed, {level} paired t-interval",
                                              48), fontsize=11, loc="left")
         axes[1][col].axhline(0.0, color="gray", lw=0.8)
         for ax in axes[:, col]:
             ax.set_xlabel(dose["sweep"], fontsize=10)
             ax.set_xticks(xs, [str(v) for v in values])
             ax.grid(alpha=0.3)
-        axes[0][col].set_ylabel(name, fontsize=10)
-        axes[1][col].set_ylabel(f"{name} − {name} at {first}", fontsize=10)
+        axes[0][col].set_ylabel(label, fontsize=10)
+        axes[1][col].set_ylabel(f"{label} − {label} at {first}", fontsize=10)
     axes[0][-1].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
     fig.tight_layout()
     plain_tick_labels(fig)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "dose_response.png"
+    path = out / name
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -760,6 +805,21 @@ def _verdict_table(rows: Sequence[dict[str, Any]], vr: dict[str, Any]) -> list[s
     return lines
 
 
+def _dose_lines(part: dict[str, Any], which: str, out_dir: Path) -> list[str]:
+    """The dose-response section of ``part`` (the summary or its exploration: ``dose_response``,
+    ``dose_plot``) on the ``which`` seeds; [] without one."""
+    dose = part.get("dose_response")
+    if not dose or not dose.get("statistics"):
+        return []
+    level = f"{1 - dose.get('alpha', ALPHA):.0%}"
+    lines = ["", f"## Dose-response: the statistics against `{dose['sweep']}` ({which})", "",
+             f"Per arm, on seeds {_seed_list(dose['seeds'])} ({which}): the mean over seeds and, in parentheses, "
+             f"the change from `{dose['sweep']}={dose['values'][0]}` paired by seed [{level} paired t-interval].", ""]
+    if part.get("dose_plot"):
+        lines += [f"![dose_response]({os.path.relpath(part['dose_plot'], out_dir)})", ""]
+    return lines + _dose_table(dose)
+
+
 def _ran_lines(summary: dict[str, Any]) -> list[str]:
     """What ran, from the runs themselves (seeds, steps, the last step read under ``max_step``),
     and a warning when the comparison file's description was written for other settings (the
@@ -861,6 +921,10 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
             out += ["", "The claims checked on the exploration seeds (paired t, same correction): a screening "
                     "that says which claims are worth confirming, not a verdict.", ""]
             out += _verdict_table(explo["verdict"], {**vr, "rule": "paired_t"})
+        if explo.get("dose_response"):
+            out += _dose_lines(explo, "exploration seeds", out_dir)
+        elif not confirmed:
+            out += _dose_lines(summary, "exploration seeds", out_dir)
         return out
 
     if explo and not confirmed:
@@ -878,15 +942,8 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
     if summary["paired"] and confirmed:
         lines += ["", f"## Paired comparison with `{b}` over seeds" + (" (confirmation seeds)" if explo else ""), ""]
         lines += _paired_table(summary["paired"], vr)
-    dose = summary.get("dose_response")
-    if dose and dose.get("statistics"):
-        which = ("confirmation" if confirmed else "exploration") if explo else "every"
-        lines += ["", f"## Dose-response: the statistics against `{dose['sweep']}`", "",
-                  f"Per arm, on the {which} seeds {_seed_list(dose['seeds'])}: the mean over seeds and, in parentheses, "
-                  f"the change from `{dose['sweep']}={dose['values'][0]}` paired by seed [95% paired t-interval].", ""]
-        if summary.get("dose_plot"):
-            lines += [f"![dose_response]({os.path.relpath(summary['dose_plot'], out_dir)})", ""]
-        lines += _dose_table(dose)
+    if confirmed or not explo:
+        lines += _dose_lines(summary, "confirmation seeds" if explo else "every seed run", out_dir)
     if summary["verdict"] or summary.get("dropped_verdicts"):
         lines += ["", "## Verdict rule (written before the runs) and outcome", "", rule_text(vr), ""]
         lines += _verdict_table(summary["verdict"], vr)
@@ -966,11 +1023,7 @@ def write_report(dirs: Sequence[str | os.PathLike], out_dir: str | os.PathLike |
     groups = sweep_groups([r.arm for r in runs], sweep)
     written = plot_curves(curves, out / "plots", groups) if plots else []
     if groups:
-        confirm = summary["verdict_rule"]["seeds"] if summary.get("exploration") and summary["arms"] else None
-        summary["dose_response"] = dose_response(summary["runs"], sweep, confirm,
-                                                 alpha=summary["verdict_rule"]["alpha"])
-        dose_png = plot_dose_response(summary["dose_response"], out / "plots") if plots else None
-        summary["dose_plot"] = str(dose_png) if dose_png else None
+        add_dose_response(summary, sweep, out / "plots" if plots else None)
     summary["unfinished_cells"] = settings["unfinished"]
     summary["overridden"] = settings.get("overridden") or {}
     summary["max_step"] = max_step

@@ -420,6 +420,7 @@ def test_sweep_report_has_a_dose_response_figure_and_table(tmp_path, monkeypatch
            "`staleness=0` paired by seed [95% paired t-interval]." in md
     assert "![dose_response](plots/dose_response.png)" in md
     assert "| grpo | final | 0.33 | 0.3 (-0.03 [-0.105, 0.0445]) | 0.25 (-0.08 [" in md
+    assert "| echo | final | 0.4 | 0.42 (+0.02 [" in md and "| 0.4 (0 [0, 0]) |" in md
     assert (tmp_path / "out" / "plots" / "dose_response.png").is_file()
     (fig,) = [f for p, f in seen.items() if p.endswith("dose_response.png")]
     assert len(fig.axes) == 4  # (level, change) x (AUC, final)

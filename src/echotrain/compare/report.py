@@ -199,6 +199,11 @@ def _fmt_noise(x: Any, *scale: Any, nd: int = 3) -> str:
     return _fmt(x, nd)
 
 
+def _signed(text: str) -> str:
+    """``+`` before a positive number's text (a change), as it is."""
+    return "+" + text if text not in ("0", "n/a") and not text.startswith("-") else text
+
+
 def _fmt(x: Any, nd: int = 3) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "n/a"
@@ -692,7 +697,7 @@ def _dose_table(dose: dict[str, Any]) -> list[str]:
         for arm, points in table.items():
             at = {str(p["value"]): p for p in points}
             cell = [(f"{_fmt(at[str(v)]['mean'])}" + ("" if i == 0 else
-                     f" ({_fmt_noise(at[str(v)]['change']['diff_mean'], at[str(v)]['mean']):s} "
+                     f" ({_signed(_fmt_noise(at[str(v)]['change']['diff_mean'], at[str(v)]['mean']))} "
                      f"[{_fmt_noise(at[str(v)]['change']['ci_low'], at[str(v)]['mean'])}, "
                      f"{_fmt_noise(at[str(v)]['change']['ci_high'], at[str(v)]['mean'])}])"))
                     if str(v) in at else "n/a" for i, v in enumerate(values)]
@@ -837,10 +842,13 @@ def _ran_lines(summary: dict[str, Any]) -> list[str]:
     arms = list(dict.fromkeys(r["arm"] for r in runs))
     configured = sorted({r["config_steps"] for r in runs if isinstance(r.get("config_steps"), int)})
     last = [r.get("last_step", r.get("steps", 0)) for r in runs]
-    steps = (f"{configured[0]} steps" if len(configured) == 1 else
-             f"{configured[0]}-{configured[-1]} steps" if configured else "steps not recorded")
+    logged = sorted({r["steps"] for r in runs if isinstance(r.get("steps"), int)})
+    steps = (f"configured for {configured[0]} steps" if len(configured) == 1 else
+             f"configured for {configured[0]}-{configured[-1]} steps" if configured else
+             # a summary written before config_steps was recorded: the steps logged
+             "of " + (f"{logged[0]}" if len(logged) == 1 else f"{logged[0]}-{logged[-1]}") + " logged steps")
     text = (f"What ran: {len(arms)} arm{'s' if len(arms) != 1 else ''} x {len(seeds)} seed"
-            f"{'s' if len(seeds) != 1 else ''} ({_seed_list(seeds)}), {len(runs)} runs configured for {steps}; ")
+            f"{'s' if len(seeds) != 1 else ''} ({_seed_list(seeds)}), {len(runs)} runs {steps}; ")
     hi, lo = max(last), min(last)
     ms = summary.get("max_step")
     if ms is not None and ms < hi:
@@ -931,7 +939,7 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
         lines += [f"Seeds: exploration {_seed_list(explo['seeds'])}; the confirmation seeds "
                   f"{_seed_list(vr.get('seeds', []))} have not run yet. Below: the exploration results (a "
                   "screening, not verdicts); the verdicts wait for the confirmation seeds.", ""]
-        lines += exploration_section() + [""]
+        lines += exploration_section()
     elif explo:
         lines += [f"Seeds: exploration {_seed_list(explo['seeds'])}; confirmation {_seed_list(vr.get('seeds', []))}. "
                   "The summary, the paired comparisons and the verdicts use the confirmation seeds only; the "

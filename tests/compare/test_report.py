@@ -439,3 +439,27 @@ def test_report_without_a_sweep_has_no_dose_response(comparison):
     md = write_report([comparison], plots=False).read_text()
     assert "Dose-response" not in md
     assert "dose_response" not in json.loads((comparison / "report" / "summary.json").read_text())
+
+
+def test_dose_response_of_a_confirmed_study_is_on_the_confirmation_seeds(tmp_path):
+    """With confirmation seeds run: the dose-response is on them; the screening's goes with the
+    exploration section. grpo's final: x at k = 0, x - 0.1 at k = 8 on the exploration seeds
+    (change -0.1), x - 0.02 on the confirmation seeds (change -0.02)."""
+    root = tmp_path / "c"
+    for seed, x in zip((0, 1, 2, 10, 11, 12), (0.30, 0.32, 0.34, 0.40, 0.42, 0.44)):
+        make_run(root, "grpo[k=0]", seed, (0.0, x, x, x))
+        make_run(root, "grpo[k=8]", seed, (0.0,) + (x - (0.1 if seed < 10 else 0.02),) * 3)
+    spec = {"name": "c", "baseline": "grpo[k=0]", "arms": {"grpo": {}}, "seeds": [0, 1, 2],
+            "confirm_seeds": [10, 11, 12], "sweep": {"name": "k", "keys": ["staleness"], "values": [0, 8]}}
+    (root / "compare.yaml").write_text(yaml.safe_dump(spec))
+    md = write_report([root]).read_text()
+    s = json.loads((root / "report" / "summary.json").read_text())
+    conf, expl = s["dose_response"], s["exploration"]["dose_response"]
+    assert conf["seeds"] == [10, 11, 12] and expl["seeds"] == [0, 1, 2]
+    assert conf["statistics"]["final"]["grpo"][1]["change"]["diff_mean"] == pytest.approx(-0.02)
+    assert expl["statistics"]["final"]["grpo"][1]["change"]["diff_mean"] == pytest.approx(-0.1)
+    assert (root / "report" / "plots" / "dose_response_exploration.png").is_file()
+    first = md.index("## Dose-response: the statistics against `k` (confirmation seeds)")
+    second = md.index("## Dose-response: the statistics against `k` (exploration seeds)")
+    assert md.index("## Summary") < first < md.index("## Exploration seeds") < second
+    assert "![dose_response](plots/dose_response_exploration.png)" in md[second:]

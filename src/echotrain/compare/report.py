@@ -7,9 +7,19 @@ baseline, threshold and verdict rule. A run's arm is its ``cell.json`` label, el
 Outputs in ``out_dir``: ``report.md``, ``summary.json`` (per-seed statistics, per-arm summary,
 paired comparisons, verdicts with their p-values, Holm-adjusted p-values and minimal detectable
 effects, the exploration seeds' results apart when the study declares ``confirm_seeds``,
-stability flags), ``curves.json`` (per-arm mean / std / 95%
-bootstrap interval per step of every metric, 5 significant digits) and ``plots/<metric>.png`` (all arms' mean curves
-with shaded 95% bands). The statistics are :mod:`echotrain.compare.stats`.
+stability flags; per run its last step read, configured steps, commit(s) and resolved precision;
+``provenance``: the cells' commits and precisions and the compared pairs that differ;
+``overridden``: the comparison file's settings the command line changed; with a sweep
+``dose_response``), ``curves.json`` (per-arm mean / std / 95%
+bootstrap interval per step of every metric, 5 significant digits), ``plots/<metric>.png`` (all arms' mean curves
+with shaded 95% bands; a sweep's grouped by arm: a colour per arm, a line style per sweep value)
+and, with a sweep, ``plots/dose_response.png`` (AUC and final against the sweep value per arm).
+
+The report opens with what ran (seeds, steps, the step read; a warning when the file's
+description was written for settings the command line overrode), the commits and precision of
+the cells; a study whose confirmation seeds have not run opens with the exploration results.
+A difference within float noise (:data:`FLOAT_NOISE`) prints as 0. The statistics are
+:mod:`echotrain.compare.stats`.
 """
 
 from __future__ import annotations

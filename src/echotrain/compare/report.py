@@ -641,7 +641,8 @@ def plot_dose_response(dose: dict[str, Any], out_dir: str | os.PathLike, alpha: 
     level (mean over seeds, t-interval) on top and the change from the first sweep value (paired
     t-interval) below, against the sweep value; one colour and marker per arm, arms nudged apart
     on the x axis so their intervals do not hide each other. Numeric sweep values are placed at
-    their values, others at equal spacing. Returns the path, or None without data."""
+    their values (staleness 0, 1, 2, 4, 8), others and values that would crowd (a gap under 8% of
+    the span: bands 0.002, 0.005, ..., 0.05) at equal spacing. Returns the path, or None without data."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -654,7 +655,11 @@ def plot_dose_response(dose: dict[str, Any], out_dir: str | os.PathLike, alpha: 
     if not stats_:
         return None
     values = dose["values"]
-    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and len(values) > 1
+    if numeric:  # at their values unless two would crowd (a gap under 8% of the span): then evenly
+        srt = sorted(float(v) for v in values)
+        span_v = srt[-1] - srt[0]
+        numeric = span_v > 0 and min(b - a for a, b in zip(srt, srt[1:])) >= 0.08 * span_v
     xs = [float(v) for v in values] if numeric else list(range(len(values)))
     span = (max(xs) - min(xs)) or 1.0
     level = f"{1 - alpha:.0%}"

@@ -261,3 +261,18 @@ def test_a_difference_claim_whose_reference_arm_is_not_selected_is_dropped(tmp_p
     assert s.dropped_verdicts == [{"claim": "dd", "reason": "arm(s) c, d not selected"}]
     whole = spec(tmp_path, arms=arms, baseline="a", verdict=claims)  # all arms: both claims stay
     assert [c.get("arm_ref") for c in whole.verdict] == [None, "c"] and whole.dropped_verdicts == []
+
+
+def test_overridden_lists_the_file_settings_the_command_line_changed(tmp_path):
+    """What a description written for the file no longer describes (the report warns about it)."""
+    s = spec(tmp_path, ["seeds=1", "steps=10", "lr=1e-4", "arms=grpo", "max_new_tokens=4"])
+    assert s.overridden() == {"seeds": {"file": [0, 1], "ran": [0]}, "arms": {"file": ["grpo", "echo_detach"],
+                                                                           "ran": ["grpo"]},
+                              "steps": {"file": 4, "ran": 10}, "max_new_tokens": {"file": "default", "ran": 4}}
+    assert spec(tmp_path, ["seeds=2", "steps=4", "lr=0.0001"]).overridden() == {}  # the file's own values
+    from echotrain.compare.runner import write_plan
+
+    s = spec(tmp_path, ["seeds=1"])
+    written = yaml.safe_load(write_plan(s, expand_cells(s)).read_text())
+    assert written["overridden"] == {"seeds": {"file": [0, 1], "ran": [0]}}
+    assert load_spec(None, [], data=written).overridden() == {}  # compare.yaml is a valid file; informational key

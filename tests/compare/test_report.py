@@ -144,10 +144,11 @@ def test_accuracy_collapse_is_flagged_in_the_report(tmp_path):
 
 
 def _study(root, confirm=True, **extra):
-    # exploration seeds 0-2: echo +0.2 over grpo at every evaluation after step 0 (AUC + 1/6 each)
+    # exploration seeds 0-2: echo +0.2, +0.22, +0.24 over grpo at every evaluation after step 0 (AUC
+    # + 5/6 of that; unequal, so the t-test decides: equal differences get the sign test, no verdict at n = 3)
     for seed in range(3):
         make_run(root, "grpo", seed, (0.0, 0.2, 0.2, 0.2))
-        make_run(root, "echo", seed, (0.0, 0.4, 0.4, 0.4))
+        make_run(root, "echo", seed, (0.0,) + (0.4 + 0.02 * seed,) * 3)
     # confirmation seeds 10-14: echo = grpo + c after step 0, c = (0.1, -0.1, 0.05, -0.05, 0): AUC + 5c/6
     for seed, c in zip(range(10, 15), (0.1, -0.1, 0.05, -0.05, 0.0)):
         make_run(root, "grpo", seed, (0.0, 0.3, 0.3, 0.3))
@@ -319,3 +320,146 @@ def test_paired_table_names_arms_without_a_common_seed_instead_of_rows_of_na(com
     paired = text.split("## Paired comparison")[1].split("## ")[0]
     assert "| echo | auc | 3 |" in paired and "| dapo |" not in paired
     assert "No seed in common with the baseline here: dapo." in paired
+
+
+def test_any_flag_claim_on_three_seeds_is_not_a_verdict(tmp_path):
+    """Every echo run flagged, no grpo run: differences (1, 1, 1). Was p = 0, "holds" at n = 3."""
+    for seed in range(3):
+        make_run(tmp_path / "f", "grpo", seed, (0.0, 0.2, 0.2, 0.2))
+        make_run(tmp_path / "f", "echo", seed, (0.4, 0.1, 0.1, 0.1))  # accuracy collapse: flagged
+    spec = {"name": "f", "baseline": "grpo", "arms": {"grpo": {}, "echo": {}},
+            "verdict": [{"claim": "echo raises more flags", "arm": "echo", "baseline": "grpo",
+                         "statistic": "any_flag", "direction": "greater", "margin": 0.0}]}
+    (tmp_path / "f" / "compare.yaml").write_text(yaml.safe_dump(spec))
+    md = write_report([tmp_path / "f"], plots=False).read_text()
+    v = json.loads((tmp_path / "f" / "report" / "summary.json").read_text())["verdict"][0]
+    assert v["comparison"]["diffs"] == [1.0, 1.0, 1.0] and v["p"] == 0.25 and v["result"] == "inconclusive"
+    assert "**inconclusive: every paired difference is equal (no variation to test)**" in md
+    assert "the p-value is the exact sign test's, 2^(1-n): no verdict below 6 seeds." in md
+
+
+def test_a_difference_within_float_noise_prints_as_zero(tmp_path):
+    """Final accuracy 0.1 + 0.2 against 0.3 on every seed: a difference of 5.55e-17, printed 0."""
+    root = tmp_path / "n"
+    for seed in range(3):
+        make_run(root, "grpo", seed, (0.0, 0.1, 0.2, 0.3))
+        make_run(root, "echo", seed, (0.0, 0.1, 0.2, 0.1 + 0.2))
+    spec = {"name": "n", "baseline": "grpo", "arms": {"grpo": {}, "echo": {}},
+            "verdict": [{"claim": "echo ends higher", "arm": "echo", "baseline": "grpo", "statistic": "final",
+                         "direction": "greater", "margin": 0.0}]}
+    (root / "compare.yaml").write_text(yaml.safe_dump(spec))
+    md = write_report([root], plots=False).read_text()
+    s = json.loads((root / "report" / "summary.json").read_text())
+    assert s["paired"]["echo"]["final"]["diff_mean"] == pytest.approx(5.551115123125783e-17, rel=1e-6)
+    assert "e-17" not in md
+    assert "| echo | final | 3 | 0.3 | 0.3 | 0 [0, 0] |" in md
+    assert "| echo ends higher | echo vs grpo | final | greater (0.0) | 3 | 0 [0, 0] |" in md
+
+
+def test_study_whose_confirmation_has_not_run_opens_with_the_exploration(tmp_path):
+    """Issue 36: no empty summary / comparison tables before the screening's results."""
+    from echotrain.cli import main
+
+    root = tmp_path / "cmp"
+    _study(root)
+    for seed in range(10, 15):
+        for arm in ("grpo", "echo"):
+            (root / "cells" / f"{arm}__s{seed}" / "stability.json").unlink()  # not finished
+    assert main(["compare", "report", str(root), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Summary" not in md and "## Paired comparison" not in md
+    assert ("Seeds: exploration 0-2; the confirmation seeds 10-14 have not run yet. Below: the exploration results "
+            "(a screening, not verdicts); the verdicts wait for the confirmation seeds.") in md
+    explo, rule = md.index("## Exploration seeds 0-2"), md.index("## Verdict rule")
+    assert explo < rule
+    table = md[explo:rule]
+    assert "| grpo | 3 |" in table and "| echo | 3 |" in table  # the exploration rows, first
+    assert "**insufficient data (confirmation seeds not run)**" in md[rule:]
+    # once the confirmation seeds have run: summary first, exploration at the end (as before)
+    _study(tmp_path / "done")
+    md = write_report([tmp_path / "done"], plots=False).read_text()
+    assert md.index("## Summary (confirmation seeds)") < md.index("## Verdict rule") < md.index("## Exploration seeds")
+
+
+def test_sweep_report_has_a_dose_response_figure_and_table(tmp_path, monkeypatch):
+    """Issue 36: every report of a sweep plots AUC and final against the sweep value, one line per
+    arm, with the mean's t-interval and the change from the first value, paired by seed (numbers by
+    hand: final = x, AUC = 5x/6 for the accuracies (0, x, x, x) at steps 0, 2, 4, 6)."""
+    from echotrain.cli import main
+    from tests.train.test_plots import _spy_figures
+
+    root = tmp_path / "sw"
+    finals = {("grpo", 0): (0.30, 0.36, 0.33), ("grpo", 2): (0.30, 0.30, 0.30), ("grpo", 8): (0.24, 0.30, 0.21),
+              ("echo", 0): (0.40, 0.40, 0.40), ("echo", 2): (0.42, 0.44, 0.40), ("echo", 8): (0.40, 0.40, 0.40)}
+    for (arm, k), xs in finals.items():
+        for seed, x in enumerate(xs):
+            make_run(root, f"{arm}[staleness={k}]", seed, (0.0, x, x, x))
+    spec = {"name": "sw", "baseline": "grpo[staleness=0]", "arms": {"grpo": {}, "echo": {}},
+            "sweep": {"name": "staleness", "keys": ["staleness"], "values": [0, 2, 8]}}
+    (root / "compare.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    seen = _spy_figures(monkeypatch)
+    assert main(["compare", "report", str(root), "--out", str(tmp_path / "out")]) == 0
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    dose = s["dose_response"]
+    assert dose["sweep"] == "staleness" and dose["values"] == [0, 2, 8] and dose["seeds"] == [0, 1, 2]
+    g = dose["statistics"]["final"]["grpo"]
+    assert [p["value"] for p in g] == [0, 2, 8]
+    half = 4.302653 * 0.03 / math.sqrt(3)  # t_{0.975, 2} x sd 0.03 / sqrt(3)
+    assert g[0]["mean"] == pytest.approx(0.33) and g[0]["ci_low"] == pytest.approx(0.33 - half, rel=1e-5)
+    assert g[0]["change"] == {"n": 3, "diff_mean": 0.0, "ci_low": 0.0, "ci_high": 0.0}
+    # k = 2 - k = 0 per seed: (0, -0.06, -0.03): mean -0.03, sd 0.03
+    assert g[1]["change"]["diff_mean"] == pytest.approx(-0.03)
+    assert g[1]["change"]["ci_low"] == pytest.approx(-0.03 - half, rel=1e-5)
+    assert g[1]["change"]["ci_high"] == pytest.approx(-0.03 + half, rel=1e-5)
+    a = dose["statistics"]["auc"]["grpo"]
+    assert a[1]["change"]["diff_mean"] == pytest.approx(-0.025) and a[2]["mean"] == pytest.approx(0.75 * 5 / 6 / 3)
+    assert dose["statistics"]["final"]["echo"][2]["change"]["diff_mean"] == 0.0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Dose-response: the statistics against `staleness` (every seed run)" in md
+    assert "Per arm, on seeds 0-2 (every seed run): the mean over seeds and, in parentheses, the change from " \
+           "`staleness=0` paired by seed [95% paired t-interval]." in md
+    assert "![dose_response](plots/dose_response.png)" in md
+    assert "| grpo | final | 0.33 | 0.3 (-0.03 [-0.105, 0.0445]) | 0.25 (-0.08 [" in md
+    assert "| echo | final | 0.4 | 0.42 (+0.02 [" in md and "| 0.4 (0 [0, 0]) |" in md
+    assert (tmp_path / "out" / "plots" / "dose_response.png").is_file()
+    (fig,) = [f for p, f in seen.items() if p.endswith("dose_response.png")]
+    assert len(fig.axes) == 4  # (level, change) x (AUC, final)
+    top = fig.axes[0]
+    assert [t.get_text() for t in top.get_xticklabels()] == ["0", "2", "8"]
+    assert sorted(c.get_label() for c in top.containers) == ["echo (n=3)", "grpo (n=3)"]
+    # the curves of the sweep: grpo's three values share a colour, echo has another
+    (curve,) = [f for p, f in seen.items() if p.endswith("eval_accuracy.png")]
+    colours = {ln.get_label().split("[")[0]: set() for ln in curve.axes[0].get_lines()}
+    for ln in curve.axes[0].get_lines():
+        colours[ln.get_label().split("[")[0]].add(ln.get_color())
+    assert len(colours["grpo"]) == 1 and len(colours["echo"]) == 1 and colours["grpo"] != colours["echo"]
+
+
+def test_report_without_a_sweep_has_no_dose_response(comparison):
+    md = write_report([comparison], plots=False).read_text()
+    assert "Dose-response" not in md
+    assert "dose_response" not in json.loads((comparison / "report" / "summary.json").read_text())
+
+
+def test_dose_response_of_a_confirmed_study_is_on_the_confirmation_seeds(tmp_path):
+    """With confirmation seeds run: the dose-response is on them; the screening's goes with the
+    exploration section. grpo's final: x at k = 0, x - 0.1 at k = 8 on the exploration seeds
+    (change -0.1), x - 0.02 on the confirmation seeds (change -0.02)."""
+    root = tmp_path / "c"
+    for seed, x in zip((0, 1, 2, 10, 11, 12), (0.30, 0.32, 0.34, 0.40, 0.42, 0.44)):
+        make_run(root, "grpo[k=0]", seed, (0.0, x, x, x))
+        make_run(root, "grpo[k=8]", seed, (0.0,) + (x - (0.1 if seed < 10 else 0.02),) * 3)
+    spec = {"name": "c", "baseline": "grpo[k=0]", "arms": {"grpo": {}}, "seeds": [0, 1, 2],
+            "confirm_seeds": [10, 11, 12], "sweep": {"name": "k", "keys": ["staleness"], "values": [0, 8]}}
+    (root / "compare.yaml").write_text(yaml.safe_dump(spec))
+    md = write_report([root]).read_text()
+    s = json.loads((root / "report" / "summary.json").read_text())
+    conf, expl = s["dose_response"], s["exploration"]["dose_response"]
+    assert conf["seeds"] == [10, 11, 12] and expl["seeds"] == [0, 1, 2]
+    assert conf["statistics"]["final"]["grpo"][1]["change"]["diff_mean"] == pytest.approx(-0.02)
+    assert expl["statistics"]["final"]["grpo"][1]["change"]["diff_mean"] == pytest.approx(-0.1)
+    assert (root / "report" / "plots" / "dose_response_exploration.png").is_file()
+    first = md.index("## Dose-response: the statistics against `k` (confirmation seeds)")
+    second = md.index("## Dose-response: the statistics against `k` (exploration seeds)")
+    assert md.index("## Summary") < first < md.index("## Exploration seeds") < second
+    assert "![dose_response](plots/dose_response_exploration.png)" in md[second:]

@@ -84,3 +84,31 @@ def test_a_cell_another_process_writes_is_left_alone(cell, monkeypatch):
     with pytest.raises(runner.CellBusy, match=r"cell echo__s0: .* is being written by process 4321 .*kill 4321"):
         runner.run_cells(spec, [cell], log=lambda m: None)
     assert (cell.run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_cell_json_records_every_commit_that_ran_the_cell(cell, monkeypatch):
+    """Issue 35: the report compares the commits of paired cells; a resume by another commit adds one."""
+    monkeypatch.setattr(runner, "source_commit", lambda: "aaaaaaaaaaaa")
+    assert runner.prepare_cell(cell) == "new"
+    read = lambda: json.loads((cell.run_dir / "cell.json").read_text())["commits"]  # noqa: E731
+    assert read() == ["aaaaaaaaaaaa"]
+    write_metrics(cell, [1, 2])
+    (cell.run_dir / "checkpoints").mkdir()
+    (cell.run_dir / "checkpoints" / "step_00000002.pt").write_bytes(b"x")
+    monkeypatch.setattr(runner, "source_commit", lambda: "bbbbbbbbbbbb+dirty")
+    assert runner.prepare_cell(cell) == "resume"
+    assert read() == ["aaaaaaaaaaaa", "bbbbbbbbbbbb+dirty"]
+    assert runner.prepare_cell(cell) == "resume" and read() == ["aaaaaaaaaaaa", "bbbbbbbbbbbb+dirty"]
+    (cell.run_dir / "checkpoints" / "step_00000002.pt").unlink()
+    monkeypatch.setattr(runner, "source_commit", lambda: None)  # not a git checkout: nothing recorded
+    assert runner.prepare_cell(cell) == "new" and read() == []
+
+
+def test_source_commit_is_the_checkout_head():
+    import subprocess
+    from pathlib import Path
+
+    src = Path(runner.__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert runner.source_commit().split("+")[0] == head and len(head) == 12

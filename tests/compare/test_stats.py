@@ -290,3 +290,25 @@ def test_the_percentile_bootstrap_rule_fails_the_same_simulation():
     lo, hi = bootstrap_ci(d, n_resamples=2000)
     false = float(np.mean((lo > 0) | (hi < 0)))
     assert false > 0.10, false
+
+
+def test_equal_differences_get_the_sign_test_not_p_zero():
+    """Issue 35: identical non-zero differences (0/1 flags) gave p = 0 and "holds" at n = 2-3.
+    Now the exact two-sided sign test: p = 2^(1-n), decisive at 0.05 from n = 6 on."""
+    for n, p in ((2, 0.5), (3, 0.25), (5, 0.0625), (6, 0.03125)):
+        got, side = claim_pvalue([1.0] * n, "greater")
+        assert float(got) == p and int(side) == 1
+        assert float(claim_pvalue([-1.0] * n, "greater")[0]) == p  # contradicted side, same p
+    comp = paired_comparison({0: 1.0, 1: 1.0, 2: 1.0}, {0: 0.0, 1: 0.0, 2: 0.0})
+    assert evaluate_claim(comp, "greater") == "inconclusive"
+    six = paired_comparison({s: 1.0 for s in range(6)}, {s: 0.0 for s in range(6)})
+    assert evaluate_claim(six, "greater") == "holds"
+    assert evaluate_claim(six, "less") == "contradicted"
+    # equal to the margin-side null: no side, p = 1 (unchanged)
+    assert float(claim_pvalue([0.0, 0.0, 0.0], "greater")[0]) == 1.0
+    # vectorised: the flat row gets the sign test, the other row keeps its t-test p
+    p, _ = claim_pvalue([[1.0, 1.0, 1.0], [1.0, 2.0, 3.0]], "greater")
+    assert p[0] == 0.25 and p[1] == pytest.approx(float(t_pvalue([1.0, 2.0, 3.0])))
+    # Holm over two flat claims at n = 6: adjusted 2 x 2^-5 = 0.0625, inconclusive
+    res = evaluate_claims([six, six], [{"direction": "greater"}, {"direction": "greater"}])
+    assert [r["p_holm"] for r in res] == [0.0625, 0.0625] and {r["result"] for r in res} == {"inconclusive"}

@@ -68,8 +68,9 @@ from echotrain.compare.stats import ALPHA, BCA_MIN_N, CLAIM_DIRECTIONS, CORRECTI
 from echotrain.train.config import FIELDS, ConfigError, TrainConfig, resolve_config
 
 TOP_KEYS = ("name", "output_dir", "seeds", "confirm_seeds", "baseline", "base", "arms", "sweep", "report", "verdict",
-            "suite", "selection", "description", "command", "dropped_verdicts")
-# description, command, dropped_verdicts: informational (the report shows them; compare writes the last two)
+            "suite", "selection", "description", "command", "dropped_verdicts", "overridden")
+# description, command, dropped_verdicts, overridden: informational (the report shows them; compare writes the
+# last three: overridden = {key: {"file", "ran"}}, the file's settings the command line changed)
 REPORT_KEYS = ("metric", "threshold", "stability", "max_step", "rule", "correction", "alpha", "power")
 #: report keys of the verdict rule: default, valid values (see echotrain.compare.stats)
 RULE_DEFAULTS = {"rule": "paired_t", "correction": "holm", "alpha": ALPHA, "power": POWER}
@@ -118,6 +119,32 @@ class CompareSpec:
     dropped_verdicts: list[dict[str, Any]] = field(default_factory=list)  # {"claim", "reason"}
     phase: str = "all"  # the seeds whose cells run: all | exploration | confirmation
     selection: dict[str, Any] = field(default_factory=dict)  # echotrain.compare.select's rule (p_max, claims)
+    #: the file's own seeds / confirm_seeds / arms (before the command line), for :meth:`overridden`
+    file_values: dict[str, Any] = field(default_factory=dict)
+
+    def overridden(self) -> dict[str, dict[str, Any]]:
+        """``{key: {"file": value in the file, "ran": value run}}`` for the file's settings that the
+        command line changed (seeds, confirm_seeds, arms, and any TrainConfig key of ``base``; a
+        key the file leaves to its default reads ``default``): what a description written for the
+        file no longer describes."""
+        out: dict[str, dict[str, Any]] = {}
+        ran = {"seeds": self.seeds, "confirm_seeds": self.confirm_seeds, "arms": list(self.arms)}
+        for k, v in ran.items():
+            if k in self.file_values and self.file_values[k] != v:
+                out[k] = {"file": self.file_values[k], "ran": v}
+        from echotrain.train.config.coerce import coerce
+
+        def typed(k: str, v: Any) -> Any:  # "2" and 2 are the same steps
+            try:
+                return coerce(k, v)
+            except (ConfigError, TypeError, ValueError):
+                return v
+
+        for k, v in self.overrides.items():
+            file_value = typed(k, self.base[k]) if k in self.base else "default"
+            if file_value != typed(k, v):
+                out[k] = {"file": file_value, "ran": typed(k, v)}
+        return out
 
     def all_seeds(self) -> list[int]:
         """Exploration seeds, then confirmation seeds (the order cells run in)."""
@@ -276,6 +303,8 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
     if phase not in PHASES:
         raise ConfigError(f"phase={phase!r} is not valid; valid: {', '.join(PHASES)}")
     file_baseline = data.get("baseline")
+    file_seeds = data.get("seeds", 3)
+    file_confirm = data.get("confirm_seeds")
     data.update(top)
     name = str(data.get("name") or (Path(str(path)).stem if path else "compare"))
     arms = _mapping(data.get("arms"), "arms")
@@ -347,6 +376,11 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
                        base=_train_keys(_mapping(data.get("base"), "base"), "base"), arms=arms, sweep=sweep,
                        report=report, verdict=[], suite=_mapping(data.get("suite"), "suite") or None,
                        overrides=train_over, raw=data, selection=selection)
+    try:  # the file's own values, for CompareSpec.overridden (the file's errors were raised above)
+        fs = parse_seeds(file_seeds)
+        spec.file_values = {"seeds": fs, "confirm_seeds": parse_confirm_seeds(file_confirm, fs), "arms": all_arms}
+    except ConfigError:  # the file's seeds are invalid but the command line's replace them
+        spec.file_values = {"arms": all_arms}
     labels = spec.arm_labels()
     file_labels = [arm_label(a, sweep["name"], v) for a in all_arms for v in sweep["values"]] if sweep else all_arms
     if spec.baseline is not None and spec.baseline not in labels:

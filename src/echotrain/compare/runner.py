@@ -119,8 +119,30 @@ def prepare_cell(cell: Cell) -> str:
             (cell.run_dir / name).unlink(missing_ok=True)
         save_config(cell.config, cell.run_dir / "config.yaml")
     info = {"arm": cell.arm, "base_arm": cell.base_arm, "seed": cell.seed, "sweep": cell.sweep}
+    old = json.loads((cell.run_dir / "cell.json").read_text()) if (cell.run_dir / "cell.json").is_file() else {}
+    commit = source_commit()
+    # every commit that ran part of the cell, in order (a resume by another commit adds one)
+    info["commits"] = list(dict.fromkeys((old.get("commits") or [] if status == "resume" else [])
+                                         + ([commit] if commit else [])))
     (cell.run_dir / "cell.json").write_text(json.dumps(info, indent=2) + "\n")
     return status
+
+
+def source_commit() -> str | None:
+    """The git commit of the echotrain source that runs the cells (``git rev-parse --short=12 HEAD``
+    in its folder), with ``+dirty`` when tracked files differ from it; None outside a git checkout
+    (an installed wheel) or without git. The report compares it across the cells of a pair."""
+    src = Path(__file__).resolve().parents[1]  # the echotrain package: its files decide "+dirty"
+    try:
+        head = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no", "--", "."],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -187,6 +209,9 @@ def write_plan(spec: CompareSpec, cells: Sequence[Cell]) -> Path:
                arms=spec.arms, verdict=spec.verdict, report=spec.report)
     raw.pop("confirm_seeds", None)
     raw.pop("dropped_verdicts", None)
+    raw.pop("overridden", None)
+    if spec.overridden():
+        raw["overridden"] = spec.overridden()
     if spec.confirm_seeds:
         raw["confirm_seeds"] = spec.confirm_seeds
     if spec.dropped_verdicts:

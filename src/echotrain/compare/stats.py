@@ -336,6 +336,11 @@ def claim_pvalue(d: Any, direction: str, margin: float = 0.0, rule: str = "paire
     neither (p = 1). Each test is two-sided at the rule's level, so with one claim "decisive
     at alpha" is exactly "the (1 − alpha) interval excludes the null on that side".
 
+    Zero variance (every difference equal, e.g. a 0/1 flag on every seed): the t-test would give
+    p = 0 at any n >= 2, so the p-value is the exact two-sided sign test's instead, 2^(1 − n)
+    (every difference lies beyond the null): decisive at alpha = 0.05 from n = 6 seeds on, never
+    at n = 2-5 (both rules; our choice, docs/design/architecture.md, "The verdict rule").
+
     Args:
         d: (..., n) per-seed differences arm − baseline (``paired_t``: any leading axes;
             ``bca``: one vector of n >= ``BCA_MIN_N``).
@@ -354,13 +359,20 @@ def claim_pvalue(d: Any, direction: str, margin: float = 0.0, rule: str = "paire
     s = 1.0 if direction == "greater" else -1.0
     sm = s * x.mean(axis=-1)
     side = np.where(sm > margin, 1, np.where(sm < 0, -1, 0))
+    # every difference equal (s_d = 0): the t-test's p is 0 at any n, even n = 2 (0/1 statistics
+    # such as flags make this common); the exact two-sided sign test instead: each of the n
+    # differences lies beyond the tested null, p = 2^(1-n) (decisive at alpha 0.05 from n = 6 on)
+    flat = np.all(x == x[..., :1], axis=-1)
+    p_sign = min(1.0, 2.0 ** (1 - x.shape[-1]))
     if rule == "bca":
         if x.ndim != 1:
             raise ValueError("claim_pvalue: the bca rule takes one vector of differences")
+        if flat and side != 0:
+            return p_sign, int(side)
         p_hold, p_contra = bca_bootstrap(x, nulls=(s * margin, 0.0))["p"]
         return (p_hold if side == 1 else p_contra if side == -1 else 1.0), int(side)
     p = np.where(side == 1, t_pvalue(x, s * margin), np.where(side == -1, t_pvalue(x, 0.0), 1.0))
-    return p, side
+    return np.where(flat & (side != 0), p_sign, p), side
 
 
 def holm_adjust(p: Any) -> np.ndarray:

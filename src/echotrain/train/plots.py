@@ -70,9 +70,23 @@ def _draw_evals(ax, evals: Sequence[dict[str, Any]], label: str) -> None:
         ax.plot(xs, ys, linestyle="none", marker="D", markersize=6, color="black", label=label)
 
 
+def plain_tick_labels(fig) -> None:
+    """Turn off matplotlib's offset notation on every linear axis of ``fig``: a y axis over
+    0.999999-1.000001 reads ``0.999999 ... 1.000001``, not ``1e-6+9.9999e-1`` over ticks 0 ... 2
+    (every figure of the project goes through this before it is saved; log axes are left alone)."""
+    from matplotlib.ticker import ScalarFormatter
+
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            fmt = axis.get_major_formatter()
+            if isinstance(fmt, ScalarFormatter):
+                fmt.set_useOffset(False)
+
+
 def _save(fig, out: Path, fname: str) -> Path:
     from echotrain.atomic import atomic_path
 
+    plain_tick_labels(fig)
     with atomic_path(out / fname) as tmp:
         fig.savefig(tmp, dpi=110)
     return out / fname

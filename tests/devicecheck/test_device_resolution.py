@@ -74,4 +74,4 @@ def test_resume_reads_the_checkpoint_into_host_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "load_checkpoint", lambda path, map_location="cpu": seen.append(map_location)
                         or real(path, map_location=map_location))
     step = ckpt.resume_from(tmp_path, model=model, optimizer=opt, scheduler=None, data=data, dist=DistContext())
-    assert (step, seen, data.state) == (2, ["cpu"], {"pos": 5})
+    assert (step.step, seen, data.state) == (2, ["cpu"], {"pos": 5})

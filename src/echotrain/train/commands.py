@@ -119,6 +119,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from echotrain.omp import omp_wait_in_force
     from echotrain.runtime.precision import describe as describe_precision
+    from echotrain.train.config.preset_report import preset_note
     from echotrain.train.trainer import Trainer
 
     from echotrain.train.dist import local_world_size
@@ -144,6 +145,9 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"echotrain: run directory {trainer.run_dir} ({outputs}); {threads}, device "
           f"{trainer.device}, {describe_precision(trainer.autocast_dtype, trainer.autocast_reason)}; OpenMP wait "
           f"policy {omp_wait_in_force()}", file=sys.stderr)
+    note = preset_note(cfg)  # loss_mode=X alone keeps the preset's other recipe keys: say which
+    if note:
+        print(f"echotrain: {note}", file=sys.stderr)
     try:
         trainer.train()
     except RolloutWorkerError as exc:  # the async worker died or stalled; the last completed step is saved

@@ -38,6 +38,7 @@ from echotrain.rl.objectives import loss_step_stats
 from echotrain.train.checkpoint import CheckpointWriter, resume_from, seed_everything
 from echotrain.train.collect import Collector, PromptStream, default_reward_fn
 from echotrain.train.config import TrainConfig, save_config
+from echotrain.train.config.preset_report import preset_label
 from echotrain.train.dist import init_distributed, rank_seed
 from echotrain.train.lag import LaggedRollouts
 from echotrain.train.features import prepare_policy
@@ -393,7 +394,8 @@ class Trainer:
         main = self.dist.is_main
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"echotrain {cfg.preset}", unit="step",
+        # the preset as trained: echo+loss_mode=gspo when a recipe key overrides the preset's (config/preset_report.py)
+        bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"echotrain {preset_label(cfg)}", unit="step",
                    dynamic_ncols=True, disable=not (cfg.progress and main))
         no_signal = NoSignalWatch(cfg.no_signal_steps)
         try:
@@ -465,4 +467,4 @@ class Trainer:
 
         records = read_jsonl(self.run_dir / "metrics.jsonl") if records is None else records
         return plot_metrics(records, self.run_dir / "plots", evals=read_jsonl(self.run_dir / "eval.jsonl"),
-                            title=f"{self.run_dir} ({self.cfg.preset}, seed {self.cfg.seed})")
+                            title=f"{self.run_dir} ({preset_label(self.cfg)}, seed {self.cfg.seed})")

@@ -34,3 +34,14 @@ def test_readme_names_the_variable_the_data_tests_read():
     assert 'os.environ.get("ECHOTRAIN_SHARED_DATA", REPO_ROOT.parent / "shared" / "data")' in conftest
     assert "point `ECHOTRAIN_SHARED_DATA` at it (default: `shared/data` next to the repository folder" in readme
     assert '"shared data folder not found at ..."' in readme and 'f"shared data folder not found at {path}"' in conftest
+
+
+def test_install_script_installs_verl_last_so_pip_prints_no_resolver_error():
+    """pip checks the dependencies of what an install touches: once verl (installed --no-deps, its
+    pins unmet on purpose) is present, a later install of a package it depends on prints pip's
+    resolver "ERROR" (issue 36, item 18). So verl comes last, and every install from it on is --no-deps."""
+    lines = [ln for ln in (ROOT / "scripts" / "install.sh").read_text().splitlines()
+             if "pip install" in ln and not ln.lstrip().startswith("#")]
+    (at,) = [i for i, ln in enumerate(lines) if "verl==" in ln]
+    assert all("--no-deps" in ln for ln in lines[at:]), lines[at:]
+    assert at == len(lines) - 1

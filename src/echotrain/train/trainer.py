@@ -51,6 +51,7 @@ from echotrain.runtime.rollout import RolloutBatch
 from echotrain.train.stability import stability_flags
 from echotrain.rl.correction import parse_rollout_correction, rollout_mismatch_metrics
 from echotrain.train.step import StepData
+from echotrain.train.task_metrics import step_metrics_fn, task_step_metrics
 from echotrain.train.utilisation import build_meter
 from echotrain.train.async_rollouts import RolloutWorkerError
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
@@ -141,6 +142,8 @@ class Trainer:
             eval_task = default_eval_task(task, cfg.task, cfg.task_options)
         self.task, self.eval_task = task, eval_task
         reward_fn = default_reward_fn(task, cfg.reward) if reward_fn is None else reward_fn
+        #: the task's (or reward function's) step_metrics, or None (train/task_metrics.py)
+        self.step_metrics = step_metrics_fn(task, reward_fn)
         self.ref_model = None
         if cfg.kl_coef > 0 and not is_lora(self.model):  # LoRA: the reference is the model with adapters off
             self.ref_model = copy.deepcopy(self.model).eval()
@@ -331,6 +334,8 @@ class Trainer:
         record = step_record(step, data, updates, last_lr=self.scheduler.get_last_lr()[0], t_start=t_start,
                              cpu_start=cpu_start, t_update=t_update, device=self.device)
         record[ALL_ZERO_VARIANCE] = int(all_zero_variance(data.rewards, batch.group_index))
+        # the task's own metrics of this step's rollouts (declared by the task, reduce="step")
+        record.update(task_step_metrics(self.step_metrics, data.texts, data.examples, data.correct, builtin=record))
         # staleness/* (none when synchronous), async/*
         record.update(self.rollouts.step_metrics(step, data, record["time/step"]))
         if data.rollout_log_prob is not None:  # train/inference mismatch of the step's recomputed rows, every step

@@ -79,3 +79,13 @@ def test_readme_says_how_long_both_set_up_commands_take():
     assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
     table = _section(readme, "## Set up")
     assert "Intel Xeon with AVX-512 and AMX" in table and "5 min 24 s" in table  # the Intel row
+
+
+def test_readme_first_screen_shows_the_default_runs_picture():
+    """README's set-up section shows the picture of a default run (a committed PNG, small)."""
+    readme = _section((ROOT / "README.md").read_text(), "## Set up")
+    (path,) = re.findall(r"!\[[^\]]*\]\((docs/[^)]+\.png)\)", readme)
+    png = ROOT / path
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 200_000
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert next(i for i, ln in enumerate(lines) if path in ln) < 40  # within the first screen

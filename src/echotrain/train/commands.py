@@ -178,8 +178,8 @@ def _folder_bytes(path: Path) -> int:
 def disk_note(run_dir: str | Path, keep_last: int) -> str:
     """What a finished run leaves on disk, for its last line: the run folder's total, its
     checkpoints (how many, what they hold, ``keep_last``) and the final model, in decimal units,
-    e.g. ``2.1 GB on disk: checkpoints/ 1.6 GB (1 checkpoint: model and optimizer states, for
-    --resume; keep_last=1), final_model/ 0.5 GB``. Sizes are the files' byte counts (``st_size``)."""
+    e.g. ``2.2 GB on disk: checkpoints/ 1.6 GB (1 checkpoint: model and optimizer states, for
+    --resume; keep_last=1), final_model/ 541.6 MB`` (the default job). Sizes are the files' byte counts (``st_size``)."""
     run_dir = Path(run_dir)
     ckpts = sorted((run_dir / "checkpoints").glob("step_*.pt"))
     parts = []

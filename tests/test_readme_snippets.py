@@ -30,7 +30,7 @@ BLOCKS = re.findall(r"```(python|bash)\n(.*?)```", (ROOT / "README.md").read_tex
 
 # substring of a block -> why it is not run here
 NOT_RUN = {
-    "python3 -m venv .venv": "installs into a fresh venv and runs the 8-minute default job; .ci/run does this on a clean clone",
+    "python3 -m venv .venv": "installs into a fresh venv and runs the ~5-minute default job; .ci/run does this on a clean clone",
     "python -m verl.trainer.main_ppo": "needs a full verl install (hydra, ray, vLLM) and a GPU; the plugin-check block is run",
 }
 # single commands of otherwise-run blocks that are not run here: prefix -> why

@@ -64,8 +64,9 @@ def test_train_loop_writes_metrics_and_outputs(run, tmp_path, tiny_tokenizer, ma
     assert lines[-1]["eval/accuracy"] == evals[-1]["eval/accuracy"]
 
 
-def test_kill_and_resume_gives_identical_metrics(run, tmp_path, tiny_tokenizer, make_tiny_model):
-    over = dict(steps=4, save_every=2, keep_last=2, preset="echo")
+@pytest.mark.parametrize("keep_last", [1, 2])  # 1: the default, which keeps one checkpoint on disk
+def test_kill_and_resume_gives_identical_metrics(run, tmp_path, tiny_tokenizer, make_tiny_model, keep_last):
+    over = dict(steps=4, save_every=2, keep_last=keep_last, preset="echo")
     _, full = run("full", **over)
 
     with pytest.raises(Killed):  # after step 3's metrics line, before its checkpoint: like a SIGKILL there

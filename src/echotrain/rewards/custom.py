@@ -8,6 +8,9 @@ Two call styles are accepted, told apart by the function's first parameter name:
   own timeout and a failure scores only that sample 0) with the keyword arguments it accepts
   among ``prompts`` (bare questions), ``answer`` (gold answers) and ``examples``.
 
+A function may carry per-step metrics as an attribute, ``fn.step_metrics = metrics_fn``
+(:mod:`echotrain.train.task_metrics`); they win over the task's.
+
 :class:`CustomRewardTask` wraps a task so that :class:`echotrain.rewards.RewardFunction` scores
 with the custom function (timeouts and exceptions counted per sample) and keeps the task's
 format check.
@@ -51,6 +54,13 @@ def load_reward(spec: str) -> Callable[[str, Any], float]:
     params = list(inspect.signature(fn).parameters.values())
     if not params:
         raise ConfigError(f"reward={spec!r}: the function takes no arguments")
+    score = _per_sample(fn, params)
+    score.step_metrics = getattr(fn, "step_metrics", None)  # its per-step metrics (train/task_metrics.py)
+    return score
+
+
+def _per_sample(fn: Callable[..., Any], params: list[inspect.Parameter]) -> Callable[[str, Any], float]:
+    """``fn`` as ``score(completion, example) -> float`` (see :func:`load_reward`)."""
     if params[0].name != "completions":
         return lambda completion, example: float(fn(completion, example))
     names = {p.name for p in params}
@@ -75,6 +85,12 @@ class CustomRewardTask:
 
     def score(self, completion: str, example: Any) -> float:
         return self._score(completion, example)
+
+    @property
+    def step_metrics(self) -> Any:
+        """The reward function's ``step_metrics`` attribute, else the task's, else None
+        (:mod:`echotrain.train.task_metrics`)."""
+        return getattr(self._score, "step_metrics", None) or getattr(self._task, "step_metrics", None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._task, name)

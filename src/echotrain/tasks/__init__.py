@@ -20,6 +20,12 @@ Public API
     ``is_formatted(completion) -> bool``  whether an answer in the task's format is present.
     Optional: ``eval_task() -> Task``     the task's held-out split; the trainer's fixed greedy
                                           evaluation uses it when present (the ``testbed`` task).
+    Optional: ``step_metrics(completions, examples, scores) -> dict[str, float]``  metrics of each
+                                          step's rollouts, names declared with ``reduce="step"``
+                                          (``echotrain.train.task_metrics``).
+    ``answer_format`` values other than "tag" / "boxed" name a task's own form ("integer" ...)
+    when the task brings its own ``extract``; testbed tasks (plain-string ``messages``, no chat
+    template) register with ``register_task(name, for_testbed=True)``.
     Score the batch through ``echotrain.rewards.RewardFunction(task)`` (timeouts, counted errors).
 
 ``get_task(name, **options) -> Task``; ``task_names() -> list[str]``; ``register_task(name)``.

@@ -126,6 +126,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from echotrain.omp import omp_wait_in_force
     from echotrain.runtime.precision import describe as describe_precision
+    from echotrain.train.config.preset_report import preset_note
     from echotrain.train.trainer import Trainer
 
     from echotrain.train.dist import local_world_size
@@ -156,6 +157,9 @@ def run_train(args: argparse.Namespace) -> int:
                                               else ""), file=sys.stderr)
     if trainer.resumed is not None:
         print(f"echotrain: {trainer.resumed.describe()}", file=sys.stderr)
+    note = preset_note(cfg)  # loss_mode=X alone keeps the preset's other recipe keys: say which
+    if note:
+        print(f"echotrain: {note}", file=sys.stderr)
     try:
         trainer.train()
     except RolloutWorkerError as exc:  # the async worker died or stalled; the last completed step is saved
@@ -167,8 +171,36 @@ def run_train(args: argparse.Namespace) -> int:
     train_s = getattr(trainer, "train_seconds", total)
     glance = "plots/summary.png: the run at a glance" if cfg.plots else "metrics.jsonl: one line per step; plots=false"
     print(f"echotrain: done in {total:.0f} s ({total - train_s:.0f} s loading and setup, {train_s:.0f} s training); "
-          f"outputs in {trainer.run_dir} ({glance})", file=sys.stderr)
+          f"outputs in {trainer.run_dir} ({glance}); {disk_note(trainer.run_dir, cfg.keep_last)}", file=sys.stderr)
     return 0
+
+
+def _size(n_bytes: int) -> str:
+    """Bytes in decimal units, as ``du --si`` and file managers print them: ``1.6 GB``, ``3.2 MB``, ``12 kB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.1f} {unit}"
+    return f"{n_bytes / 1e3:.0f} kB"
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def disk_note(run_dir: str | Path, keep_last: int) -> str:
+    """What a finished run leaves on disk, for its last line: the run folder's total, its
+    checkpoints (how many, what they hold, ``keep_last``) and the final model, in decimal units,
+    e.g. ``2.2 GB on disk: checkpoints/ 1.6 GB (1 checkpoint: model and optimizer states, for
+    --resume; keep_last=1), final_model/ 541.6 MB`` (the default job). Sizes are the files' byte counts (``st_size``)."""
+    run_dir = Path(run_dir)
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*.pt"))
+    parts = []
+    if ckpts:
+        parts.append(f"checkpoints/ {_size(sum(p.stat().st_size for p in ckpts))} ({len(ckpts)} checkpoint"
+                     f"{'s' if len(ckpts) > 1 else ''}: model and optimizer states, for --resume; keep_last={keep_last})")
+    if (run_dir / "final_model").is_dir():
+        parts.append(f"final_model/ {_size(_folder_bytes(run_dir / 'final_model'))}")
+    return f"{_size(_folder_bytes(run_dir))} on disk" + (": " + ", ".join(parts) if parts else "")
 
 
 def register_eval(parser: argparse.ArgumentParser) -> None:

@@ -39,6 +39,7 @@ from echotrain.rl.objectives import loss_step_stats
 from echotrain.train.checkpoint import CheckpointWriter, resume_from, seed_everything
 from echotrain.train.collect import Collector, PromptStream, default_reward_fn
 from echotrain.train.config import TrainConfig, save_config
+from echotrain.train.config.preset_report import preset_label
 from echotrain.train.dist import init_distributed, rank_seed
 from echotrain.train.lag import LaggedRollouts
 from echotrain.train.run_lock import lock_run_dir
@@ -54,6 +55,7 @@ from echotrain.train.best import BEST_DIR, BestTracker
 from echotrain.train.stability import stability_flags
 from echotrain.rl.correction import parse_rollout_correction, rollout_mismatch_metrics
 from echotrain.train.step import StepData
+from echotrain.train.task_metrics import step_metrics_fn, task_step_metrics
 from echotrain.train.utilisation import build_meter
 from echotrain.train.async_rollouts import RolloutWorkerError
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
@@ -143,6 +145,8 @@ class Trainer:
             eval_task = default_eval_task(task, cfg.task, cfg.task_options)
         self.task, self.eval_task = task, eval_task
         reward_fn = default_reward_fn(task, cfg.reward) if reward_fn is None else reward_fn
+        #: the task's (or reward function's) step_metrics, or None (train/task_metrics.py)
+        self.step_metrics = step_metrics_fn(task, reward_fn)
         self.ref_model = None
         if cfg.kl_coef > 0 and not is_lora(self.model):  # LoRA: the reference is the model with adapters off
             self.ref_model = copy.deepcopy(self.model).eval()
@@ -376,6 +380,8 @@ class Trainer:
         record = step_record(step, data, updates, last_lr=self.scheduler.get_last_lr()[0], t_start=t_start,
                              cpu_start=cpu_start, t_update=t_update, device=self.device)
         record[ALL_ZERO_VARIANCE] = int(all_zero_variance(data.rewards, batch.group_index))
+        # the task's own metrics of this step's rollouts (declared by the task, reduce="step")
+        record.update(task_step_metrics(self.step_metrics, data.texts, data.examples, data.correct, builtin=record))
         # staleness/* (none when synchronous), async/*
         record.update(self.rollouts.step_metrics(step, data, record["time/step"]))
         if batch.episode_stats is not None:  # env=: turns, tool calls / errors, tokens, cuts (train/episodes.py)
@@ -475,7 +481,8 @@ class Trainer:
         main = self.dist.is_main
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"echotrain {cfg.preset}", unit="step",
+        # the preset as trained: echo+loss_mode=gspo when a recipe key overrides the preset's (config/preset_report.py)
+        bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"echotrain {preset_label(cfg)}", unit="step",
                    dynamic_ncols=True, disable=not (cfg.progress and main))
         no_signal = NoSignalWatch(cfg.no_signal_steps)
         try:
@@ -559,4 +566,4 @@ class Trainer:
 
         records = read_jsonl(self.run_dir / "metrics.jsonl") if records is None else records
         return plot_metrics(records, self.run_dir / "plots", evals=read_jsonl(self.run_dir / "eval.jsonl"),
-                            title=f"{self.run_dir} ({self.cfg.preset}, seed {self.cfg.seed})")
+                            title=f"{self.run_dir} ({preset_label(self.cfg)}, seed {self.cfg.seed})")

@@ -17,6 +17,8 @@ One module per job, all re-exported here:
                                            (``resolve_config``), ``save_config``
 - :mod:`~echotrain.train.config.validate`  every check before any work (``validate``)
 - :mod:`~echotrain.train.config.help`      ``echotrain train --help``'s option reference
+- :mod:`~echotrain.train.config.preset_report`  what a config keeps of its preset: the progress
+                                           line's label (``echo+loss_mode=gspo``), the startup note
 """
 
 from echotrain.errors import ConfigError

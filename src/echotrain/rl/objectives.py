@@ -216,7 +216,11 @@ class PreparedInputs:
     bool ``(B, T)``; ``seq_weights``: ``(B,)`` float64 aggregation weights (the step's when
     ``step`` is given), ``(B, T)`` when a rollout correction's weights multiply them (pass it
     to :func:`~echotrain.rl.aggregation.weighted_sum`, which takes both); ``log_ratio``: ``(B, T)`` clamped log rho, 0 at padding; ``cfg``: the
-    :class:`PolicyLossConfig`; ``step``: the step's statistics or None.
+    :class:`PolicyLossConfig`; ``step``: the step's statistics or None; ``agg_weights``:
+    ``(B,)`` float64, the aggregation weights alone (= ``seq_weights`` without a correction;
+    None only when built by hand); ``rollout_is_weights``: ``(B, T)`` the correction's weights
+    that ``seq_weights`` includes, or None (a loss that applies them its own way, e.g.
+    ``geo_mean``'s one weight per response, reads these two instead of ``seq_weights``).
     """
 
     old_log_prob: torch.Tensor
@@ -227,6 +231,8 @@ class PreparedInputs:
     log_ratio: torch.Tensor
     cfg: PolicyLossConfig
     step: StepStats | None
+    agg_weights: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
 
 
 LossCore = Callable[[PreparedInputs], tuple[torch.Tensor, dict[str, float]]]
@@ -273,9 +279,11 @@ def prepared_policy_loss(default_loss_agg_mode: str) -> Callable[[LossCore], Pol
             if rollout_is_weights is not None:
                 check_same_shape("response_mask", mask, rollout_is_weights=rollout_is_weights)
                 check_finite("rollout_is_weights", rollout_is_weights, mask)
-            w = seq_weights(mask, adv, loss_agg_mode, cfg, group_index, step, rollout_is_weights)
+            agg_w = seq_weights(mask, adv, loss_agg_mode, cfg, group_index, step)
+            w = agg_w if rollout_is_weights is None else agg_w.unsqueeze(-1) * rollout_is_weights.to(torch.float64)
             log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
-            loss, metrics = core(PreparedInputs(old_log_prob, log_prob, adv, mask, w, log_ratio, cfg, step))
+            loss, metrics = core(PreparedInputs(old_log_prob, log_prob, adv, mask, w, log_ratio, cfg, step, agg_w,
+                                                rollout_is_weights))
             return loss * (1 if step is None else step.dp_size), metrics
 
         loss_fn.__name__ = loss_fn.__qualname__ = core.__name__

@@ -98,7 +98,10 @@ def compute_policy_loss_luspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str
     (gradient through s_i, as TRL's ``importance_sampling_level="sequence"``, which ``luspo``
     requires), with default ``loss_agg_mode`` ``seq-mean-token-sum``: (1/N_seqs) sum_i |o_i| l_i,
     the length-unbiased sequence mean (TRL: ``(per_token_loss * mask).sum(-1).mean()``, over every
-    row; we leave empty responses out of N_seqs, as every mode does). Metrics and errors as
+    row; we leave empty responses out of N_seqs, as every mode does: TRL = ours x N_nonempty / B).
+    Each token's log rho is clamped to +-``log_ratio_clamp`` (20) before the sequence mean, with
+    zero gradient beyond; TRL averages the raw log-ratios (they differ only where some
+    |log rho| > 20). Metrics and errors as
     :func:`~echotrain.rl.objectives.compute_policy_loss_gspo`.
     """
     c = x.cfg.log_ratio_clamp

@@ -27,7 +27,8 @@ def compute_policy_loss_sapo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str,
     (paper, verl and TRL: 1.0 and 1.05); the gradient -A 4 s (1 - s) rho grad log pi,
     s = sigmoid(tau (rho - 1)), fades smoothly off-policy instead of dropping to 0 at a clip.
     Default ``loss_agg_mode`` ``seq-mean-token-mean`` (the paper's; verl's ``sapo`` always uses
-    it and ignores ``loss_agg_mode``, we honour the argument). Inputs ``(B, T)`` as
+    it and ignores ``loss_agg_mode``, we honour the argument; TRL's ``sapo`` averages over every
+    row, a fully masked completion included, so TRL = ours x N_nonempty / B). Inputs ``(B, T)`` as
     :func:`~echotrain.rl.compute_policy_loss` (verl's signature); returns ``(loss 0-d,
     metrics)`` with ``ppo_kl``; same errors.
     """

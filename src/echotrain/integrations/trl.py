@@ -65,7 +65,7 @@ from echotrain.rl import (
     compute_step_stats,
     needs_log_prob_prepass,
 )
-from echotrain.rl.config import POLICY_LOSS_FIELDS, with_policy_loss_fields
+from echotrain.rl.config import with_policy_loss_fields
 from echotrain.rl.correction_names import parse_rollout_correction
 from echotrain.rl.objectives import loss_step_stats
 
@@ -118,7 +118,7 @@ class EchoGRPOConfig(GRPOConfig):
         Raises:
             ValueError: a setting that fails its PolicyLossConfig check (naming it).
         """
-        values = {name: getattr(self, name) for name in POLICY_LOSS_FIELDS if name not in TRL_OWNED}
+        values = {name: getattr(self, name) for name in self.policy_loss_keys}
         if values["norm_constant"] is None:
             values["norm_constant"] = float(self.max_completion_length)
         eps_high = self.epsilon if self.epsilon_high is None else self.epsilon_high

@@ -24,6 +24,7 @@ the pure functions of :mod:`echotrain.rl` raise if it is still None where it is 
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -130,17 +131,49 @@ class LossSetting:
         help: one line for ``echotrain train --help``.
         check: value -> None if valid, else what is wrong ("must be ...").
         choices: the valid values, or None.
+        type: the value's type as an annotation string ("float", "bool", "float | None"), which
+            the trainer's key coercion reads.
+        flat: the setting's name is also a flat key (an alias of ``loss_options.NAME``): the
+            trainer's and TRL's config classes, ``PolicyLossConfig(NAME=...)`` and dict configs take it
+            by name, as verl's and TRL's configs name it. For the built-in losses, whose settings
+            were flat keys before they moved into their registrations; a plugin's stay in
+            ``loss_options`` (the config classes are built when echotrain.rl is imported).
     """
 
     default: Any
     help: str
     check: Check | None = None
     choices: tuple | None = None
+    type: str = "Any"
+    flat: bool = False
 
 
-def loss_setting(default: Any, help: str, check: Check | None = None, choices: tuple | None = None) -> LossSetting:
-    """A :class:`LossSetting` for ``register_policy_loss(name, settings={...})``."""
-    return LossSetting(default, help, check, tuple(choices) if choices is not None else None)
+_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+def loss_setting(default: Any, help: str, check: Check | None = None, choices: tuple | None = None, *,
+                 type: str | None = None, flat: bool = False) -> LossSetting:
+    """A :class:`LossSetting` for ``register_policy_loss(name, settings={...})``.
+
+    ``type`` defaults to the default's type (bool, int, float or str), else "Any"; a flat
+    setting becomes a typed config key, so give it for any other default (e.g. ``"float | None"``).
+
+    Raises:
+        ValueError: a flat setting without ``type`` whose default's type is none of those.
+    """
+    if type is None:
+        if flat and builtins.type(default) not in _TYPE_NAMES:
+            raise ValueError(f"loss_setting: give type= for a flat setting whose default is a "
+                             f"{builtins.type(default).__name__}")
+        type = _TYPE_NAMES.get(builtins.type(default), "Any")
+    return LossSetting(default, help, check, tuple(choices) if choices is not None else None, type, flat)
+
+
+
+def flat_loss_settings() -> dict[str, LossSetting]:
+    """The declared settings (:data:`LOSS_SETTINGS`) that are also flat keys (``flat=True``), in
+    registration order; a live read."""
+    return {name: LOSS_SETTINGS[name] for name in LOSS_SETTINGS if LOSS_SETTINGS[name].flat}
 
 
 #: setting name -> :class:`LossSetting`, filled by policy-loss registrations that declare
@@ -176,16 +209,21 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PolicyLossConfig:
     """Configuration of the policy losses in :data:`echotrain.rl.POLICY_LOSSES`.
 
     Field names are verl's (``actor_rollout_ref.actor.*``) where verl has the field. Each
     field's help text is ``dataclasses.fields(PolicyLossConfig)[i].metadata["help"]`` (printed by
-    ``echotrain train --help``).
+    ``echotrain train --help``). The settings a loss declares in its registration live in
+    ``loss_options`` and read as attributes (``config.tau_pos``); those declared ``flat`` are also
+    keyword arguments, ``PolicyLossConfig(tau_pos=1.2)`` = ``PolicyLossConfig(loss_options={"tau_pos":
+    1.2})`` (a flat keyword wins over the same key in ``loss_options``). ``loss_options`` keeps only
+    values that differ from the declared default, so equal settings give equal configs.
 
     Raises:
         ValueError: a value that fails its field's check, naming the field (at construction).
+        TypeError: a keyword that is neither a field nor a declared flat setting.
     """
 
     clip_ratio_low: float = _setting(
@@ -335,10 +373,24 @@ class PolicyLossConfig:
         mapping, is hashed as its sorted items (lists as tuples)."""
         return hash(tuple((f.name, _frozen(getattr(self, f.name))) for f in dataclasses.fields(self)))
 
+    def __init__(self, **values: Any) -> None:
+        options = dict(values.pop("loss_options", None) or {})
+        for key in [k for k in values if k not in POLICY_LOSS_FIELDS]:
+            if key in LOSS_SETTINGS and LOSS_SETTINGS[key].flat:
+                options[key] = values.pop(key)
+            else:
+                raise TypeError(f"PolicyLossConfig.__init__() got an unexpected keyword argument {key!r}")
+        for f in dataclasses.fields(self):
+            if f.name != "loss_options":
+                object.__setattr__(self, f.name, values.get(f.name, f.default))
+        object.__setattr__(self, "loss_options", options)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check_setting(f, getattr(self, f.name))
-        object.__setattr__(self, "loss_options", dict(self.loss_options))
+        object.__setattr__(self, "loss_options", {k: v for k, v in self.loss_options.items()
+                                                  if not _is_default(k, v)})
         problem = cross_field_problem(self)
         if problem:
             raise ValueError(problem)
@@ -355,6 +407,12 @@ class PolicyLossConfig:
             return self.loss_options.get(name, LOSS_SETTINGS[name].default)
         raise AttributeError(f"PolicyLossConfig has no setting {name!r} (fields and declared loss settings: "
                              f"{sorted(POLICY_LOSS_FIELDS) + sorted(LOSS_SETTINGS)})")
+
+
+def _is_default(name: str, value: Any) -> bool:
+    """``value`` is the declared default of the loss setting ``name`` (same type and value)."""
+    default = LOSS_SETTINGS[name].default
+    return builtins.type(value) is builtins.type(default) and value == default
 
 
 def cross_field_problem(values: Any) -> str | None:
@@ -411,7 +469,8 @@ def policy_loss_fields(exclude: tuple[str, ...] = (), keep: tuple[str, ...] | No
                        **metadata: Any) -> list[tuple[str, Any, dataclasses.Field]]:
     """``(name, type, Field)`` of every :class:`PolicyLossConfig` setting not in ``exclude``: fresh
     fields with the same default and metadata (only the keys in ``keep`` if given, plus
-    ``metadata``), for another dataclass."""
+    ``metadata``), for another dataclass; the declared flat loss settings
+    (:func:`flat_loss_settings`) follow ``loss_options``, with their default, help, choices and check."""
     out = []
     for f in dataclasses.fields(PolicyLossConfig):
         if f.name not in exclude:
@@ -421,6 +480,13 @@ def policy_loss_fields(exclude: tuple[str, ...] = (), keep: tuple[str, ...] | No
             else:
                 fld = field(default=f.default, metadata={**meta, **metadata})
             out.append((f.name, f.type, fld))
+        if f.name == "loss_options":
+            for name, s in flat_loss_settings().items():
+                if name not in exclude:
+                    meta = {"help": s.help, "choices": s.choices, "check": s.check, "loss_mode":
+                            LOSS_SETTINGS.info(name)["loss_mode"]}
+                    meta = {k: v for k, v in meta.items() if keep is None or k in keep}
+                    out.append((name, s.type, field(default=s.default, metadata={**meta, **metadata})))
     return out
 
 
@@ -430,6 +496,9 @@ def with_policy_loss_fields(after: str | None = None, exclude: tuple[str, ...] =
     (default and metadata: help, choices, check, or only the keys in ``keep``; ``metadata``
     added) to the class, right after its field ``after`` (None: at the end), except those in
     ``exclude``.
+
+    The class gets ``policy_loss_keys``: the names added (fields and flat loss settings), the
+    keywords of :class:`PolicyLossConfig` it describes.
 
     Raises:
         ValueError: ``after`` is not a field of the class, or a field is declared twice.
@@ -452,6 +521,7 @@ def with_policy_loss_fields(after: str | None = None, exclude: tuple[str, ...] =
         for name, _, fld in extra:
             setattr(cls, name, fld)
         cls.__annotations__ = annotations
+        cls.policy_loss_keys = tuple(name for name, _, _ in extra)  # what policy_loss_config() reads back
         return cls
 
     return wrap
@@ -475,7 +545,7 @@ def as_policy_loss_config(config: PolicyLossConfig | Mapping[str, Any] | None) -
     if isinstance(config, Mapping):
         values = dict(config)
         options = dict(values.pop("loss_options", None) or {})
-        options.update({k: values.pop(k) for k in list(values) if k not in _FIELDS and k in LOSS_SETTINGS})
+        options.update({k: values.pop(k) for k in list(values) if k not in _FIELDS and k in LOSS_SETTINGS})  # any declared name
         unknown = sorted(set(values) - set(_FIELDS))
         if unknown:
             raise ValueError(f"unknown PolicyLossConfig key(s) {unknown}; valid: {sorted(_FIELDS)} and the declared "

@@ -40,14 +40,20 @@ def test_with_policy_loss_fields_inserts_every_field_after_the_named_one():
         a: int = 1
         z: int = 2
 
+    from echotrain.rl.config import LOSS_SETTINGS, flat_loss_settings
+
     names = [f.name for f in dataclasses.fields(Toy)]
     loss = [n for n in POLICY_LOSS_FIELDS if n != "log_ratio_clamp"]
-    assert names == ["a", *loss, "z"]
+    flat = list(flat_loss_settings())  # the built-in losses' flat settings, right after loss_options
+    at = loss.index("loss_options") + 1
+    assert names == ["a", *loss[:at], *flat, *loss[at:], "z"]
+    assert Toy.policy_loss_keys == tuple(names[1:-1])
     toy = Toy()
-    for n in loss:
+    for n in loss + flat:
         f = {f.name: f for f in dataclasses.fields(Toy)}[n]
         assert getattr(toy, n) == getattr(PolicyLossConfig(), n)
-        assert dict(f.metadata) == {"help": POLICY_LOSS_FIELDS[n].metadata["help"], "tag": 1}
+        help = POLICY_LOSS_FIELDS[n].metadata["help"] if n in POLICY_LOSS_FIELDS else LOSS_SETTINGS[n].help
+        assert dict(f.metadata) == {"help": help, "tag": 1}
 
 
 def test_with_policy_loss_fields_refuses_a_restated_setting_or_a_missing_anchor():
@@ -73,3 +79,43 @@ def test_policy_loss_config_is_hashable_and_equal_configs_hash_equally():
         assert a == b and hash(a) == hash(b)
         assert len({a, b, c, PolicyLossConfig(), PolicyLossConfig()}) == 3
         assert hash(PolicyLossConfig(clip_ratio_high=0.28)) != hash(PolicyLossConfig())
+
+
+def test_a_built_in_losss_settings_live_in_its_registration_and_keep_their_flat_names():
+    """tau_pos (sapo), ppo_kl_coef (kl_cov), cispo_lower_clip (cispo), ...: declared by the loss's
+    registration (LOSS_SETTINGS, owner loss_mode), not PolicyLossConfig fields; the flat name still
+    works as a keyword, a dict key and an attribute, and equals loss_options.NAME."""
+    from echotrain.rl.config import LOSS_SETTINGS, as_policy_loss_config, flat_loss_settings, flat_values
+
+    owners = {"tau_pos": "sapo", "tau_neg": "sapo", "cispo_lower_clip": "cispo", "clip_cov_ratio": "clip_cov",
+              "clip_cov_lb": "clip_cov", "clip_cov_ub": "clip_cov", "kl_cov_ratio": "kl_cov", "ppo_kl_coef": "kl_cov",
+              "dro_beta": "dro", "vespo_k_pos": "vespo", "vespo_lambda_pos": "vespo", "vespo_k_neg": "vespo",
+              "vespo_lambda_neg": "vespo"}
+    for name, loss_mode in owners.items():
+        assert name not in POLICY_LOSS_FIELDS and name in flat_loss_settings()
+        assert LOSS_SETTINGS.info(name)["loss_mode"] == loss_mode
+    a = PolicyLossConfig(tau_pos=1.3, ppo_kl_coef=0.4)
+    assert a == PolicyLossConfig(loss_options={"tau_pos": 1.3, "ppo_kl_coef": 0.4}) == as_policy_loss_config(
+        {"tau_pos": 1.3, "ppo_kl_coef": 0.4})
+    assert (a.tau_pos, a.ppo_kl_coef, a.tau_neg) == (1.3, 0.4, 1.05)
+    assert PolicyLossConfig(tau_pos=1.0) == PolicyLossConfig() and hash(PolicyLossConfig(tau_pos=1.0)) == hash(
+        PolicyLossConfig())  # an explicit default is no setting
+    assert dataclasses.replace(a, tau_pos=2.0).tau_pos == 2.0  # the flat keyword wins over loss_options
+    assert flat_values(a)["tau_pos"] == 1.3 and flat_values(a)["loss_options"] == {}
+    with pytest.raises(ValueError, match="tau_pos must be a finite float > 0"):
+        PolicyLossConfig(tau_pos=0.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tau_posx'"):
+        PolicyLossConfig(tau_posx=1.0)
+
+
+def test_flat_loss_settings_are_trainer_keys_and_loss_options_of_them_is_refused():
+    from echotrain.runtime.errors import ConfigError
+    from echotrain.train.config import parse_overrides, resolve_config
+
+    cfg = resolve_config(overrides=parse_overrides(["loss_mode=sapo", "tau_pos=1.3", "ppo_kl_coef=0.4"]))
+    assert (cfg.tau_pos, cfg.policy_loss_config().tau_pos, cfg.policy_loss_config().ppo_kl_coef) == (1.3, 1.3, 0.4)
+    assert cfg.to_dict()["tau_pos"] == 1.3 and resolve_config(cfg.to_dict()) == cfg  # config.yaml round trip
+    with pytest.raises(ConfigError, match="loss_options.tau_pos: tau_pos is a trainer key of its own; set tau_pos=1.3"):
+        resolve_config(overrides=parse_overrides(["loss_mode=sapo", "loss_options.tau_pos=1.3"]))
+    with pytest.raises(ConfigError, match="tau_neg=0.0: must be a finite float > 0"):
+        resolve_config(overrides=parse_overrides(["tau_neg=0"]))

@@ -80,8 +80,9 @@ TRL_OWNED = ("clip_ratio_low", "clip_ratio_high")
 class EchoGRPOConfig(GRPOConfig):
     """:class:`trl.GRPOConfig` plus echotrain's objective fields (TRL's ``loss_type`` is ignored).
 
-    The loss settings are :class:`echotrain.rl.PolicyLossConfig`'s fields (same names, defaults
-    and help; checked by it), except the token clip, which is TRL's ``epsilon`` (eps_low) and
+    The loss settings are :class:`echotrain.rl.PolicyLossConfig`'s fields and the flat settings
+    the built-in losses declare in their registrations (``tau_pos`` ...; same names, defaults and
+    help; checked by PolicyLossConfig), except the token clip, which is TRL's ``epsilon`` (eps_low) and
     ``epsilon_high`` (eps_high, default eps_low). ``norm_constant`` unset (None) = TRL's
     ``max_completion_length``.
     """

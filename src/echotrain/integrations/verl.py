@@ -99,8 +99,9 @@ aggregated with ``seq-mean-token-sum``, not BA. ``dro`` (its penalty is not scal
 ``clip_cov`` and ``kl_cov`` (their covariance is not homogeneous in A) are not positively
 homogeneous in A, so this route is not BA for them.
 
-Settings of the other losses: each loss declares at registration the
-:class:`echotrain.rl.PolicyLossConfig` fields it reads (``reads``); those verl has are read
+Settings of the other losses: each loss declares at registration the settings it reads
+(``reads``: :class:`echotrain.rl.PolicyLossConfig` fields and the loss's own settings, declared
+with it and kept under their flat names, verl's); those verl has are read
 from verl's config at call time (``actor.tau_pos`` / ``tau_neg``, ``actor.policy_loss.clip_cov_ratio``
 / ``clip_cov_lb`` / ``clip_cov_ub`` / ``kl_cov_ratio`` / ``ppo_kl_coef`` / ``dro_beta``), the others
 (``cispo_lower_clip``, ``vespo_*``) from the ``config`` given to :func:`register_with_verl`.

@@ -1,18 +1,22 @@
-"""``PolicyLossConfig``: the single declaration of every policy-loss setting, named as in verl.
+"""``PolicyLossConfig``: the policy-loss settings, each declared once, named as in verl.
 
-One dataclass for all loss modes. Each field carries its default, its help text
-(``metadata["help"]``), its valid choices (``metadata["choices"]``) and its check
+One dataclass for all loss modes, whose fields are the settings the losses share (token clip,
+dual-clip, aggregation, log-ratio clamp, rollout correction). Each field carries its default, its
+help text (``metadata["help"]``), its valid choices (``metadata["choices"]``) and its check
 (``metadata["check"]``); :class:`echotrain.train.TrainConfig` and
 :class:`echotrain.integrations.trl.EchoGRPOConfig` add these fields to themselves with
 :func:`with_policy_loss_fields` and validate them with :func:`check_setting`, and the verl adapter
 takes its fallbacks from a :class:`PolicyLossConfig`, so none of them restates a default or a
-check. A new setting of a built-in loss is one field here. A plain ``dict`` with the same keys is
-accepted wherever a config is (see :func:`as_policy_loss_config`).
+check. A plain ``dict`` with the same keys is accepted wherever a config is (see
+:func:`as_policy_loss_config`).
 
-A loss defined outside echotrain (a plugin, :mod:`echotrain.plugins`) declares its own settings in
-its registration instead, without editing this file: ``register_policy_loss("mine",
-settings={"my_scale": loss_setting(1.0, "help", check=...)})`` adds ``my_scale`` to
-:data:`LOSS_SETTINGS`. Its value lives in the config's ``loss_options`` mapping (trainer key
+A loss's own settings are declared in its registration, without editing this file:
+``register_policy_loss("mine", settings={"my_scale": loss_setting(1.0, "help", check=...)})`` adds
+``my_scale`` to :data:`LOSS_SETTINGS`. The built-in losses do the same in their modules with
+``flat=True`` (SAPO's ``tau_pos``, KL-Cov's ``ppo_kl_coef`` ...): the name is then also a flat key,
+an alias of ``loss_options.NAME`` kept because verl's and TRL's configs name the settings so, a
+keyword of :class:`PolicyLossConfig` and a field of the config classes
+(:func:`with_policy_loss_fields`). Its value lives in the config's ``loss_options`` mapping (trainer key
 ``loss_options.my_scale=0.5``, YAML ``loss_options: {my_scale: 0.5}``, a dict config
 ``{"my_scale": 0.5}``), and the loss reads it as ``config.my_scale`` like any field (the declared
 default when unset). Checked like the fields: unknown names and failing values raise.
@@ -115,6 +119,12 @@ def _finite(v: Any) -> str | None:
 
 def _fraction(v: Any) -> str | None:
     return None if _is_real(v) and 0 < v <= 1 else "must be a share in (0, 1]"
+
+
+#: The checks a loss's declared settings use (``loss_setting(..., check=...)``): value -> None if
+#: valid, else what is wrong.
+check_bool, check_positive, check_non_negative, check_finite_float, check_fraction = (
+    _is_bool, _positive, _non_negative, _finite, _fraction)
 
 
 def _setting(default: Any, help: str, check: Check | None = None, choices: tuple | None = None) -> Any:
@@ -288,43 +298,6 @@ class PolicyLossConfig:
         "e.g. a plugin's loss: loss_options.KEY=VALUE on the command line, a mapping in YAML; read by the loss as "
         "config.KEY (unset: the declared default).", "choices": None, "check": _check_loss_options})
 
-    # ---- the losses of echotrain.rl.losses (verl's names where verl has the setting, TRL's otherwise)
-    cispo_lower_clip: bool = _setting(
-        True, "CISPO (MiniMax-M1, arXiv 2506.13585 Eq. 4-5): clip the detached IS weight from below too, "
-        "sg(clip(rho, 1 - clip_ratio_low, 1 + clip_ratio_high)) (true, verl's cispo: the default) or only from above, "
-        "sg(min(rho, 1 + clip_ratio_high)) (false: TRL's cispo and the paper, which sets no lower bound). TRL's "
-        "epsilon_high is the cap itself (ScaleRL, arXiv 2510.13786, recommends 5.0 = clip_ratio_high 4.0).", _is_bool)
-    tau_pos: float = _setting(
-        1.0, "SAPO (arXiv 2511.20347) gate temperature for tokens with A > 0: the soft gate is "
-        "sigmoid(tau (rho - 1)) 4 / tau. Paper, verl and TRL (sapo_temperature_pos): 1.0.", _positive)
-    tau_neg: float = _setting(
-        1.05, "SAPO gate temperature for tokens with A <= 0 (the paper sets tau_neg > tau_pos so negative updates "
-        "decay faster off-policy). Paper, verl and TRL (sapo_temperature_neg): 1.05.", _positive)
-    clip_cov_ratio: float = _setting(
-        2e-4, "Clip-Cov (Cui et al., arXiv 2505.22617): share r of the step's valid tokens whose gradient is "
-        "detached, drawn among those with clip_cov_lb < Cov < clip_cov_ub. verl default 2e-4.", _fraction)
-    clip_cov_lb: float = _setting(
-        1.0, "Clip-Cov: lower bound of the covariance band of candidate tokens (verl default 1.0).", _finite)
-    clip_cov_ub: float = _setting(
-        5.0, "Clip-Cov: upper bound of the covariance band (> clip_cov_lb; verl default 5.0).", _finite)
-    kl_cov_ratio: float = _setting(
-        2e-4, "KL-Cov (Cui et al., arXiv 2505.22617): share k of the step's valid tokens with the largest "
-        "covariance Cov = (A - mean A)(log pi - mean log pi) that get the KL penalty. verl default 2e-4.", _fraction)
-    ppo_kl_coef: float = _setting(
-        0.1, "KL-Cov: coefficient of the |log rho| penalty on the selected tokens (verl default 0.1).", _non_negative)
-    dro_beta: float = _setting(
-        0.1, "DRO (verl's dro: REINFORCE with a quadratic log-ratio penalty, l = -(A log pi - beta/2 (log rho)^2)): "
-        "beta > 0. verl has no default (it requires the key); 0.1 is ours, provisional: with unit-scale advantages "
-        "it pulls back only when |log rho| approaches 10 A.", _positive)
-    vespo_k_pos: float = _setting(
-        2.0, "VESPO (arXiv 2602.10693) power k of the gamma weight phi(w) = e^lambda w^k e^(-lambda w) for A >= 0 "
-        "(w: the sequence IS ratio). TRL's name and default 2.0.", _non_negative)
-    vespo_lambda_pos: float = _setting(
-        3.0, "VESPO decay lambda for A >= 0 (TRL default 3.0).", _positive)
-    vespo_k_neg: float = _setting(
-        3.0, "VESPO power k for A < 0 (TRL default 3.0).", _non_negative)
-    vespo_lambda_neg: float = _setting(
-        2.0, "VESPO decay lambda for A < 0 (TRL default 2.0).", _positive)
     # ---- behaviour-policy (rollout) correction: echotrain.rl.correction, docs/design/objectives.md §10
     rollout_correction: str | None = _setting(
         None, "Behaviour-policy correction stage applied to every policy loss, given the sampler's per-token "
@@ -424,7 +397,7 @@ def cross_field_problem(values: Any) -> str | None:
         lo, hi = getattr(values, low), getattr(values, high)
         if lo is not None and _is_real(lo) and _is_real(hi) and lo > hi:
             return f"{low}={lo!r} must be <= {high}={hi!r} (thresholds in the wrong order)"
-    lb, ub = getattr(values, "clip_cov_lb"), getattr(values, "clip_cov_ub")
+    lb, ub = getattr(values, "clip_cov_lb", None), getattr(values, "clip_cov_ub", None)  # declared by clip_cov
     if _is_real(lb) and _is_real(ub) and not lb < ub:
         return f"clip_cov_lb={lb!r} must be < clip_cov_ub={ub!r}"
     return _on_policy_kept_problem(values)
@@ -525,6 +498,17 @@ def with_policy_loss_fields(after: str | None = None, exclude: tuple[str, ...] =
         return cls
 
     return wrap
+
+
+def flat_values(config: PolicyLossConfig) -> dict[str, Any]:
+    """Every setting of ``config`` under its flat key, as the trainer's and TRL's config classes
+    hold them: each :class:`PolicyLossConfig` field, then each flat loss setting (its value, or
+    its default); ``loss_options`` keeps only the settings without a flat key."""
+    flat = flat_loss_settings()
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    values["loss_options"] = {k: v for k, v in config.loss_options.items() if k not in flat}
+    values.update({name: getattr(config, name) for name in flat})
+    return values
 
 
 POLICY_LOSS_FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(PolicyLossConfig)}

@@ -1,4 +1,5 @@
-"""PolicyLossConfig is the one declaration of every loss setting: default, help, choices, check."""
+"""Every loss setting is declared once, with default, help, choices and check: the shared ones as
+PolicyLossConfig fields, a loss's own in its registration (LOSS_SETTINGS)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import re
 import pytest
 
 from echotrain.rl import PolicyLossConfig
-from echotrain.rl.config import POLICY_LOSS_FIELDS, check_setting, with_policy_loss_fields
+from echotrain.rl.config import LOSS_SETTINGS, POLICY_LOSS_FIELDS, check_loss_option, check_setting, with_policy_loss_fields
 
 
 def test_every_setting_carries_help_and_a_check_or_choices():
     for f in dataclasses.fields(PolicyLossConfig):
         assert f.metadata["help"], f.name
         assert f.metadata.get("check") or f.metadata.get("choices"), f.name
+    for name in LOSS_SETTINGS:  # the settings the built-in losses declare in their registrations
+        s = LOSS_SETTINGS[name]
+        assert s.help and (s.check or s.choices), name
 
 
 @pytest.mark.parametrize("name, value, message", [
@@ -25,12 +29,15 @@ def test_every_setting_carries_help_and_a_check_or_choices():
     ("ba_scope", "global", "ba_scope='global' is unknown; valid: ['batch', 'group']"),
 ])
 def test_check_setting_names_the_field_and_the_value(name, value, message):
+    def check(v):  # a field's check, or that of a setting a loss declared (batch_clip_low: ECHO's)
+        return check_setting(POLICY_LOSS_FIELDS[name], v) if name in POLICY_LOSS_FIELDS else check_loss_option(name, v)
+
     with pytest.raises(ValueError) as exc:
-        check_setting(POLICY_LOSS_FIELDS[name], value)
+        check(value)
     assert str(exc.value) == message
     with pytest.raises(ValueError, match=re.escape(message)):
         PolicyLossConfig(**{name: value})
-    check_setting(POLICY_LOSS_FIELDS[name], getattr(PolicyLossConfig(), name))  # the default passes
+    check(getattr(PolicyLossConfig(), name))  # the default passes
 
 
 def test_with_policy_loss_fields_inserts_every_field_after_the_named_one():
@@ -90,7 +97,8 @@ def test_a_built_in_losss_settings_live_in_its_registration_and_keep_their_flat_
     owners = {"tau_pos": "sapo", "tau_neg": "sapo", "cispo_lower_clip": "cispo", "clip_cov_ratio": "clip_cov",
               "clip_cov_lb": "clip_cov", "clip_cov_ub": "clip_cov", "kl_cov_ratio": "kl_cov", "ppo_kl_coef": "kl_cov",
               "dro_beta": "dro", "vespo_k_pos": "vespo", "vespo_lambda_pos": "vespo", "vespo_k_neg": "vespo",
-              "vespo_lambda_neg": "vespo"}
+              "vespo_lambda_neg": "vespo", "batch_clip_low": "echo", "batch_clip_high": "echo", "batch_ratio": "echo",
+              "detach_kappa": "echo", "echo_pessimistic": "echo", "echo_token_clip": "echo", "echo_token_cap": "echo"}
     for name, loss_mode in owners.items():
         assert name not in POLICY_LOSS_FIELDS and name in flat_loss_settings()
         assert LOSS_SETTINGS.info(name)["loss_mode"] == loss_mode
@@ -106,6 +114,12 @@ def test_a_built_in_losss_settings_live_in_its_registration_and_keep_their_flat_
         PolicyLossConfig(tau_pos=0.0)
     with pytest.raises(TypeError, match="unexpected keyword argument 'tau_posx'"):
         PolicyLossConfig(tau_posx=1.0)
+    with pytest.raises(ValueError, match=r"echo_token_clip='clip' is unknown; valid: \['none', 'ppo', 'truncate'\]"):
+        PolicyLossConfig(echo_token_clip="clip")
+    # the shared settings stay PolicyLossConfig fields
+    assert {"clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "ba_scope", "ba_count_zero_adv", "norm_constant",
+            "log_ratio_clamp", "loss_options", "rollout_correction"} <= set(POLICY_LOSS_FIELDS)
+    assert not set(owners) & set(POLICY_LOSS_FIELDS)
 
 
 def test_flat_loss_settings_are_trainer_keys_and_loss_options_of_them_is_refused():

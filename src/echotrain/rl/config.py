@@ -125,6 +125,9 @@ def _fraction(v: Any) -> str | None:
 #: valid, else what is wrong.
 check_bool, check_positive, check_non_negative, check_finite_float, check_fraction = (
     _is_bool, _positive, _non_negative, _finite, _fraction)
+#: ``check_clip_width(upper=None)``: the check of a clip half-width (finite, >= 0, < 1 with ``upper``
+#: saying why).
+check_clip_width = _eps
 
 
 def _setting(default: Any, help: str, check: Check | None = None, choices: tuple | None = None) -> Any:
@@ -208,6 +211,25 @@ def _check_loss_options(v: Any) -> str | None:
     return None
 
 
+def check_loss_option(name: str, value: Any) -> None:
+    """Validate ``value`` for the declared loss setting ``name`` (its choices, then its check), with
+    :func:`check_setting`'s messages.
+
+    Raises:
+        ValueError: ``name`` is not declared (listing the declared ones); ``"<name>=<value> is
+            unknown; valid: [...]"``; ``"<name> must be ..., got <value>"``.
+    """
+    if name not in LOSS_SETTINGS:
+        raise ValueError(f"loss_options has {name!r}, which no registered policy loss declares; declared: "
+                         f"{sorted(LOSS_SETTINGS) or 'none'}")
+    s = LOSS_SETTINGS[name]
+    if s.choices:
+        check_choice(name, value, s.choices)
+    problem = s.check(value) if s.check else None
+    if problem:
+        raise ValueError(f"{name} {problem}, got {value!r}")
+
+
 def _frozen(value: Any) -> Any:
     """A hashable stand-in for ``value``: mappings as sorted item tuples, lists as tuples, sets as frozensets."""
     if isinstance(value, Mapping):
@@ -251,35 +273,6 @@ class PolicyLossConfig:
         "recommends a large cap).",
         lambda v: None if v is None or (_is_real(v) and v > 1) else
         "must be > 1 for dual-clip PPO (or None to disable)")
-    batch_clip_low: float = _setting(
-        ECHO_DEFAULT_BATCH_BAND[0], "ECHO batch band eps_b_low: R_batch floor 1 - eps_b_low. No published value; "
-        "ours (echotrain.rl.ECHO_DEFAULT_BATCH_BAND): with geo R, 1 - R estimates the step's KL, so the band bounds "
-        "it; a PPO-sized 0.2 would never fire. The logged echo/R_batch_min/max show how often it does "
-        "(docs/benchmarks.md, trainer section). Provisional.", _eps("R floor 1 - eps_b_low > 0"))
-    batch_clip_high: float = _setting(
-        ECHO_DEFAULT_BATCH_BAND[1], "ECHO batch band eps_b_high: R_batch ceiling 1 + eps_b_high (ours, see "
-        "batch_clip_low).", _eps())
-    batch_ratio: str = _setting(
-        "geo", "ECHO batch ratio: geo = exp(mean log rho) (estimates -KL drift; default) or arith = mean rho (the "
-        "abstract's \"average importance sampling ratio\").", choices=BATCH_RATIOS)
-    detach_kappa: bool = _setting(
-        False, "ECHO: detach kappa = R_bar/R (uniform rescaling, no L/R baseline term). Default False.", _is_bool)
-    echo_pessimistic: bool = _setting(
-        False, "ECHO: apply the batch factor kappa only where it lowers the surrogate, per token J = min(J(rho), "
-        "J(kappa*rho)) (PPO's min one level up), so a batch ratio outside the band still pulls back. Default False "
-        "(symmetric rescaling: with R outside the band and every token moving the same way the gradient can "
-        "vanish); an open choice, see docs/design/objectives.md §4.", _is_bool)
-    echo_token_clip: str = _setting(
-        "ppo", "ECHO token-level term on top of the batch clip: ppo (PPO/DAPO token clip with clip_ratio_low/high "
-        "and clip_ratio_c; default), none (batch clip only: J = rho~ A), truncate (truncated importance weight "
-        "min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). clip_ratio_* apply only to ppo. Open "
-        "choice, see docs/design/objectives.md §4.", choices=ECHO_TOKEN_CLIPS)
-    echo_token_cap: float = _setting(
-        2.0, "ECHO echo_token_clip=truncate: cap c >= 1 on the rescaled token ratio rho~ (truncated IS; 2.0 as in "
-        "Yao et al. 2025, \"Your efficient RL framework secretly brings you off-policy RL training\"). Unused by "
-        "the other token clips.",
-        lambda v: None if _is_real(v) and v >= 1 else
-        "must be a finite float >= 1 (the truncation cap on rho~; c < 1 would truncate on-policy tokens)")
     ba_scope: str = _setting(
         "group", "Balanced Aggregation (arXiv 2605.04077) scope: per prompt group (default) or pooled over the "
         "batch.", choices=BA_SCOPES)
@@ -361,7 +354,11 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            check_setting(f, getattr(self, f.name))
+            if f.name == "loss_options" and isinstance(self.loss_options, Mapping):
+                for key, value in self.loss_options.items():
+                    check_loss_option(key, value)
+            else:
+                check_setting(f, getattr(self, f.name))
         object.__setattr__(self, "loss_options", {k: v for k, v in self.loss_options.items()
                                                   if not _is_default(k, v)})
         problem = cross_field_problem(self)

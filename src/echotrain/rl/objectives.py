@@ -42,6 +42,7 @@ from echotrain.rl.config import (
 )
 from echotrain.rl.echo import (  # noqa: F401  re-exported: ECHO's math lives in echotrain.rl.echo
     ECHO_METRICS,
+    ECHO_SETTINGS,
     ECHO_STEP_STATS,
     EchoStats,
     batch_kappa,
@@ -353,7 +354,8 @@ def compute_policy_loss_gspo_token(x: PreparedInputs) -> tuple[torch.Tensor, dic
     return ppo_clipped_loss(x, torch.exp(torch.clamp(seq_log_ratio + torch.where(x.mask, lp - lp.detach(), 0), -c, c)))
 
 
-@register_policy_loss("echo", step_stats=ECHO_STEP_STATS, metrics=CLIP_METRICS + ECHO_METRICS, reads=_CLIP + (
+@register_policy_loss("echo", step_stats=ECHO_STEP_STATS, metrics=CLIP_METRICS + ECHO_METRICS, settings=ECHO_SETTINGS,
+                      reads=_CLIP + (
     "clip_ratio_c", "batch_clip_low", "batch_clip_high", "batch_ratio", "detach_kappa", "echo_pessimistic",
     "echo_token_clip", "echo_token_cap"))
 @prepared_policy_loss("token-mean")

@@ -289,7 +289,8 @@ class PolicyLossConfig:
     loss_options: dict = field(default_factory=dict, metadata={
         "help": "Settings a policy loss declares in its registration (register_policy_loss(name, settings=...)), "
         "e.g. a plugin's loss: loss_options.KEY=VALUE on the command line, a mapping in YAML; read by the loss as "
-        "config.KEY (unset: the declared default).", "choices": None, "check": _check_loss_options})
+        "config.KEY (unset: the declared default). The built-in losses' settings are flat keys of their own "
+        "(tau_pos=..., listed here).", "choices": None, "check": _check_loss_options})
 
     # ---- behaviour-policy (rollout) correction: echotrain.rl.correction, docs/design/objectives.md §10
     rollout_correction: str | None = _setting(

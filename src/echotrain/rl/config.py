@@ -527,7 +527,7 @@ def as_policy_loss_config(config: PolicyLossConfig | Mapping[str, Any] | None) -
     if isinstance(config, Mapping):
         values = dict(config)
         options = dict(values.pop("loss_options", None) or {})
-        options.update({k: values.pop(k) for k in list(values) if k not in _FIELDS and k in LOSS_SETTINGS})  # any declared name
+        options.update({k: values.pop(k) for k in list(values) if k not in _FIELDS and k in LOSS_SETTINGS})
         unknown = sorted(set(values) - set(_FIELDS))
         if unknown:
             raise ValueError(f"unknown PolicyLossConfig key(s) {unknown}; valid: {sorted(_FIELDS)} and the declared "

@@ -15,7 +15,6 @@ and :func:`save_config`, the resolved config written back as YAML.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 from dataclasses import fields

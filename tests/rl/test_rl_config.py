@@ -133,3 +133,39 @@ def test_flat_loss_settings_are_trainer_keys_and_loss_options_of_them_is_refused
         resolve_config(overrides=parse_overrides(["loss_mode=sapo", "loss_options.tau_pos=1.3"]))
     with pytest.raises(ConfigError, match="tau_neg=0.0: must be a finite float > 0"):
         resolve_config(overrides=parse_overrides(["tau_neg=0"]))
+
+
+def test_clip_cov_band_rule_is_registered_with_the_loss_and_checked_with_every_config():
+    """clip_cov_lb < clip_cov_ub: Clip-Cov's rule (settings_check= in its registration), checked by
+    PolicyLossConfig and the trainer's validation alike, naming both keys; gone with the loss."""
+    from echotrain.rl.config import SETTINGS_CHECKS
+    from echotrain.runtime.errors import ConfigError
+    from echotrain.train.config import parse_overrides, resolve_config
+
+    assert "clip_cov" in SETTINGS_CHECKS
+    with pytest.raises(ValueError, match=r"clip_cov_lb=2.0 must be < clip_cov_ub=2.0"):
+        PolicyLossConfig(clip_cov_lb=2.0, clip_cov_ub=2.0)
+    with pytest.raises(ConfigError, match=r"clip_cov_lb=6.0 must be < clip_cov_ub=5.0"):
+        resolve_config(overrides=parse_overrides(["clip_cov_lb=6"]))
+    assert PolicyLossConfig(clip_cov_lb=-1.0, clip_cov_ub=0.5).clip_cov_ub == 0.5
+
+
+def test_a_plugins_settings_check_is_run_and_removed_with_it():
+    import torch
+
+    from echotrain.rl import register_policy_loss, unregister_policy_loss
+    from echotrain.rl.config import SETTINGS_CHECKS, loss_setting
+
+    @register_policy_loss("_two_bounds", settings={"t_lo": loss_setting(0.0, "lower", lambda v: None),
+                                                   "t_hi": loss_setting(1.0, "upper", lambda v: None)},
+                          settings_check=lambda c: None if c.t_lo < c.t_hi else "t_lo must be < t_hi")
+    def _two_bounds(old_log_prob, log_prob, *args, **kwargs):
+        return torch.zeros(()), {}
+
+    try:
+        with pytest.raises(ValueError, match="t_lo must be < t_hi"):
+            PolicyLossConfig(loss_options={"t_lo": 2.0})
+        assert PolicyLossConfig(loss_options={"t_lo": 0.5}).t_lo == 0.5
+    finally:
+        unregister_policy_loss("_two_bounds")
+    assert "_two_bounds" not in SETTINGS_CHECKS

@@ -192,6 +192,10 @@ def flat_loss_settings() -> dict[str, LossSetting]:
 #: setting name -> :class:`LossSetting`, filled by policy-loss registrations that declare
 #: ``settings=``; the loss that declared each is its registration info ``loss_mode``.
 LOSS_SETTINGS: Registry[LossSetting] = Registry("policy-loss setting", "loss_options")
+#: loss_mode -> the check of its declared settings taken together (``register_policy_loss(...,
+#: settings_check=)``): ``values`` (any object with the settings as attributes: a PolicyLossConfig,
+#: a TrainConfig) -> None if valid, else what is wrong; run by :func:`cross_field_problem`.
+SETTINGS_CHECKS: dict[str, Check] = {}
 
 
 def _check_loss_options(v: Any) -> str | None:
@@ -388,16 +392,17 @@ def _is_default(name: str, value: Any) -> bool:
 
 def cross_field_problem(values: Any) -> str | None:
     """What is wrong between settings (``values``: a :class:`PolicyLossConfig` or any object with
-    its attributes, e.g. a TrainConfig), or None: lower thresholds above their upper ones, a
-    Clip-Cov band with clip_cov_lb >= clip_cov_ub."""
+    its attributes, e.g. a TrainConfig), or None: lower thresholds above their upper ones, then
+    each loss's own rule (:data:`SETTINGS_CHECKS`, e.g. Clip-Cov's band clip_cov_lb < clip_cov_ub)."""
     for low, high in (("rollout_is_threshold_lower", "rollout_is_threshold"),
                       ("rollout_rs_threshold_lower", "rollout_rs_threshold")):
         lo, hi = getattr(values, low), getattr(values, high)
         if lo is not None and _is_real(lo) and _is_real(hi) and lo > hi:
             return f"{low}={lo!r} must be <= {high}={hi!r} (thresholds in the wrong order)"
-    lb, ub = getattr(values, "clip_cov_lb", None), getattr(values, "clip_cov_ub", None)  # declared by clip_cov
-    if _is_real(lb) and _is_real(ub) and not lb < ub:
-        return f"clip_cov_lb={lb!r} must be < clip_cov_ub={ub!r}"
+    for check in SETTINGS_CHECKS.values():
+        problem = check(values)
+        if problem:
+            return problem
     return _on_policy_kept_problem(values)
 
 

@@ -36,6 +36,8 @@ from echotrain.metrics import METRICS, Metric, declare_metric
 from echotrain.rl.config import (
     LOSS_SETTINGS,
     POLICY_LOSS_FIELDS,
+    SETTINGS_CHECKS,
+    Check,
     LossSetting,
     PolicyLossConfig,
     as_policy_loss_config,
@@ -70,6 +72,7 @@ def register_policy_loss(
     metrics: Sequence[Metric | str] = (),
     exact: bool | str = True,
     reads: Sequence[str] = (),
+    settings_check: Check | None = None,
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a policy loss under ``name`` in :data:`POLICY_LOSSES`.
 
@@ -95,6 +98,9 @@ def register_policy_loss(
             difference otherwise.
         reads: the :class:`PolicyLossConfig` fields the loss reads beyond the aggregation's (the
             verl adapter takes exactly these from verl's config).
+        settings_check: a rule between the loss's settings, ``values -> None or the problem``
+            (``values`` has the settings as attributes), checked with every config
+            (:data:`~echotrain.rl.config.SETTINGS_CHECKS`, e.g. Clip-Cov's band).
 
     Raises:
         ValueError: ``name`` is already registered, a setting clashes with a
@@ -126,6 +132,8 @@ def register_policy_loss(
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
         for key, s in settings.items():
             LOSS_SETTINGS.register(key, loss_mode=name)(s)
+        if settings_check is not None:
+            SETTINGS_CHECKS[name] = settings_check
         return register(fn)
 
     return deco
@@ -139,6 +147,7 @@ def unregister_policy_loss(name: str) -> PolicyLossFn:
     """
     for key in POLICY_LOSSES.info(name)["settings"]:
         LOSS_SETTINGS.unregister(key)
+    SETTINGS_CHECKS.pop(name, None)
     return POLICY_LOSSES.unregister(name)
 
 

@@ -216,8 +216,17 @@ CLIP_COV_STEP_STATS = LossStepStats(needs_log_prob=True, num_sums=2, local_sums=
 KL_COV_STEP_STATS = LossStepStats(needs_log_prob=True, num_sums=2, local_sums=_local_sums, finish=_finish("kl_cov"))
 
 
-#: Clip-Cov's settings (flat keys, verl's names: actor.policy_loss.clip_cov_*); clip_cov_lb < clip_cov_ub is
-#: checked with the other cross-setting rules (echotrain.rl.config.cross_field_problem)
+def clip_cov_band_problem(values: object) -> str | None:
+    """Clip-Cov's band must be an interval: clip_cov_lb < clip_cov_ub (``values``: any object with
+    the two settings as attributes), else the problem."""
+    lb, ub = getattr(values, "clip_cov_lb", None), getattr(values, "clip_cov_ub", None)
+    if check_finite_float(lb) is None and check_finite_float(ub) is None and not lb < ub:
+        return f"clip_cov_lb={lb!r} must be < clip_cov_ub={ub!r}"
+    return None
+
+
+#: Clip-Cov's settings (flat keys, verl's names: actor.policy_loss.clip_cov_*); their band rule is
+#: :func:`clip_cov_band_problem`, registered with the loss
 CLIP_COV_SETTINGS = {
     "clip_cov_ratio": loss_setting(
         2e-4, "Clip-Cov (Cui et al., arXiv 2505.22617): share r of the step's valid tokens whose gradient is "
@@ -242,7 +251,7 @@ KL_COV_SETTINGS = {
 }
 
 
-@register_policy_loss("clip_cov", settings=CLIP_COV_SETTINGS, metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "pg_clipfrac_lower", "pg_covfrac", "ppo_kl"), step_stats=CLIP_COV_STEP_STATS,
+@register_policy_loss("clip_cov", settings=CLIP_COV_SETTINGS, settings_check=clip_cov_band_problem, metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "pg_clipfrac_lower", "pg_covfrac", "ppo_kl"), step_stats=CLIP_COV_STEP_STATS,
                       reads=("clip_ratio_low", "clip_ratio_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_clip_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:

@@ -153,16 +153,23 @@ def test_testbed_model_needs_the_testbed_task():
 def test_loss_settings_are_policy_loss_config_fields_declared_once():
     """Every PolicyLossConfig field is a TrainConfig key with the same type, default, help and
     choices (derived, not restated), in the objective group right after loss_agg_mode."""
-    from echotrain.rl.config import POLICY_LOSS_FIELDS
+    from echotrain.rl.config import POLICY_LOSS_FIELDS, flat_loss_settings
 
     train = {f.name: f for f in dataclasses.fields(TrainConfig)}
     names = list(train)
     at = names.index("loss_agg_mode") + 1
-    assert names[at:at + len(POLICY_LOSS_FIELDS)] == list(POLICY_LOSS_FIELDS)
+    flat = flat_loss_settings()
+    assert names[at:at + len(POLICY_LOSS_FIELDS) + len(flat)] == list(TrainConfig.policy_loss_keys)
+    assert set(TrainConfig.policy_loss_keys) == set(POLICY_LOSS_FIELDS) | set(flat)
     for name, f in POLICY_LOSS_FIELDS.items():
         t = train[name]
         assert (t.type, t.default, t.metadata["help"], t.metadata["choices"]) == (
             f.type, f.default, f.metadata["help"], f.metadata["choices"]), name
+        assert t.metadata["group"] == "objective"
+    for name, s in flat.items():  # the settings a built-in loss declares in its registration, flat keys
+        t = train[name]
+        assert (t.type, t.default, t.metadata["help"], t.metadata["choices"], t.metadata["check"]) == (
+            s.type, s.default, s.help, s.choices, s.check), name
         assert t.metadata["group"] == "objective"
 
 

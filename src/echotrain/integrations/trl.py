@@ -72,7 +72,7 @@ from echotrain.rl import (
     compute_step_stats,
     needs_log_prob_prepass,
 )
-from echotrain.rl.config import POLICY_LOSS_FIELDS, with_policy_loss_fields
+from echotrain.rl.config import with_policy_loss_fields
 from echotrain.rl.correction_names import parse_rollout_correction
 from echotrain.rl.objectives import loss_step_stats
 
@@ -87,8 +87,9 @@ TRL_OWNED = ("clip_ratio_low", "clip_ratio_high")
 class EchoGRPOConfig(GRPOConfig):
     """:class:`trl.GRPOConfig` plus echotrain's objective fields (TRL's ``loss_type`` is ignored).
 
-    The loss settings are :class:`echotrain.rl.PolicyLossConfig`'s fields (same names, defaults
-    and help; checked by it), except the token clip, which is TRL's ``epsilon`` (eps_low) and
+    The loss settings are :class:`echotrain.rl.PolicyLossConfig`'s fields and the flat settings
+    the built-in losses declare in their registrations (``tau_pos`` ...; same names, defaults and
+    help; checked by PolicyLossConfig), except the token clip, which is TRL's ``epsilon`` (eps_low) and
     ``epsilon_high`` (eps_high, default eps_low). ``norm_constant`` unset (None) = TRL's
     ``max_completion_length``.
     """
@@ -125,7 +126,7 @@ class EchoGRPOConfig(GRPOConfig):
         Raises:
             ValueError: a setting that fails its PolicyLossConfig check (naming it).
         """
-        values = {name: getattr(self, name) for name in POLICY_LOSS_FIELDS if name not in TRL_OWNED}
+        values = {name: getattr(self, name) for name in self.policy_loss_keys}
         if values["norm_constant"] is None:
             values["norm_constant"] = float(self.max_completion_length)
         eps_high = self.epsilon if self.epsilon_high is None else self.epsilon_high

@@ -64,11 +64,12 @@ applied where verl's own counterpart applies it -- ``echotrain_vanilla`` and
 IS cap -- and never to ``echotrain_gspo`` / ``echotrain_gspo_token``, because verl's ``gspo`` has
 no dual-clip (:data:`DUAL_CLIP_LOSSES`: the losses that declare ``clip_ratio_c``);
 ECHO's batch band and the other echotrain-only knobs
-(every :class:`echotrain.rl.PolicyLossConfig` field verl does not have: ``batch_clip_low/high``,
-``batch_ratio``, ``detach_kappa``, ``echo_pessimistic``, ``echo_token_clip``, ``echo_token_cap``,
-``log_ratio_clamp``, and the Balanced-Aggregation flags ``ba_scope`` / ``ba_count_zero_adv`` of
-``echotrain_grpo_balanced``) come from the ``config`` given to :func:`register_with_verl` (its
-defaults are PolicyLossConfig's; ECHO band :data:`echotrain.rl.ECHO_DEFAULT_BATCH_BAND`).
+(every setting verl does not have: ECHO's own, declared with its registration, ``batch_clip_low/high``,
+``batch_ratio``, ``detach_kappa``, ``echo_pessimistic``, ``echo_token_clip``, ``echo_token_cap``;
+the :class:`echotrain.rl.PolicyLossConfig` field ``log_ratio_clamp``, and the Balanced-Aggregation
+flags ``ba_scope`` / ``ba_count_zero_adv`` of ``echotrain_grpo_balanced``) come from the ``config``
+given to :func:`register_with_verl` (a dict may name them flat; the declared defaults otherwise;
+ECHO band :data:`echotrain.rl.ECHO_DEFAULT_BATCH_BAND`).
 ``seq-mean-token-sum-norm`` uses verl's ``loss_scale_factor`` (else the config's
 ``norm_constant``) and raises if both are unset (verl would silently use the padded width).
 
@@ -99,8 +100,9 @@ aggregated with ``seq-mean-token-sum``, not BA. ``dro`` (its penalty is not scal
 ``clip_cov`` and ``kl_cov`` (their covariance is not homogeneous in A) are not positively
 homogeneous in A, so this route is not BA for them.
 
-Settings of the other losses: each loss declares at registration the
-:class:`echotrain.rl.PolicyLossConfig` fields it reads (``reads``); those verl has are read
+Settings of the other losses: each loss declares at registration the settings it reads
+(``reads``: :class:`echotrain.rl.PolicyLossConfig` fields and the loss's own settings, declared
+with it and kept under their flat names, verl's); those verl has are read
 from verl's config at call time (``actor.tau_pos`` / ``tau_neg``, ``actor.policy_loss.clip_cov_ratio``
 / ``clip_cov_lb`` / ``clip_cov_ub`` / ``kl_cov_ratio`` / ``ppo_kl_coef`` / ``dro_beta``), the others
 (``cispo_lower_clip``, ``vespo_*``) from the ``config`` given to :func:`register_with_verl`.

@@ -1,18 +1,22 @@
-"""``PolicyLossConfig``: the single declaration of every policy-loss setting, named as in verl.
+"""``PolicyLossConfig``: the policy-loss settings, each declared once, named as in verl.
 
-One dataclass for all loss modes. Each field carries its default, its help text
-(``metadata["help"]``), its valid choices (``metadata["choices"]``) and its check
+One dataclass for all loss modes, whose fields are the settings the losses share (token clip,
+dual-clip, aggregation, log-ratio clamp, rollout correction). Each field carries its default, its
+help text (``metadata["help"]``), its valid choices (``metadata["choices"]``) and its check
 (``metadata["check"]``); :class:`echotrain.train.TrainConfig` and
 :class:`echotrain.integrations.trl.EchoGRPOConfig` add these fields to themselves with
 :func:`with_policy_loss_fields` and validate them with :func:`check_setting`, and the verl adapter
 takes its fallbacks from a :class:`PolicyLossConfig`, so none of them restates a default or a
-check. A new setting of a built-in loss is one field here. A plain ``dict`` with the same keys is
-accepted wherever a config is (see :func:`as_policy_loss_config`).
+check. A plain ``dict`` with the same keys is accepted wherever a config is (see
+:func:`as_policy_loss_config`).
 
-A loss defined outside echotrain (a plugin, :mod:`echotrain.plugins`) declares its own settings in
-its registration instead, without editing this file: ``register_policy_loss("mine",
-settings={"my_scale": loss_setting(1.0, "help", check=...)})`` adds ``my_scale`` to
-:data:`LOSS_SETTINGS`. Its value lives in the config's ``loss_options`` mapping (trainer key
+A loss's own settings are declared in its registration, without editing this file:
+``register_policy_loss("mine", settings={"my_scale": loss_setting(1.0, "help", check=...)})`` adds
+``my_scale`` to :data:`LOSS_SETTINGS`. The built-in losses do the same in their modules with
+``flat=True`` (SAPO's ``tau_pos``, KL-Cov's ``ppo_kl_coef`` ...): the name is then also a flat key,
+an alias of ``loss_options.NAME`` kept because verl's and TRL's configs name the settings so, a
+keyword of :class:`PolicyLossConfig` and a field of the config classes
+(:func:`with_policy_loss_fields`). Its value lives in the config's ``loss_options`` mapping (trainer key
 ``loss_options.my_scale=0.5``, YAML ``loss_options: {my_scale: 0.5}``, a dict config
 ``{"my_scale": 0.5}``), and the loss reads it as ``config.my_scale`` like any field (the declared
 default when unset). Checked like the fields: unknown names and failing values raise.
@@ -24,6 +28,7 @@ the pure functions of :mod:`echotrain.rl` raise if it is still None where it is 
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -126,6 +131,15 @@ def _fraction(v: Any) -> str | None:
     return None if _is_real(v) and 0 < v <= 1 else "must be a share in (0, 1]"
 
 
+#: The checks a loss's declared settings use (``loss_setting(..., check=...)``): value -> None if
+#: valid, else what is wrong.
+check_bool, check_positive, check_non_negative, check_finite_float, check_fraction = (
+    _is_bool, _positive, _non_negative, _finite, _fraction)
+#: ``check_clip_width(upper=None)``: the check of a clip half-width (finite, >= 0, < 1 with ``upper``
+#: saying why).
+check_clip_width = _eps
+
+
 def _setting(default: Any, help: str, check: Check | None = None, choices: tuple | None = None) -> Any:
     """A :class:`PolicyLossConfig` field: its default, help text, valid choices and check."""
     return field(default=default, metadata={"help": help, "choices": choices, "check": check})
@@ -140,22 +154,58 @@ class LossSetting:
         help: one line for ``echotrain train --help``.
         check: value -> None if valid, else what is wrong ("must be ...").
         choices: the valid values, or None.
+        type: the value's type as an annotation string ("float", "bool", "float | None"), which
+            the trainer's key coercion reads.
+        flat: the setting's name is also a flat key (an alias of ``loss_options.NAME``): the
+            trainer's and TRL's config classes, ``PolicyLossConfig(NAME=...)`` and dict configs take it
+            by name, as verl's and TRL's configs name it. For the built-in losses, whose settings
+            were flat keys before they moved into their registrations; a plugin's stay in
+            ``loss_options`` (the config classes are built when echotrain.rl is imported).
     """
 
     default: Any
     help: str
     check: Check | None = None
     choices: tuple | None = None
+    type: str = "Any"
+    flat: bool = False
 
 
-def loss_setting(default: Any, help: str, check: Check | None = None, choices: tuple | None = None) -> LossSetting:
-    """A :class:`LossSetting` for ``register_policy_loss(name, settings={...})``."""
-    return LossSetting(default, help, check, tuple(choices) if choices is not None else None)
+_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+def loss_setting(default: Any, help: str, check: Check | None = None, choices: tuple | None = None, *,
+                 type: str | None = None, flat: bool = False) -> LossSetting:
+    """A :class:`LossSetting` for ``register_policy_loss(name, settings={...})``.
+
+    ``type`` defaults to the default's type (bool, int, float or str), else "Any"; a flat
+    setting becomes a typed config key, so give it for any other default (e.g. ``"float | None"``).
+
+    Raises:
+        ValueError: a flat setting without ``type`` whose default's type is none of those.
+    """
+    if type is None:
+        if flat and builtins.type(default) not in _TYPE_NAMES:
+            raise ValueError(f"loss_setting: give type= for a flat setting whose default is a "
+                             f"{builtins.type(default).__name__}")
+        type = _TYPE_NAMES.get(builtins.type(default), "Any")
+    return LossSetting(default, help, check, tuple(choices) if choices is not None else None, type, flat)
+
+
+
+def flat_loss_settings() -> dict[str, LossSetting]:
+    """The declared settings (:data:`LOSS_SETTINGS`) that are also flat keys (``flat=True``), in
+    registration order; a live read."""
+    return {name: LOSS_SETTINGS[name] for name in LOSS_SETTINGS if LOSS_SETTINGS[name].flat}
 
 
 #: setting name -> :class:`LossSetting`, filled by policy-loss registrations that declare
 #: ``settings=``; the loss that declared each is its registration info ``loss_mode``.
 LOSS_SETTINGS: Registry[LossSetting] = Registry("policy-loss setting", "loss_options")
+#: loss_mode -> the check of its declared settings taken together (``register_policy_loss(...,
+#: settings_check=)``): ``values`` (any object with the settings as attributes: a PolicyLossConfig,
+#: a TrainConfig) -> None if valid, else what is wrong; run by :func:`cross_field_problem`.
+SETTINGS_CHECKS: dict[str, Check] = {}
 
 
 def _check_loss_options(v: Any) -> str | None:
@@ -175,6 +225,25 @@ def _check_loss_options(v: Any) -> str | None:
     return None
 
 
+def check_loss_option(name: str, value: Any) -> None:
+    """Validate ``value`` for the declared loss setting ``name`` (its choices, then its check), with
+    :func:`check_setting`'s messages.
+
+    Raises:
+        ValueError: ``name`` is not declared (listing the declared ones); ``"<name>=<value> is
+            unknown; valid: [...]"``; ``"<name> must be ..., got <value>"``.
+    """
+    if name not in LOSS_SETTINGS:
+        raise ValueError(f"loss_options has {name!r}, which no registered policy loss declares; declared: "
+                         f"{sorted(LOSS_SETTINGS) or 'none'}")
+    s = LOSS_SETTINGS[name]
+    if s.choices:
+        check_choice(name, value, s.choices)
+    problem = s.check(value) if s.check else None
+    if problem:
+        raise ValueError(f"{name} {problem}, got {value!r}")
+
+
 def _frozen(value: Any) -> Any:
     """A hashable stand-in for ``value``: mappings as sorted item tuples, lists as tuples, sets as frozensets."""
     if isinstance(value, Mapping):
@@ -186,16 +255,21 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PolicyLossConfig:
     """Configuration of the policy losses in :data:`echotrain.rl.POLICY_LOSSES`.
 
     Field names are verl's (``actor_rollout_ref.actor.*``) where verl has the field. Each
     field's help text is ``dataclasses.fields(PolicyLossConfig)[i].metadata["help"]`` (printed by
-    ``echotrain train --help``).
+    ``echotrain train --help``). The settings a loss declares in its registration live in
+    ``loss_options`` and read as attributes (``config.tau_pos``); those declared ``flat`` are also
+    keyword arguments, ``PolicyLossConfig(tau_pos=1.2)`` = ``PolicyLossConfig(loss_options={"tau_pos":
+    1.2})`` (a flat keyword wins over the same key in ``loss_options``). ``loss_options`` keeps only
+    values that differ from the declared default, so equal settings give equal configs.
 
     Raises:
         ValueError: a value that fails its field's check, naming the field (at construction).
+        TypeError: a keyword that is neither a field nor a declared flat setting.
     """
 
     clip_ratio_low: float = _setting(
@@ -213,35 +287,6 @@ class PolicyLossConfig:
         "recommends a large cap).",
         lambda v: None if v is None or (_is_real(v) and v > 1) else
         "must be > 1 for dual-clip PPO (or None to disable)")
-    batch_clip_low: float = _setting(
-        ECHO_DEFAULT_BATCH_BAND[0], "ECHO batch band eps_b_low: R_batch floor 1 - eps_b_low. No published value; "
-        "ours (echotrain.rl.ECHO_DEFAULT_BATCH_BAND): with geo R, 1 - R estimates the step's KL, so the band bounds "
-        "it; a PPO-sized 0.2 would never fire. The logged echo/R_batch_min/max show how often it does "
-        "(docs/benchmarks.md, trainer section). Provisional.", _eps("R floor 1 - eps_b_low > 0"))
-    batch_clip_high: float = _setting(
-        ECHO_DEFAULT_BATCH_BAND[1], "ECHO batch band eps_b_high: R_batch ceiling 1 + eps_b_high (ours, see "
-        "batch_clip_low).", _eps())
-    batch_ratio: str = _setting(
-        "geo", "ECHO batch ratio: geo = exp(mean log rho) (estimates -KL drift; default) or arith = mean rho (the "
-        "abstract's \"average importance sampling ratio\").", choices=BATCH_RATIOS)
-    detach_kappa: bool = _setting(
-        False, "ECHO: detach kappa = R_bar/R (uniform rescaling, no L/R baseline term). Default False.", _is_bool)
-    echo_pessimistic: bool = _setting(
-        False, "ECHO: apply the batch factor kappa only where it lowers the surrogate, per token J = min(J(rho), "
-        "J(kappa*rho)) (PPO's min one level up), so a batch ratio outside the band still pulls back. Default False "
-        "(symmetric rescaling: with R outside the band and every token moving the same way the gradient can "
-        "vanish); an open choice, see docs/design/objectives.md §4.", _is_bool)
-    echo_token_clip: str = _setting(
-        "ppo", "ECHO token-level term on top of the batch clip: ppo (PPO/DAPO token clip with clip_ratio_low/high "
-        "and clip_ratio_c; default), none (batch clip only: J = rho~ A), truncate (truncated importance weight "
-        "min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). clip_ratio_* apply only to ppo. Open "
-        "choice, see docs/design/objectives.md §4.", choices=ECHO_TOKEN_CLIPS)
-    echo_token_cap: float = _setting(
-        2.0, "ECHO echo_token_clip=truncate: cap c >= 1 on the rescaled token ratio rho~ (truncated IS; 2.0 as in "
-        "Yao et al. 2025, \"Your efficient RL framework secretly brings you off-policy RL training\"). Unused by "
-        "the other token clips.",
-        lambda v: None if _is_real(v) and v >= 1 else
-        "must be a finite float >= 1 (the truncation cap on rho~; c < 1 would truncate on-policy tokens)")
     ba_scope: str = _setting(
         "group", "Balanced Aggregation (arXiv 2605.04077) scope: per prompt group (default) or pooled over the "
         "batch.", choices=BA_SCOPES)
@@ -258,45 +303,9 @@ class PolicyLossConfig:
     loss_options: dict = field(default_factory=dict, metadata={
         "help": "Settings a policy loss declares in its registration (register_policy_loss(name, settings=...)), "
         "e.g. a plugin's loss: loss_options.KEY=VALUE on the command line, a mapping in YAML; read by the loss as "
-        "config.KEY (unset: the declared default).", "choices": None, "check": _check_loss_options})
+        "config.KEY (unset: the declared default). The built-in losses' settings are flat keys of their own "
+        "(tau_pos=..., listed here).", "choices": None, "check": _check_loss_options})
 
-    # ---- the losses of echotrain.rl.losses (verl's names where verl has the setting, TRL's otherwise)
-    cispo_lower_clip: bool = _setting(
-        True, "CISPO (MiniMax-M1, arXiv 2506.13585 Eq. 4-5): clip the detached IS weight from below too, "
-        "sg(clip(rho, 1 - clip_ratio_low, 1 + clip_ratio_high)) (true, verl's cispo: the default) or only from above, "
-        "sg(min(rho, 1 + clip_ratio_high)) (false: TRL's cispo and the paper, which sets no lower bound). TRL's "
-        "epsilon_high is the cap itself (ScaleRL, arXiv 2510.13786, recommends 5.0 = clip_ratio_high 4.0).", _is_bool)
-    tau_pos: float = _setting(
-        1.0, "SAPO (arXiv 2511.20347) gate temperature for tokens with A > 0: the soft gate is "
-        "sigmoid(tau (rho - 1)) 4 / tau. Paper, verl and TRL (sapo_temperature_pos): 1.0.", _positive)
-    tau_neg: float = _setting(
-        1.05, "SAPO gate temperature for tokens with A <= 0 (the paper sets tau_neg > tau_pos so negative updates "
-        "decay faster off-policy). Paper, verl and TRL (sapo_temperature_neg): 1.05.", _positive)
-    clip_cov_ratio: float = _setting(
-        2e-4, "Clip-Cov (Cui et al., arXiv 2505.22617): share r of the step's valid tokens whose gradient is "
-        "detached, drawn among those with clip_cov_lb < Cov < clip_cov_ub. verl default 2e-4.", _fraction)
-    clip_cov_lb: float = _setting(
-        1.0, "Clip-Cov: lower bound of the covariance band of candidate tokens (verl default 1.0).", _finite)
-    clip_cov_ub: float = _setting(
-        5.0, "Clip-Cov: upper bound of the covariance band (> clip_cov_lb; verl default 5.0).", _finite)
-    kl_cov_ratio: float = _setting(
-        2e-4, "KL-Cov (Cui et al., arXiv 2505.22617): share k of the step's valid tokens with the largest "
-        "covariance Cov = (A - mean A)(log pi - mean log pi) that get the KL penalty. verl default 2e-4.", _fraction)
-    ppo_kl_coef: float = _setting(
-        0.1, "KL-Cov: coefficient of the |log rho| penalty on the selected tokens (verl default 0.1).", _non_negative)
-    dro_beta: float = _setting(
-        0.1, "DRO (verl's dro: REINFORCE with a quadratic log-ratio penalty, l = -(A log pi - beta/2 (log rho)^2)): "
-        "beta > 0. verl has no default (it requires the key); 0.1 is ours, provisional: with unit-scale advantages "
-        "it pulls back only when |log rho| approaches 10 A.", _positive)
-    vespo_k_pos: float = _setting(
-        2.0, "VESPO (arXiv 2602.10693) power k of the gamma weight phi(w) = e^lambda w^k e^(-lambda w) for A >= 0 "
-        "(w: the sequence IS ratio). TRL's name and default 2.0.", _non_negative)
-    vespo_lambda_pos: float = _setting(
-        3.0, "VESPO decay lambda for A >= 0 (TRL default 3.0).", _positive)
-    vespo_k_neg: float = _setting(
-        3.0, "VESPO power k for A < 0 (TRL default 3.0).", _non_negative)
-    vespo_lambda_neg: float = _setting(
-        2.0, "VESPO decay lambda for A < 0 (TRL default 2.0).", _positive)
     # ---- behaviour-policy (rollout) correction: echotrain.rl.correction, docs/design/objectives.md §10
     rollout_correction: str | None = _setting(
         None, "Behaviour-policy correction stage applied to every policy loss, given the sampler's per-token "
@@ -347,10 +356,28 @@ class PolicyLossConfig:
         mapping, is hashed as its sorted items (lists as tuples)."""
         return hash(tuple((f.name, _frozen(getattr(self, f.name))) for f in dataclasses.fields(self)))
 
+    def __init__(self, **values: Any) -> None:
+        options = dict(values.pop("loss_options", None) or {})
+        for key in [k for k in values if k not in POLICY_LOSS_FIELDS]:
+            if key in LOSS_SETTINGS and LOSS_SETTINGS[key].flat:
+                options[key] = values.pop(key)
+            else:
+                raise TypeError(f"PolicyLossConfig.__init__() got an unexpected keyword argument {key!r}")
+        for f in dataclasses.fields(self):
+            if f.name != "loss_options":
+                object.__setattr__(self, f.name, values.get(f.name, f.default))
+        object.__setattr__(self, "loss_options", options)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            check_setting(f, getattr(self, f.name))
-        object.__setattr__(self, "loss_options", dict(self.loss_options))
+            if f.name == "loss_options" and isinstance(self.loss_options, Mapping):
+                for key, value in self.loss_options.items():
+                    check_loss_option(key, value)
+            else:
+                check_setting(f, getattr(self, f.name))
+        object.__setattr__(self, "loss_options", {k: v for k, v in self.loss_options.items()
+                                                  if not _is_default(k, v)})
         problem = cross_field_problem(self)
         if problem:
             raise ValueError(problem)
@@ -369,18 +396,25 @@ class PolicyLossConfig:
                              f"{sorted(POLICY_LOSS_FIELDS) + sorted(LOSS_SETTINGS)})")
 
 
+def _is_default(name: str, value: Any) -> bool:
+    """``value`` is the declared default of the loss setting ``name`` (same type and value)."""
+    default = LOSS_SETTINGS[name].default
+    return builtins.type(value) is builtins.type(default) and value == default
+
+
 def cross_field_problem(values: Any) -> str | None:
     """What is wrong between settings (``values``: a :class:`PolicyLossConfig` or any object with
-    its attributes, e.g. a TrainConfig), or None: lower thresholds above their upper ones, a
-    Clip-Cov band with clip_cov_lb >= clip_cov_ub."""
+    its attributes, e.g. a TrainConfig), or None: lower thresholds above their upper ones, then
+    each loss's own rule (:data:`SETTINGS_CHECKS`, e.g. Clip-Cov's band clip_cov_lb < clip_cov_ub)."""
     for low, high in (("rollout_is_threshold_lower", "rollout_is_threshold"),
                       ("rollout_rs_threshold_lower", "rollout_rs_threshold")):
         lo, hi = getattr(values, low), getattr(values, high)
         if lo is not None and _is_real(lo) and _is_real(hi) and lo > hi:
             return f"{low}={lo!r} must be <= {high}={hi!r} (thresholds in the wrong order)"
-    lb, ub = getattr(values, "clip_cov_lb"), getattr(values, "clip_cov_ub")
-    if _is_real(lb) and _is_real(ub) and not lb < ub:
-        return f"clip_cov_lb={lb!r} must be < clip_cov_ub={ub!r}"
+    for check in SETTINGS_CHECKS.values():
+        problem = check(values)
+        if problem:
+            return problem
     return _on_policy_kept_problem(values)
 
 
@@ -423,7 +457,8 @@ def policy_loss_fields(exclude: tuple[str, ...] = (), keep: tuple[str, ...] | No
                        **metadata: Any) -> list[tuple[str, Any, dataclasses.Field]]:
     """``(name, type, Field)`` of every :class:`PolicyLossConfig` setting not in ``exclude``: fresh
     fields with the same default and metadata (only the keys in ``keep`` if given, plus
-    ``metadata``), for another dataclass."""
+    ``metadata``), for another dataclass; the declared flat loss settings
+    (:func:`flat_loss_settings`) follow ``loss_options``, with their default, help, choices and check."""
     out = []
     for f in dataclasses.fields(PolicyLossConfig):
         if f.name not in exclude:
@@ -433,6 +468,13 @@ def policy_loss_fields(exclude: tuple[str, ...] = (), keep: tuple[str, ...] | No
             else:
                 fld = field(default=f.default, metadata={**meta, **metadata})
             out.append((f.name, f.type, fld))
+        if f.name == "loss_options":
+            for name, s in flat_loss_settings().items():
+                if name not in exclude:
+                    meta = {"help": s.help, "choices": s.choices, "check": s.check, "loss_mode":
+                            LOSS_SETTINGS.info(name)["loss_mode"]}
+                    meta = {k: v for k, v in meta.items() if keep is None or k in keep}
+                    out.append((name, s.type, field(default=s.default, metadata={**meta, **metadata})))
     return out
 
 
@@ -442,6 +484,9 @@ def with_policy_loss_fields(after: str | None = None, exclude: tuple[str, ...] =
     (default and metadata: help, choices, check, or only the keys in ``keep``; ``metadata``
     added) to the class, right after its field ``after`` (None: at the end), except those in
     ``exclude``.
+
+    The class gets ``policy_loss_keys``: the names added (fields and flat loss settings), the
+    keywords of :class:`PolicyLossConfig` it describes.
 
     Raises:
         ValueError: ``after`` is not a field of the class, or a field is declared twice.
@@ -464,9 +509,21 @@ def with_policy_loss_fields(after: str | None = None, exclude: tuple[str, ...] =
         for name, _, fld in extra:
             setattr(cls, name, fld)
         cls.__annotations__ = annotations
+        cls.policy_loss_keys = tuple(name for name, _, _ in extra)  # what policy_loss_config() reads back
         return cls
 
     return wrap
+
+
+def flat_values(config: PolicyLossConfig) -> dict[str, Any]:
+    """Every setting of ``config`` under its flat key, as the trainer's and TRL's config classes
+    hold them: each :class:`PolicyLossConfig` field, then each flat loss setting (its value, or
+    its default); ``loss_options`` keeps only the settings without a flat key."""
+    flat = flat_loss_settings()
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    values["loss_options"] = {k: v for k, v in config.loss_options.items() if k not in flat}
+    values.update({name: getattr(config, name) for name in flat})
+    return values
 
 
 POLICY_LOSS_FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(PolicyLossConfig)}

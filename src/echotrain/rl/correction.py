@@ -10,7 +10,9 @@ learner's recomputed ``old_log_prob``). A correction turns the sampler's per-tok
 - a modified ``response_mask`` (B, T): rejected tokens leave the loss *and* its normalisers,
 
 so every registered policy loss gets every correction with no per-loss code
-(:func:`echotrain.rl.compute_policy_loss` applies them; docs/design/objectives.md §10). The
+(:func:`echotrain.rl.compute_policy_loss` applies them; docs/design/objectives.md §10). One
+exception, verl's: ``geo_mean`` (GMPO) turns the token weights into one weight per response,
+their geometric mean (``geo_mean_correction``, :mod:`echotrain.rl.losses.sequence`). The
 importance ratio of the correction is w = pi_old / mu = exp(old_log_prob - rollout_log_prob)
 (log-ratio clamped to +-``log_ratio_clamp``, verl's safety bound of 20).
 

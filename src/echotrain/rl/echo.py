@@ -22,9 +22,57 @@ import torch
 
 from echotrain.metrics import declare_metric
 from echotrain.rl.aggregation import weighted_sum
-from echotrain.rl.config import PolicyLossConfig
+from echotrain.rl.config import (
+    BATCH_RATIOS,
+    ECHO_DEFAULT_BATCH_BAND,
+    ECHO_TOKEN_CLIPS,
+    PolicyLossConfig,
+    check_bool,
+    check_clip_width,
+    loss_setting,
+)
 from echotrain.rl.step import LossStepStats, ReduceFn, StepBatch, StepStats, seq_weights
 from echotrain.rl.surrogate import clamped_log_ratio, ppo_clip_loss
+
+
+def _token_cap_check(v: object) -> str | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 1
+    return None if ok else "must be a finite float >= 1 (the truncation cap on rho~; c < 1 would truncate on-policy tokens)"
+
+
+#: ECHO's settings, declared with its registration (``register_policy_loss("echo", settings=...)``);
+#: flat keys (``batch_clip_low=0.02``), as they were PolicyLossConfig fields before.
+ECHO_SETTINGS = {
+    "batch_clip_low": loss_setting(
+        ECHO_DEFAULT_BATCH_BAND[0], "ECHO batch band eps_b_low: R_batch floor 1 - eps_b_low. No published value; "
+        "ours (echotrain.rl.ECHO_DEFAULT_BATCH_BAND): with geo R, 1 - R estimates the step's KL, so the band bounds "
+        "it; a PPO-sized 0.2 would never fire. The logged echo/R_batch_min/max show how often it does "
+        "(docs/benchmarks.md, trainer section). Provisional.", check_clip_width("R floor 1 - eps_b_low > 0"),
+        flat=True),
+    "batch_clip_high": loss_setting(
+        ECHO_DEFAULT_BATCH_BAND[1], "ECHO batch band eps_b_high: R_batch ceiling 1 + eps_b_high (ours, see "
+        "batch_clip_low).", check_clip_width(), flat=True),
+    "batch_ratio": loss_setting(
+        "geo", "ECHO batch ratio: geo = exp(mean log rho) (estimates -KL drift; default) or arith = mean rho (the "
+        "abstract's \"average importance sampling ratio\").", choices=BATCH_RATIOS, flat=True),
+    "detach_kappa": loss_setting(
+        False, "ECHO: detach kappa = R_bar/R (uniform rescaling, no L/R baseline term). Default False.", check_bool,
+        flat=True),
+    "echo_pessimistic": loss_setting(
+        False, "ECHO: apply the batch factor kappa only where it lowers the surrogate, per token J = min(J(rho), "
+        "J(kappa*rho)) (PPO's min one level up), so a batch ratio outside the band still pulls back. Default False "
+        "(symmetric rescaling: with R outside the band and every token moving the same way the gradient can "
+        "vanish); an open choice, see docs/design/objectives.md §4.", check_bool, flat=True),
+    "echo_token_clip": loss_setting(
+        "ppo", "ECHO token-level term on top of the batch clip: ppo (PPO/DAPO token clip with clip_ratio_low/high "
+        "and clip_ratio_c; default), none (batch clip only: J = rho~ A), truncate (truncated importance weight "
+        "min(rho~, echo_token_cap), no PPO clip; the gradient keeps flowing). clip_ratio_* apply only to ppo. Open "
+        "choice, see docs/design/objectives.md §4.", choices=ECHO_TOKEN_CLIPS, flat=True),
+    "echo_token_cap": loss_setting(
+        2.0, "ECHO echo_token_clip=truncate: cap c >= 1 on the rescaled token ratio rho~ (truncated IS; 2.0 as in "
+        "Yao et al. 2025, \"Your efficient RL framework secretly brings you off-policy RL training\"). Unused by "
+        "the other token clips.", _token_cap_check, flat=True),
+}
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,15 @@ from echotrain.metrics import METRICS, Metric, declare_metric
 from echotrain.rl.config import (
     LOSS_SETTINGS,
     POLICY_LOSS_FIELDS,
+    SETTINGS_CHECKS,
+    Check,
     LossSetting,
     PolicyLossConfig,
     as_policy_loss_config,
 )
 from echotrain.rl.echo import (  # noqa: F401  re-exported: ECHO's math lives in echotrain.rl.echo
     ECHO_METRICS,
+    ECHO_SETTINGS,
     ECHO_STEP_STATS,
     EchoStats,
     batch_kappa,
@@ -69,6 +72,7 @@ def register_policy_loss(
     metrics: Sequence[Metric | str] = (),
     exact: bool | str = True,
     reads: Sequence[str] = (),
+    settings_check: Check | None = None,
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a policy loss under ``name`` in :data:`POLICY_LOSSES`.
 
@@ -94,6 +98,9 @@ def register_policy_loss(
             difference otherwise.
         reads: the :class:`PolicyLossConfig` fields the loss reads beyond the aggregation's (the
             verl adapter takes exactly these from verl's config).
+        settings_check: a rule between the loss's settings, ``values -> None or the problem``
+            (``values`` has the settings as attributes), checked with every config
+            (:data:`~echotrain.rl.config.SETTINGS_CHECKS`, e.g. Clip-Cov's band).
 
     Raises:
         ValueError: ``name`` is already registered, a setting clashes with a
@@ -125,6 +132,8 @@ def register_policy_loss(
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
         for key, s in settings.items():
             LOSS_SETTINGS.register(key, loss_mode=name)(s)
+        if settings_check is not None:
+            SETTINGS_CHECKS[name] = settings_check
         return register(fn)
 
     return deco
@@ -138,6 +147,7 @@ def unregister_policy_loss(name: str) -> PolicyLossFn:
     """
     for key in POLICY_LOSSES.info(name)["settings"]:
         LOSS_SETTINGS.unregister(key)
+    SETTINGS_CHECKS.pop(name, None)
     return POLICY_LOSSES.unregister(name)
 
 
@@ -216,7 +226,11 @@ class PreparedInputs:
     bool ``(B, T)``; ``seq_weights``: ``(B,)`` float64 aggregation weights (the step's when
     ``step`` is given), ``(B, T)`` when a rollout correction's weights multiply them (pass it
     to :func:`~echotrain.rl.aggregation.weighted_sum`, which takes both); ``log_ratio``: ``(B, T)`` clamped log rho, 0 at padding; ``cfg``: the
-    :class:`PolicyLossConfig`; ``step``: the step's statistics or None.
+    :class:`PolicyLossConfig`; ``step``: the step's statistics or None; ``agg_weights``:
+    ``(B,)`` float64, the aggregation weights alone (= ``seq_weights`` without a correction;
+    None only when built by hand); ``rollout_is_weights``: ``(B, T)`` the correction's weights
+    that ``seq_weights`` includes, or None (a loss that applies them its own way, e.g.
+    ``geo_mean``'s one weight per response, reads these two instead of ``seq_weights``).
     """
 
     old_log_prob: torch.Tensor
@@ -227,6 +241,8 @@ class PreparedInputs:
     log_ratio: torch.Tensor
     cfg: PolicyLossConfig
     step: StepStats | None
+    agg_weights: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
 
 
 LossCore = Callable[[PreparedInputs], tuple[torch.Tensor, dict[str, float]]]
@@ -273,9 +289,11 @@ def prepared_policy_loss(default_loss_agg_mode: str) -> Callable[[LossCore], Pol
             if rollout_is_weights is not None:
                 check_same_shape("response_mask", mask, rollout_is_weights=rollout_is_weights)
                 check_finite("rollout_is_weights", rollout_is_weights, mask)
-            w = seq_weights(mask, adv, loss_agg_mode, cfg, group_index, step, rollout_is_weights)
+            agg_w = seq_weights(mask, adv, loss_agg_mode, cfg, group_index, step)
+            w = agg_w if rollout_is_weights is None else agg_w.unsqueeze(-1) * rollout_is_weights.to(torch.float64)
             log_ratio = clamped_log_ratio(log_prob, old_log_prob, cfg.log_ratio_clamp, mask)
-            loss, metrics = core(PreparedInputs(old_log_prob, log_prob, adv, mask, w, log_ratio, cfg, step))
+            loss, metrics = core(PreparedInputs(old_log_prob, log_prob, adv, mask, w, log_ratio, cfg, step, agg_w,
+                                                rollout_is_weights))
             return loss * (1 if step is None else step.dp_size), metrics
 
         loss_fn.__name__ = loss_fn.__qualname__ = core.__name__
@@ -345,7 +363,8 @@ def compute_policy_loss_gspo_token(x: PreparedInputs) -> tuple[torch.Tensor, dic
     return ppo_clipped_loss(x, torch.exp(torch.clamp(seq_log_ratio + torch.where(x.mask, lp - lp.detach(), 0), -c, c)))
 
 
-@register_policy_loss("echo", step_stats=ECHO_STEP_STATS, metrics=CLIP_METRICS + ECHO_METRICS, reads=_CLIP + (
+@register_policy_loss("echo", step_stats=ECHO_STEP_STATS, metrics=CLIP_METRICS + ECHO_METRICS, settings=ECHO_SETTINGS,
+                      reads=_CLIP + (
     "clip_ratio_c", "batch_clip_low", "batch_clip_high", "batch_ratio", "detach_kappa", "echo_pessimistic",
     "echo_token_clip", "echo_token_cap"))
 @prepared_policy_loss("token-mean")

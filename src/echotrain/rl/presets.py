@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from echotrain.rl.config import PolicyLossConfig
+from echotrain.rl.config import PolicyLossConfig, flat_loss_settings
 from echotrain.rl.validation import check_choice
 
 
@@ -83,7 +83,8 @@ def get_preset(name: str, **config_overrides: Any) -> Preset:
     preset = PRESETS[name]
     if not config_overrides:
         return preset
-    bad = sorted(set(config_overrides) - {f.name for f in dataclasses.fields(PolicyLossConfig)})
+    bad = sorted(set(config_overrides) - {f.name for f in dataclasses.fields(PolicyLossConfig)}
+                 - set(flat_loss_settings()))
     if bad:
         raise ValueError(f"unknown PolicyLossConfig field(s) {bad}")
     return dataclasses.replace(preset, config=dataclasses.replace(preset.config, **config_overrides))

@@ -35,7 +35,7 @@ import torch
 
 from echotrain.metrics import declare_metric
 from echotrain.rl.aggregation import weighted_sum
-from echotrain.rl.config import PolicyLossConfig
+from echotrain.rl.config import PolicyLossConfig, check_finite_float, check_fraction, check_non_negative, loss_setting
 from echotrain.rl.losses.common import ppo_kl, token_share
 from echotrain.rl.objectives import PreparedInputs, clip_metrics, prepared_policy_loss, register_policy_loss
 from echotrain.rl.step import LossStepStats, ReduceFn, StepBatch, StepStats
@@ -216,7 +216,42 @@ CLIP_COV_STEP_STATS = LossStepStats(needs_log_prob=True, num_sums=2, local_sums=
 KL_COV_STEP_STATS = LossStepStats(needs_log_prob=True, num_sums=2, local_sums=_local_sums, finish=_finish("kl_cov"))
 
 
-@register_policy_loss("clip_cov", metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "pg_clipfrac_lower", "pg_covfrac", "ppo_kl"), step_stats=CLIP_COV_STEP_STATS,
+def clip_cov_band_problem(values: object) -> str | None:
+    """Clip-Cov's band must be an interval: clip_cov_lb < clip_cov_ub (``values``: any object with
+    the two settings as attributes), else the problem."""
+    lb, ub = getattr(values, "clip_cov_lb", None), getattr(values, "clip_cov_ub", None)
+    if check_finite_float(lb) is None and check_finite_float(ub) is None and not lb < ub:
+        return f"clip_cov_lb={lb!r} must be < clip_cov_ub={ub!r}"
+    return None
+
+
+#: Clip-Cov's settings (flat keys, verl's names: actor.policy_loss.clip_cov_*); their band rule is
+#: :func:`clip_cov_band_problem`, registered with the loss
+CLIP_COV_SETTINGS = {
+    "clip_cov_ratio": loss_setting(
+        2e-4, "Clip-Cov (Cui et al., arXiv 2505.22617): share r of the step's valid tokens whose gradient is "
+        "detached, drawn among those with clip_cov_lb < Cov < clip_cov_ub. verl default 2e-4.",
+        check_fraction, flat=True),
+    "clip_cov_lb": loss_setting(
+        1.0, "Clip-Cov: lower bound of the covariance band of candidate tokens (verl default 1.0).",
+        check_finite_float, flat=True),
+    "clip_cov_ub": loss_setting(
+        5.0, "Clip-Cov: upper bound of the covariance band (> clip_cov_lb; verl default 5.0).",
+        check_finite_float, flat=True),
+}
+#: KL-Cov's settings (flat keys, verl's names: actor.policy_loss.kl_cov_ratio / ppo_kl_coef)
+KL_COV_SETTINGS = {
+    "kl_cov_ratio": loss_setting(
+        2e-4, "KL-Cov (Cui et al., arXiv 2505.22617): share k of the step's valid tokens with the largest "
+        "covariance Cov = (A - mean A)(log pi - mean log pi) that get the KL penalty. verl default 2e-4.",
+        check_fraction, flat=True),
+    "ppo_kl_coef": loss_setting(
+        0.1, "KL-Cov: coefficient of the |log rho| penalty on the selected tokens (verl default 0.1).",
+        check_non_negative, flat=True),
+}
+
+
+@register_policy_loss("clip_cov", settings=CLIP_COV_SETTINGS, settings_check=clip_cov_band_problem, metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "pg_clipfrac_lower", "pg_covfrac", "ppo_kl"), step_stats=CLIP_COV_STEP_STATS,
                       reads=("clip_ratio_low", "clip_ratio_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_clip_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
@@ -248,7 +283,8 @@ def compute_policy_loss_clip_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[
     return weighted_sum(loss_mat, keep, x.seq_weights), metrics
 
 
-@register_policy_loss("kl_cov", metrics=("pg_covfrac", "ppo_kl"), step_stats=KL_COV_STEP_STATS, reads=("kl_cov_ratio", "ppo_kl_coef"))
+@register_policy_loss("kl_cov", metrics=("pg_covfrac", "ppo_kl"), step_stats=KL_COV_STEP_STATS, reads=("kl_cov_ratio", "ppo_kl_coef"),
+                      settings=KL_COV_SETTINGS)
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_kl_cov(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov (arXiv 2505.22617, Eq. 12; verl ``kl_cov``): unclipped -rho A, plus ``ppo_kl_coef`` |log rho|

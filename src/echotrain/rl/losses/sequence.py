@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from echotrain.rl.aggregation import weighted_sum
+from echotrain.rl.config import loss_setting
 from echotrain.rl.losses.common import ppo_kl, token_share
 from echotrain.rl.objectives import (
     PreparedInputs,
@@ -20,8 +21,35 @@ from echotrain.rl.objectives import (
     sequence_log_ratio,
 )
 
+#: ``geo_mean_correction`` values: how GMPO applies a rollout correction's per-token weights.
+GEO_MEAN_CORRECTIONS = ("geometric", "token")
+#: verl's floor inside the log of the geometric mean of the correction weights (a weight of 0 gives log 1e-10).
+GEO_MEAN_WEIGHT_FLOOR = 1e-10
 
-@register_policy_loss("geo_mean", metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "ppo_kl"), reads=("clip_ratio_low", "clip_ratio_high"))
+
+def geometric_sequence_weights(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One correction weight per response: exp((1/|o_i|) sum_t log(c_{i,t} + 1e-10)) over its valid tokens.
+
+    ``weights`` ``(B, T)`` float >= 0 (a rollout correction's ``rollout_is_weights``), ``mask``
+    bool ``(B, T)``; returns ``(B,)`` float64 (1e-10 for an empty response, whose loss is 0
+    anyway). verl 0.9.1's ``geo_mean`` (``seq_is_weights``): GMPO's ratio is the geometric mean
+    of the token ratios, so the correction of pi_old / mu per token enters as its geometric mean
+    too, prod_t (rho_t c_t)^(1/|o|) = geomean(rho) geomean(c). The floor 1e-10 is verl's: a
+    masked token (c = 0) shrinks the response's weight by (1e-10)^(1/|o|) instead of zeroing it.
+    """
+    lengths = mask.sum(-1).clamp(min=1).to(torch.float64)
+    log_c = torch.log(weights.detach().to(torch.float64) + GEO_MEAN_WEIGHT_FLOOR)
+    return torch.exp(torch.where(mask, log_c, 0).sum(-1) / lengths)
+
+
+@register_policy_loss("geo_mean", metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "ppo_kl"),
+                      reads=("clip_ratio_low", "clip_ratio_high", "geo_mean_correction"), settings={
+    "geo_mean_correction": loss_setting(
+        "geometric", "geo_mean (GMPO) under a rollout_correction: geometric (default, verl 0.9.1's geo_mean) turns "
+        "the per-token correction weights c_t into one weight per response, exp(mean_t log(c_t + 1e-10)), as GMPO's "
+        "ratio is a geometric mean; token multiplies each token's loss by its own c_t (the rule of every other loss, "
+        "an arithmetic mean in effect; echotrain before this flag). Sequence-level corrections give the same weight "
+        "either way (up to the 1e-10 floor).", choices=GEO_MEAN_CORRECTIONS)})
 @prepared_policy_loss("seq-mean-token-mean")
 def compute_policy_loss_geo_mean(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """GMPO: maximise the geometric mean of the token ratios (arXiv 2507.20673, Eq. 4; verl ``geo_mean``).
@@ -33,10 +61,14 @@ def compute_policy_loss_geo_mean(x: PreparedInputs) -> tuple[torch.Tensor, dict[
     ``seq-mean-token-mean`` = the mean of -J_i over responses (verl's ``geo_mean`` ignores
     ``loss_agg_mode`` and takes ``torch.mean`` over *all* rows, empty ones included; we leave
     empty responses out, as every mode does, and honour ``loss_agg_mode``). log rho is clamped to
-    +-``log_ratio_clamp`` first (verl leaves it unclamped). Metrics: ``pg_clipfrac_high`` (A > 0,
-    log rho > eps_high), ``pg_clipfrac_low`` (A < 0, log rho < -eps_low), ``pg_clipfrac``, ``ppo_kl``.
-    Inputs ``(B, T)`` as :func:`~echotrain.rl.compute_policy_loss` (verl's signature); returns
-    ``(loss 0-d, metrics)``; same errors.
+    +-``log_ratio_clamp`` first (verl leaves it unclamped). A rollout correction's per-token
+    weights c_{i,t} enter as one weight per response, their geometric mean
+    (:func:`geometric_sequence_weights`, verl's), with ``geo_mean_correction="geometric"`` (the
+    default); ``"token"`` multiplies each token's loss by its own c_{i,t}, as every other loss.
+    Metrics: ``pg_clipfrac_high`` (A > 0, log rho > eps_high), ``pg_clipfrac_low`` (A < 0,
+    log rho < -eps_low), ``pg_clipfrac``, ``ppo_kl``. Inputs ``(B, T)`` as
+    :func:`~echotrain.rl.compute_policy_loss` (verl's signature); returns ``(loss 0-d, metrics)``;
+    same errors.
     """
     cfg, mask, lr = x.cfg, x.mask, x.log_ratio
     lengths = mask.sum(-1).clamp(min=1).to(lr.dtype)
@@ -50,7 +82,10 @@ def compute_policy_loss_geo_mean(x: PreparedInputs) -> tuple[torch.Tensor, dict[
     low = (sgn < 0) & (lr.detach() < -cfg.clip_ratio_low)
     h, lo = token_share(high, mask), token_share(low, mask)
     metrics = {"pg_clipfrac": h + lo, "pg_clipfrac_high": h, "pg_clipfrac_low": lo, "ppo_kl": ppo_kl(lr, mask)}
-    return weighted_sum(loss_mat, mask, x.seq_weights), metrics
+    w = x.seq_weights
+    if x.rollout_is_weights is not None and cfg.geo_mean_correction == "geometric":
+        w = x.agg_weights * geometric_sequence_weights(x.rollout_is_weights, mask)
+    return weighted_sum(loss_mat, mask, w), metrics
 
 
 @register_policy_loss("luspo", metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "pg_clipfrac_lower", "ppo_kl"), reads=("clip_ratio_low", "clip_ratio_high"))
@@ -63,7 +98,10 @@ def compute_policy_loss_luspo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str
     (gradient through s_i, as TRL's ``importance_sampling_level="sequence"``, which ``luspo``
     requires), with default ``loss_agg_mode`` ``seq-mean-token-sum``: (1/N_seqs) sum_i |o_i| l_i,
     the length-unbiased sequence mean (TRL: ``(per_token_loss * mask).sum(-1).mean()``, over every
-    row; we leave empty responses out of N_seqs, as every mode does). Metrics and errors as
+    row; we leave empty responses out of N_seqs, as every mode does: TRL = ours x N_nonempty / B).
+    Each token's log rho is clamped to +-``log_ratio_clamp`` (20) before the sequence mean, with
+    zero gradient beyond; TRL averages the raw log-ratios (they differ only where some
+    |log rho| > 20). Metrics and errors as
     :func:`~echotrain.rl.objectives.compute_policy_loss_gspo`.
     """
     c = x.cfg.log_ratio_clamp

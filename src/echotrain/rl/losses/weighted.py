@@ -14,6 +14,7 @@ import torch
 
 from echotrain.metrics import declare_metric
 from echotrain.rl.aggregation import weighted_sum
+from echotrain.rl.config import check_bool, check_non_negative, check_positive, loss_setting
 from echotrain.rl.losses.common import masked_log_prob, ppo_kl, score_function_loss, token_share
 from echotrain.rl.objectives import PreparedInputs, prepared_policy_loss, register_policy_loss
 
@@ -34,7 +35,19 @@ def compute_policy_loss_gpg(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, 
     return weighted_sum(loss_mat, x.mask, x.seq_weights), {"ppo_kl": ppo_kl(x.log_ratio, x.mask)}
 
 
-@register_policy_loss("cispo", metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "ppo_kl"), reads=("clip_ratio_low", "clip_ratio_high", "cispo_lower_clip"))
+#: CISPO's setting (a flat key)
+CISPO_SETTINGS = {
+    "cispo_lower_clip": loss_setting(
+        True, "CISPO (MiniMax-M1, arXiv 2506.13585 Eq. 4-5): clip the detached IS weight from below too, "
+        "sg(clip(rho, 1 - clip_ratio_low, 1 + clip_ratio_high)) (true, verl's cispo: the default) or only from above, "
+        "sg(min(rho, 1 + clip_ratio_high)) (false: TRL's cispo and the paper, which sets no lower bound). TRL's "
+        "epsilon_high is the cap itself (ScaleRL, arXiv 2510.13786, recommends 5.0 = clip_ratio_high 4.0).",
+        check_bool, flat=True),
+}
+
+
+@register_policy_loss("cispo", metrics=("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "ppo_kl"),
+                      reads=("clip_ratio_low", "clip_ratio_high", "cispo_lower_clip"), settings=CISPO_SETTINGS)
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_cispo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO: clip the detached IS weight, keep every token's gradient (MiniMax-M1, arXiv 2506.13585, Eq. 4-5).
@@ -61,7 +74,17 @@ def compute_policy_loss_cispo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str
     return weighted_sum(loss_mat, x.mask, x.seq_weights), metrics
 
 
-@register_policy_loss("dro", metrics=("ppo_kl",), reads=("dro_beta",))
+#: DRO's setting (a flat key, verl's name)
+DRO_SETTINGS = {
+    "dro_beta": loss_setting(
+        0.1, "DRO (verl's dro: REINFORCE with a quadratic log-ratio penalty, l = -(A log pi - beta/2 (log rho)^2)): "
+        "beta > 0. verl has no default (it requires the key); 0.1 is ours, provisional: with unit-scale advantages "
+        "it pulls back only when |log rho| approaches 10 A.",
+        check_positive, flat=True),
+}
+
+
+@register_policy_loss("dro", metrics=("ppo_kl",), reads=("dro_beta",), settings=DRO_SETTINGS)
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_dro(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """DRO as verl 0.9.1 defines it: l_{i,t} = -(A_{i,t} log pi(o_{i,t}) - (beta / 2) (log rho_{i,t})^2).
@@ -108,7 +131,26 @@ VESPO_METRICS = (
 )
 
 
-@register_policy_loss("vespo", metrics=("pg_vespo_phi", "ppo_kl"), reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
+#: VESPO's settings (flat keys, TRL's names)
+VESPO_SETTINGS = {
+    "vespo_k_pos": loss_setting(
+        2.0, "VESPO (arXiv 2602.10693) power k of the gamma weight phi(w) = e^lambda w^k e^(-lambda w) for A >= 0 "
+        "(w: the sequence IS ratio). TRL's name and default 2.0.",
+        check_non_negative, flat=True),
+    "vespo_lambda_pos": loss_setting(
+        3.0, "VESPO decay lambda for A >= 0 (TRL default 3.0).",
+        check_positive, flat=True),
+    "vespo_k_neg": loss_setting(
+        3.0, "VESPO power k for A < 0 (TRL default 3.0).",
+        check_non_negative, flat=True),
+    "vespo_lambda_neg": loss_setting(
+        2.0, "VESPO decay lambda for A < 0 (TRL default 2.0).",
+        check_positive, flat=True),
+}
+
+
+@register_policy_loss("vespo", metrics=("pg_vespo_phi", "ppo_kl"), settings=VESPO_SETTINGS,
+                      reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
 @prepared_policy_loss("token-mean")
 def compute_policy_loss_vespo(x: PreparedInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """VESPO: a smooth gamma weight of the sequence IS ratio instead of a clip (arXiv 2602.10693; TRL 1.16).

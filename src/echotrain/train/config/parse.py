@@ -15,7 +15,6 @@ and :func:`save_config`, the resolved config written back as YAML.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 from dataclasses import fields
@@ -37,13 +36,14 @@ def preset_values(name: str) -> dict[str, Any]:
         ConfigError: unknown preset (lists the valid names).
     """
     from echotrain.rl import PRESETS, get_preset
+    from echotrain.rl.config import flat_values
 
     base, balanced = (name[: -len(BALANCED_SUFFIX)], True) if name.endswith(BALANCED_SUFFIX) else (name, False)
     if base not in PRESETS:
         raise ConfigError(unknown_value_msg("preset", name, preset_names()))
     preset = get_preset(base)
     raw = {f.name: getattr(preset, f.name) for f in fields(preset) if f.name in FIELDS}
-    raw.update(dataclasses.asdict(preset.config))
+    raw.update(flat_values(preset.config))
     raw["overlong_buffer_len"] = -1 if preset.overlong_shaping else 0
     raw["overlong_filtering"] = bool(preset.overlong_shaping)
     if balanced:

@@ -20,7 +20,7 @@ from typing import Any
 
 from echotrain.optim.schedules import LR_DECAYS
 from echotrain.train.best import BEST_METRICS
-from echotrain.rl.config import POLICY_LOSS_FIELDS, PolicyLossConfig, with_policy_loss_fields
+from echotrain.rl.config import PolicyLossConfig, with_policy_loss_fields
 from echotrain.runtime.precision import AUTOCAST_CHOICES, CPU_BF16_MEASURED, CPU_BF16_MIN_PARAMS
 from echotrain.runtime.decode import DECODE_LOOPS, DEFAULT_DECODE_LOOP, DEFAULT_SAMPLER, SAMPLERS
 from echotrain.runtime.packing import PACKED_ATTENTION_MODES
@@ -47,7 +47,8 @@ class TrainConfig:
     README, default run).
 
     The policy-loss settings (``clip_ratio_low`` ... ``log_ratio_clamp``, right after
-    ``loss_agg_mode``) are :class:`echotrain.rl.PolicyLossConfig`'s fields, added by
+    ``loss_agg_mode``) are :class:`echotrain.rl.PolicyLossConfig`'s fields and the flat settings the
+    built-in losses declare in their registrations (``tau_pos`` ...), added by
     :func:`echotrain.rl.config.with_policy_loss_fields` with their defaults, help and checks."""
 
     # ---- run -------------------------------------------------------------------------------
@@ -442,7 +443,7 @@ class TrainConfig:
     def policy_loss_config(self) -> PolicyLossConfig:
         """The :class:`echotrain.rl.PolicyLossConfig` of this run (unset ``norm_constant`` =
         ``max_new_tokens``, the run's maximum response length)."""
-        values = {name: getattr(self, name) for name in POLICY_LOSS_FIELDS}
+        values = {name: getattr(self, name) for name in self.policy_loss_keys}
         if values["norm_constant"] is None:
             values["norm_constant"] = float(self.max_new_tokens)
         return PolicyLossConfig(**values)

@@ -78,6 +78,9 @@ def validate(cfg: TrainConfig) -> None:
     from echotrain.rl.config import LOSS_SETTINGS
 
     for key in cfg.loss_options:  # declared (checked above); by the loss in use?
+        if key in type(cfg).policy_loss_keys:
+            raise ConfigError(f"loss_options.{key}: {key} is a trainer key of its own; set {key}="
+                              f"{cfg.loss_options[key]!r}")
         owner = LOSS_SETTINGS.info(key)["loss_mode"]
         if owner != cfg.loss_mode:
             raise ConfigError(f"loss_options.{key} is a setting of loss_mode={owner!r}, not of "

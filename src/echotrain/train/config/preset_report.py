@@ -60,20 +60,25 @@ def preset_label(cfg: TrainConfig) -> str:
 def preset_note(cfg: TrainConfig) -> str | None:
     """One line for the start of a run whose config overrides recipe keys of its preset, else
     None. It names the overridden keys (with the preset's value), the recipe keys kept from the
-    preset (of the :class:`~echotrain.rl.config.PolicyLossConfig` fields only those the run's
-    loss reads, its registration's ``reads``) and the presets whose recipe has the run's
+    preset (of the loss settings, shared :class:`~echotrain.rl.config.PolicyLossConfig` fields and
+    each loss's own declared ones, only those the run's loss reads: its registration's ``reads``
+    and its own settings) and the presets whose recipe has the run's
     ``loss_mode``, e.g. ``preset echo with loss_mode=gspo (the preset's: echo); from the preset:
     adv_estimator=grpo, loss_agg_mode=token-mean, ..., clip_ratio_low=0.2, clip_ratio_high=0.28
     (set them too, or preset=gspo for that paper's recipe)``."""
     from echotrain.rl import PRESETS
-    from echotrain.rl.config import POLICY_LOSS_FIELDS
+    from echotrain.rl.config import LOSS_SETTINGS, POLICY_LOSS_FIELDS
     from echotrain.rl.objectives import POLICY_LOSSES
 
     over = preset_overrides(cfg)
     if not over:
         return None
+    # loss keys: the shared PolicyLossConfig fields and every loss's own declared settings; the
+    # run's loss reads its registration's `reads` and the settings it declared itself
+    loss_keys = set(POLICY_LOSS_FIELDS) | set(LOSS_SETTINGS)
     reads = set(POLICY_LOSSES.info(cfg.loss_mode).get("reads", ())) if cfg.loss_mode in POLICY_LOSSES else set()
-    kept = [k for k in recipe_keys() if k not in over and (k not in POLICY_LOSS_FIELDS or k in reads)]
+    reads |= {s for s in LOSS_SETTINGS if LOSS_SETTINGS.info(s).get("loss_mode") == cfg.loss_mode}
+    kept = [k for k in recipe_keys() if k not in over and (k not in loss_keys or k in reads)]
     changed = ", ".join(f"{k}={_fmt(v)} (the preset's: {_fmt(p)})" for k, (p, v) in over.items())
     line = f"preset {cfg.preset} with {changed}"
     if kept:

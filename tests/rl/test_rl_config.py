@@ -123,7 +123,7 @@ def test_a_built_in_losss_settings_live_in_its_registration_and_keep_their_flat_
 
 
 def test_flat_loss_settings_are_trainer_keys_and_loss_options_of_them_is_refused():
-    from echotrain.runtime.errors import ConfigError
+    from echotrain.errors import ConfigError
     from echotrain.train.config import parse_overrides, resolve_config
 
     cfg = resolve_config(overrides=parse_overrides(["loss_mode=sapo", "tau_pos=1.3", "ppo_kl_coef=0.4"]))
@@ -139,7 +139,7 @@ def test_clip_cov_band_rule_is_registered_with_the_loss_and_checked_with_every_c
     """clip_cov_lb < clip_cov_ub: Clip-Cov's rule (settings_check= in its registration), checked by
     PolicyLossConfig and the trainer's validation alike, naming both keys; gone with the loss."""
     from echotrain.rl.config import SETTINGS_CHECKS
-    from echotrain.runtime.errors import ConfigError
+    from echotrain.errors import ConfigError
     from echotrain.train.config import parse_overrides, resolve_config
 
     assert "clip_cov" in SETTINGS_CHECKS

@@ -14,7 +14,7 @@ the module that defines the task, so the run writes it, plots it on its ``panel`
 like every built-in metric. A reward function carries it as an attribute
 (``my_reward.step_metrics = fn``); it wins over the task's.
 
-What is checked (a :class:`~echotrain.runtime.errors.ConfigError`: the CLI prints one line, exit 2):
+What is checked (a :class:`~echotrain.errors.ConfigError`: the CLI prints one line, exit 2):
 the result is a mapping; every name is declared, with ``reduce="step"``, and is not one of the
 step's built-in keys; every value is a finite real number (a Python or NumPy number or a 0-d tensor; never a silent NaN).
 """

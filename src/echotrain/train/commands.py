@@ -24,8 +24,8 @@ from echotrain.runtime.precision import AUTOCAST_CHOICES
 
 TRAIN_EPILOG = """\
 Configuration keys (key=value on the command line, or a flat YAML mapping in --config).
-Precedence: defaults < preset < --config file < key=value. Presets: grpo, dapo, dr_grpo, gspo,
-echo, each also as <name>+balanced (Balanced Aggregation), e.g. preset=gspo+balanced.
+Precedence: defaults < preset < --config file < key=value. Presets: {presets},
+each also as <name>+balanced (Balanced Aggregation), e.g. preset=gspo+balanced.
 Booleans: true/false; none/null clears an optional value; task_options.KEY=VALUE and
 loss_options.KEY=VALUE nest; plugins=[module,file.py] imports user modules first.
 """
@@ -34,7 +34,9 @@ loss_options.KEY=VALUE nest; plugins=[module,file.py] imports user modules first
 def register_train(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``echotrain train`` to ``parser``."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = TRAIN_EPILOG + format_help()
+    from echotrain.rl import PRESETS
+
+    parser.epilog = TRAIN_EPILOG.format(presets=", ".join(PRESETS)) + format_help()
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of configuration keys (see below)")
     parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="RUN_DIR",
                         help="continue from the last checkpoint of RUN_DIR (or of output_dir=...): model, optimizer, "

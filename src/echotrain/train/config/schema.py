@@ -21,6 +21,7 @@ from typing import Any
 from echotrain.optim.schedules import LR_DECAYS
 from echotrain.train.best import BEST_METRICS
 from echotrain.rl.config import PolicyLossConfig, with_policy_loss_fields
+from echotrain.rl.presets import PRESETS
 from echotrain.runtime.precision import AUTOCAST_CHOICES, CPU_BF16_MEASURED, CPU_BF16_MIN_PARAMS
 from echotrain.runtime.decode import DECODE_LOOPS, DEFAULT_DECODE_LOOP, DEFAULT_SAMPLER, SAMPLERS
 from echotrain.runtime.packing import PACKED_ATTENTION_MODES
@@ -52,9 +53,10 @@ class TrainConfig:
     :func:`echotrain.rl.config.with_policy_loss_fields` with their defaults, help and checks."""
 
     # ---- run -------------------------------------------------------------------------------
-    preset: str = _f("echo", "Objective preset from echotrain.rl.PRESETS: grpo (DeepSeekMath 2402.03300), dapo (2503.14476), "
-                     "dr_grpo (2503.20783), gspo (2507.18071), echo (batch-clip ECHO, ours per docs). Append '+balanced' "
-                     "for Balanced Aggregation (2605.04077). Sets the objective fields below; explicit keys override it.")
+    preset: str = _f("echo", "Objective preset from echotrain.rl.PRESETS: "
+                     + ", ".join(f"{name} ({p.source.split(' (')[0].split(';')[0]})" for name, p in PRESETS.items())
+                     + ". Append '+balanced' for Balanced Aggregation (2605.04077). Sets the objective fields below; "
+                     "explicit keys override it.")
     output_dir: str | None = _f(None, "Run directory (config.yaml, metrics.jsonl, samples.jsonl, plots/, checkpoints/). "
                                 "Default: runs/<preset>-<UTC timestamp>.")
     plugins: list = _f([], "Modules to import before the config is validated, so the losses, tasks, metrics and "

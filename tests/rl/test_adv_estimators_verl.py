@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from echotrain.rl import compute_advantages
-from echotrain.rl.advantages import ADV_ESTIMATOR_REGISTRY, ADV_METHODS, compute_token_advantages
+from echotrain.rl.advantages import (ADV_ESTIMATOR_REGISTRY, ADV_METHODS, compute_token_advantages, masked_whiten,
+                                     zero_variance_groups)
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 
@@ -190,3 +191,45 @@ def test_errors_name_the_argument():
         compute_token_advantages(r, gid, torch.ones(3, 3), "opo")
     with pytest.raises(ValueError, match="reward_baselines"):
         compute_advantages(r, gid, "remax", reward_baselines=torch.tensor([float("nan"), 0.0]))
+
+
+def test_masked_whiten_hand_values_and_fewer_than_two_valid_tokens():
+    """Unbiased variance over the valid entries; one or no valid entry gives 0, not NaN (verl raises)."""
+    values = torch.tensor([[1.0, 9.0, 2.0], [4.0, 7.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    # valid 1, 2, 4: mean 7/3, unbiased var ((4/3)^2 + (1/3)^2 + (5/3)^2) / 2 = 7/3
+    expected = torch.tensor([[1 - 7 / 3, 0.0, 2 - 7 / 3], [4 - 7 / 3, 0.0, 0.0]], dtype=torch.float64) / (7 / 3 + 1e-8) ** 0.5
+    torch.testing.assert_close(masked_whiten(values, mask), expected)
+    for one in (torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64)):
+        assert torch.equal(masked_whiten(values, one), torch.zeros(2, 3, dtype=torch.float64))
+    # through the estimator: a batch with one valid token has advantage 0 there (a whitened single value)
+    tok, seq = compute_token_advantages(torch.tensor([3.0, 1.0]), torch.tensor([0, 1]),
+                                        torch.tensor([[1.0, 0.0], [0.0, 0.0]]), "reinforce_plus_plus")
+    assert torch.equal(tok, torch.zeros(2, 2)) and torch.equal(seq, torch.zeros(2))
+
+
+def test_gpg_all_zero_rewards_give_zero_not_an_error():
+    """alpha = B / max(#(r != 0), 1): a batch whose rewards are all 0 has alpha 1 (no division by zero)."""
+    assert torch.equal(compute_advantages(torch.zeros(4), torch.tensor([0, 0, 1, 1]), "gpg"), torch.zeros(4))
+
+
+def test_gdpo_flat_group_is_exactly_zero_before_whitening():
+    """gdpo zeroes a zero-variance group before whitening: a flat group whose float64 mean leaves a
+    rounding residue (7 x 1e8/3: r - mean = ~1e-8, / (std + eps) = ~4e-3) still enters as 0."""
+    r = torch.tensor([1e8 / 3] * 7 + [0.0, 1.0], dtype=torch.float64)
+    gid = torch.tensor([0] * 7 + [1, 1])
+    mask = torch.ones(9, 2, dtype=torch.float64)
+    c = 0.5 / (0.5**0.5 + 1e-6)  # grpo of the group [0, 1]: -/+ 0.5 / (std + eps), std = sqrt(0.5)
+    a = torch.tensor([0.0] * 7 + [-c, c], dtype=torch.float64)
+    tok, _ = compute_token_advantages(r, gid, mask, "gdpo")
+    torch.testing.assert_close(tok.double(), masked_whiten(a[:, None] * mask, mask), rtol=0, atol=1e-6)
+
+
+def test_zero_variance_is_exact_no_tolerance():
+    """A group whose rewards differ by 1e-4 is not flat: grpo gives it +-d / (std + eps)."""
+    r = torch.tensor([0.0, 1e-4], dtype=torch.float64)
+    gid = torch.tensor([0, 0])
+    assert not zero_variance_groups(r, gid).any()
+    std = (2 * 0.5e-4**2) ** 0.5
+    expected = torch.tensor([-0.5e-4, 0.5e-4]) / (std + 1e-6)
+    torch.testing.assert_close(compute_advantages(r, gid, "grpo"), expected.float())

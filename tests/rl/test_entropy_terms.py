@@ -100,3 +100,40 @@ def test_bonus_errors_name_the_argument():
     bad[0, 0] = float("inf")
     with pytest.raises(ValueError, match="entropy has 1 NaN/Inf"):
         entropy_bonus(bad, mask, st, "token-mean")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "balanced"])
+@pytest.mark.parametrize("how", ["loss_agg_mode", "token-mean"])
+def test_bonus_over_two_simulated_ranks_is_the_whole_steps_after_ddp_averaging(mode, how):
+    """Each rank's bonus carries dp_size, so DDP's average over ranks (the sum / 2 here) is the
+    single-process bonus of the whole step, value and gradient."""
+    ent, mask, adv, gid = _batch(seed=3)
+    ent = ent.requires_grad_()
+    whole = _stats([_mb(ent.detach(), mask, adv, gid, slice(None))], mode)
+    full = entropy_bonus(ent, mask, whole, how, advantages=adv, group_index=gid)
+    (g_full,) = torch.autograd.grad(full, ent)
+    ranks = [torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])]  # whole groups per rank
+    # the step statistics after the all-reduce: the sums of both ranks' micro-batches, dp_size 2
+    both = compute_step_stats([_mb(ent.detach(), mask, adv, gid, r) for r in ranks], loss_mode="vanilla",
+                              loss_agg_mode=mode, config={"norm_constant": 5}, dp_size=2)
+    avg = sum(entropy_bonus(ent[r], mask[r], both, how, advantages=adv[r], group_index=gid[r]) for r in ranks) / 2
+    (g_avg,) = torch.autograd.grad(avg, ent)
+    torch.testing.assert_close(avg, full)
+    torch.testing.assert_close(g_avg, g_full)
+
+
+def test_token_mean_bonus_ignores_masked_entropies_even_if_non_finite_there():
+    """Tokens outside the mask add nothing (a NaN/Inf there neither raises nor leaks into the value or gradient)."""
+    ent = torch.tensor([[1.0, float("nan")], [3.0, 1e6]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64)
+    st = _stats([_mb(ent.detach(), mask, torch.ones(2, 2, dtype=torch.float64), torch.tensor([0, 0]), slice(None))],
+                "token-mean")
+    h = entropy_bonus(ent, mask, st, "token-mean")
+    assert float(h.detach()) == pytest.approx(2.0)
+    (grad,) = torch.autograd.grad(h, ent)
+    assert grad.tolist() == [[0.5, 0.0], [0.5, 0.0]]
+
+
+def test_applied_coefficient_at_the_target_counts_as_below():
+    """Skywork-OR1 / TRL: the bonus applies when the last entropy is <= the target (equality included)."""
+    assert applied_entropy_coef(0.3, 0.2, 0.2) == 0.3

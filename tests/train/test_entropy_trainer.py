@@ -78,6 +78,52 @@ def test_top_entropy_quantile_trains_on_the_high_entropy_tokens_only(build_train
     assert not trainer.reuses_first_forward()  # the mask needs every row's old entropy first
 
 
+@pytest.mark.parametrize("term,how", [({"entropy_coeff": 0.3}, "seq-mean-token-mean"), ({"entropy_coef": 0.3}, "token-mean")])
+def test_entropy_term_adds_minus_coef_times_the_aggregated_entropy_gradient(build_trainer, make_tiny_model,
+                                                                           tiny_tokenizer, term, how):
+    """Closed form: with SGD, params(with the term) - params(without) = lr * coef * grad H_agg at the
+    initial weights, H_agg verl's agg_loss(entropy, mask, loss_agg_mode) for ``entropy_coeff``
+    and the token mean for TRL's ``entropy_coef`` (docs/design/objectives.md §11)."""
+    from echotrain.rl import agg_loss
+    from echotrain.train.update import policy_log_probs
+
+    over = dict(optimizer="sgd", lr=0.5, max_grad_norm=0.0, num_mini_batches=1, micro_batch_size=16,
+                loss_agg_mode="seq-mean-token-mean", weight_decay=0.0)
+    runs = {}
+    for name, extra in (("none", {}), ("ent", term)):
+        trainer = build_trainer(BASE, name=name, model=make_tiny_model(tiny_tokenizer), **over, **extra)
+        seen = []
+        rollouts_for = trainer.rollouts.rollouts_for
+        trainer.rollouts.rollouts_for = lambda step, f=rollouts_for, s=seen: s.append(f(step)) or s[-1]
+        (rec,) = trainer.train()
+        runs[name] = (trainer, seen[0], rec)
+    (t_none, d_none, _), (t_ent, d, rec) = runs["none"], runs["ent"]
+    assert torch.equal(d.batch.response_ids, d_none.batch.response_ids)  # the same rollouts
+    model = make_tiny_model(tiny_tokenizer)  # the initial weights
+    _, ent = policy_log_probs(model, d.batch, t_ent.cfg, with_entropy=True, grad=True)
+    mask = d.response_mask.to(ent.dtype)
+    h = agg_loss(ent, mask, how) if how != "token-mean" else (ent * mask).sum() / mask.sum()
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(h, params, allow_unused=True)
+    moved = False
+    for (n, p_ent), p_none, g in zip(t_ent.model.named_parameters(), t_none.model.parameters(), grads):
+        expected = rec["lr"] * 0.3 * (g if g is not None else torch.zeros_like(p_ent))
+        torch.testing.assert_close(p_ent.detach() - p_none.detach(), expected, atol=1e-6, rtol=1e-3, msg=n)
+        moved = moved or bool(expected.abs().max() > 1e-4)
+    assert moved
+
+
+def test_first_adaptive_step_applies_zero_and_no_term_means_no_entropy_keys(run):
+    """TRL: the first optimizer step has no measured entropy, so it applies coefficient 0 (then
+    the coefficient climbs by delta); a run without any entropy setting has no entropy term at all."""
+    trainer, (rec,) = run("first", num_mini_batches=1, use_adaptive_entropy=True, entropy_coef=0.1,
+                          entropy_coef_delta=0.05, entropy_target=100.0)
+    assert rec["entropy/coef"] == 0.0 and trainer.entropy_state["coef"] == pytest.approx(0.15)
+    trainer, (rec,) = run("plain", num_mini_batches=1)
+    assert trainer.entropy_coef_now() is None
+    assert not any(k.startswith("entropy/") for k in rec)
+
+
 _TINY = ["model=testbed", "task=testbed", "steps=1", "prompts_per_step=2", "num_generations=2", "max_new_tokens=4",
          "num_mini_batches=1", "micro_batch_size=4", "eval_prompts=0", "num_threads=1", "save_every=0",
          "save_final_model=false", "plots=false", "progress=false", "log_samples=0"]

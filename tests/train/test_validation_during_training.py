@@ -68,6 +68,37 @@ def test_early_stop_and_keep_best(run, tmp_path, monkeypatch):
     assert last["extra"]["best"] == {"best": 0.6, "best_step": 1, "since": 2}
 
 
+def test_a_new_best_restarts_the_patience_count():
+    t = BestTracker("eval/accuracy", patience=2)
+    for s, v in [(1, 0.5), (2, 0.4), (3, 0.6), (4, 0.6)]:
+        t.update(s, {"eval/accuracy": v})
+    # 0.4 did not improve (1), 0.6 did (back to 0), the equal 0.6 did not (1): not yet 2 in a row
+    assert (t.best, t.best_step, t.since) == (0.6, 3, 1) and not t.should_stop
+
+
+def _scripted_evaluation(monkeypatch, values):
+    from echotrain.train import trainer as trainer_mod
+
+    it = iter(values)
+
+    def fake_evaluate(self, step):
+        out = {"eval/accuracy": next(it), "eval/format_rate": 1.0}
+        self.logger.log_eval({"step": step, **out, "eval/prompts": 4, "time/eval": 0.0})
+        return out
+
+    monkeypatch.setattr(trainer_mod.Trainer, "evaluate", fake_evaluate)
+
+
+def test_patience_running_out_at_the_last_step_is_no_early_stop_and_keep_best_off_writes_no_best(
+        run, tmp_path, monkeypatch, capsys):
+    # step 0: 0.3 (not judged), steps 1..3: 0.6, 0.5, 0.4 -> patience 2 runs out at step 3 = steps
+    _scripted_evaluation(monkeypatch, [0.3, 0.6, 0.5, 0.4])
+    trainer, recs = run("last", steps=3, early_stop_patience=2, keep_best=False)
+    assert [r["step"] for r in recs] == [1, 2, 3] and trainer.best.should_stop
+    assert "early stop" not in capsys.readouterr().err  # the run simply ended
+    assert not (tmp_path / "last" / "best").exists()  # keep_best=false: no best checkpoint
+
+
 _TINY = ["model=testbed", "task=testbed", "steps=2", "prompts_per_step=2", "num_generations=2", "max_new_tokens=4",
          "num_mini_batches=1", "micro_batch_size=4", "eval_prompts=4", "eval_every=1", "num_threads=1",
          "save_every=0", "save_final_model=false", "plots=false", "progress=false", "log_samples=0"]

@@ -28,7 +28,7 @@ from echotrain.rl.distill import teacher_top_k
 DISTILL_KL = declare_metric(
     "distill/kl", reduce="token_mean", unit="nats per token", when="teacher set (objective=distill or distill_coeff > 0)",
     help="mean per-token distillation divergence of the policy being updated to the teacher over the loss's tokens "
-         "(distill_beta=1: reverse KL(student || teacher); over the teacher's top-k with distill_top_k > 0)",
+         "(distill_beta=1: the reverse KL, student to teacher; over the teacher's top-k with distill_top_k > 0)",
     label="divergence to teacher", panel="Distillation")
 TIME_TEACHER = declare_metric(
     "time/teacher", reduce="step", unit="seconds", when="teacher set", volatile=True,

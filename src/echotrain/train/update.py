@@ -31,6 +31,7 @@ from echotrain.rl.stepwise import split_micro_batches
 from echotrain.train.config import TrainConfig
 from echotrain.train.config.schema import LOG_PROB_PREPASSES
 from echotrain.train.dist import DistContext
+from echotrain.train.distill import DISTILL_KL
 from echotrain.runtime.rollout import RolloutBatch, forward_log_probs
 from echotrain.train.step import StepData
 
@@ -359,7 +360,7 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
                 div = torch.where(mask.bool(), div, 0.0)
                 loss = loss + distill.coeff * step_agg_loss(div, mask, stats, loss_config, advantages=advantages,
                                                             group_index=group_index)
-                m = {**m, "distill/kl": float(div.detach().sum() / mask.sum().clamp(min=1))}
+                m = {**m, DISTILL_KL.name: float(div.detach().sum() / mask.sum().clamp(min=1))}
                 del student_all
             if entropy_coef is not None:  # the entropy term, from this forward's entropy (with grad)
                 if ent is None:  # the retained pre-pass forward ran without entropy

@@ -6,7 +6,8 @@ step (:func:`update_mini_batch`): split into micro-batches (:func:`echotrain.rl.
 with torchrun each rank takes its whole groups first), [ECHO pre-pass: a no-grad forward, or the
 with-grad forwards run first with their graphs kept (``log_prob_prepass``)] -> step-global
 statistics (:func:`echotrain.rl.compute_step_stats`) -> per micro-batch forward,
-``compute_policy_loss(..., step=stats)`` (+ KL aggregated with the same normalisers) and
+``compute_policy_loss(..., step=stats)`` (+ KL and, with a teacher, the distillation term
+aggregated with the same normalisers: train/distill.py) and
 ``backward`` -> all-reduce (sum) of the gradients -> clip grad norm -> optimizer step -> scheduler
 step. With ``optimizer=sam`` / ``late_sam`` the passes and the clipping form a closure that SAM
 calls twice (at w and at w + e; Foret et al. 2021, arXiv 2010.01412).

@@ -101,6 +101,7 @@ def test_different_tokenizer_is_refused(build_trainer, tmp_path):
     (dict(teacher="x"), "teacher='x': is set but unused"),
     (dict(teacher="x", objective="distill", distill_beta=1.5), r"distill_beta=1.5: must be in \[0, 1\]"),
     (dict(teacher="x", objective="distill", distill_top_k=-1), "distill_top_k=-1: must be >= 0"),
+    (dict(teacher="x", objective="distill", preset="echo+balanced"), "loss_agg_mode='balanced': .* weigh 0"),
 ])
 def test_bad_settings_are_config_errors(over, msg):
     from echotrain.train.config import resolve_config, validate

@@ -151,6 +151,9 @@ def validate(cfg: TrainConfig) -> None:
          "directory>")
     need(not (cfg.teacher and cfg.objective == "rl" and cfg.distill_coeff == 0), "teacher",
          "is set but unused: set distill_coeff > 0 (a term added to the RL loss) or objective=distill")
+    need(not (cfg.objective == "distill" and cfg.loss_agg_mode == "balanced"), "loss_agg_mode",
+         "balanced weights each token by its advantage's sign group, and objective=distill has advantages 0, so the "
+         "distillation term would weigh 0; use token-mean (or another loss_agg_mode)")
     need(not (cfg.teacher and cfg.async_rollouts), "teacher", "not with async_rollouts yet (the teacher pass runs "
          "in the learner's process)")
     need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",

@@ -128,3 +128,27 @@ def test_same_vocabulary_size_but_other_ids_is_refused():
     check_same_tokenizer((model, ours), (model, make_tokenizer()), "a", "b")  # the same: passes
     with pytest.raises(ConfigError, match="teacher='b' and model='a' tokenize .* differently"):
         check_same_tokenizer((model, ours), (model, swapped), "a", "b")
+
+
+def test_packed_full_log_softmax_equals_the_plain_forward(tiny_tokenizer):
+    """response_log_softmax's packed layout (what distillation's student and teacher passes use) gives
+    the plain forward's (N, T, V) log-softmax, with the gradient too, and is the gathered log-probs."""
+    from echotrain.runtime.packing import supports_packed_forward
+    from echotrain.runtime.rollout import forward_log_probs, response_log_softmax
+    from tests.train.conftest import prefix_batch
+
+    model = make_model(tiny_tokenizer)
+    assert supports_packed_forward(model)
+    p_ids, p_mask, r_ids, r_mask = prefix_batch(len(tiny_tokenizer))
+    outs, grads = [], []
+    for pack in (True, False):
+        model.zero_grad()
+        out = response_log_softmax(model, p_ids, p_mask, r_ids, r_mask, temperature=0.7, pack=pack)
+        (out * r_mask.unsqueeze(-1)).exp().sum().backward()
+        outs.append(out.detach() * r_mask.unsqueeze(-1))
+        grads.append(model.model.embed_tokens.weight.grad.clone())
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+    lp, _ = forward_log_probs(model, p_ids, p_mask, r_ids, r_mask, temperature=0.7)
+    gathered = torch.gather(outs[0], -1, r_ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(gathered * r_mask, lp.detach() * r_mask, atol=2e-6, rtol=1e-5)

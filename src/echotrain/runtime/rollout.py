@@ -577,20 +577,24 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
 
 
 def response_log_softmax(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                         response_mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+                         response_mask: torch.Tensor, *, temperature: float = 1.0, pack: bool = True,
+                         packed_attention: str = "blocks") -> torch.Tensor:
     """The full next-token log-softmax at every response position (on-policy distillation's
     student and teacher passes: the divergence needs whole distributions, not the sampled token's
     log-prob; docs/design/objectives.md §12).
 
-    One plain forward of prompt + response (position ids skip the left padding, as in
-    :func:`forward_log_probs`'s unpacked layout; no packing, no shared prefix: the (N, T, V) output
-    dominates the memory either way). Differentiable when grad is enabled.
+    The packed layout where the model supports it (:func:`echotrain.runtime.packing.packed_log_probs`
+    with ``full=True``: the prompts' common prefix once, each prompt's rest once, no response
+    padding), else one plain forward of prompt + response (position ids skip the left padding, as
+    in :func:`forward_log_probs`'s unpacked layout). Differentiable when grad is enabled.
 
     Args:
         prompt_ids, prompt_mask: (N, P) int64, left-padded.
         response_ids, response_mask: (N, T) int64 / 0-1, right-padded; ``response_mask`` is what
             the forward attends to (``RolloutBatch.attended_mask``).
         temperature: the sampling temperature (the distributions the student sampled from).
+        pack, packed_attention: prefer the packed layout, and how its attention runs (as in
+            :func:`forward_log_probs`).
 
     Returns:
         (N, T, V) float32 log-probs on the model's device; columns past the longest attended
@@ -606,6 +610,14 @@ def response_log_softmax(model: Any, prompt_ids: torch.Tensor, prompt_mask: torc
     T_full = response_ids.shape[1]
     cols = response_mask.bool().any(0).nonzero()
     T = max(1, int(cols[-1]) + 1 if len(cols) else 1)
+    if pack and supports_packed_forward(model) and is_prefix_mask(response_mask) \
+            and bool(prompt_mask.bool().any(-1).all()):
+        keep_from = int(prompt_mask.long().sum(0).nonzero()[0])
+        out, _ = packed_log_probs(model, prompt_ids[:, keep_from:].to(device),
+                                  prompt_mask[:, keep_from:].long().to(device), response_ids[:, :T].to(device),
+                                  response_mask[:, :T].long().to(device), temperature=temperature,
+                                  attention=packed_attention, full=True)
+        return F.pad(out, (0, 0, 0, T_full - T))
     input_ids = torch.cat([prompt_ids, response_ids[:, :T]], dim=1).to(device)
     attn = torch.cat([prompt_mask.long(), response_mask[:, :T].long()], dim=1).to(device)
     kwargs: dict[str, Any] = {"attention_mask": attn}

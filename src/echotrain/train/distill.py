@@ -117,7 +117,8 @@ class Teacher:
         grad when grad is enabled (the update's forward under distillation)."""
         with autocast(model, self.autocast_dtype):
             return response_log_softmax(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                        batch.attended_mask, temperature=self.cfg.temperature)
+                                        batch.attended_mask, temperature=self.cfg.temperature,
+                                        pack=self.cfg.pack_responses, packed_attention=self.cfg.packed_attention)
 
     @torch.no_grad()
     def log_softmax(self, batch: RolloutBatch) -> torch.Tensor:
@@ -126,7 +127,8 @@ class Teacher:
         t0 = time.perf_counter()
         with autocast(self.model, self.autocast_dtype):
             out = response_log_softmax(self.model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                       batch.attended_mask, temperature=self.cfg.temperature)
+                                       batch.attended_mask, temperature=self.cfg.temperature,
+                                        pack=self.cfg.pack_responses, packed_attention=self.cfg.packed_attention)
         self.seconds += time.perf_counter() - t0
         self.bytes = max(self.bytes, out.numel() * out.element_size())
         return out

@@ -129,3 +129,16 @@ def test_episodes_benchmark_reports_both_throughputs():
                                         "--generations", "2", "--turns", "2", "--max-new-tokens", "8", "--reps", "1"])
     assert res["episodes"]["env_tokens"] > 0 and res["episodes"]["turns"] > 1
     assert res["ratio"] == pytest.approx(res["episodes"]["tokens_per_s"] / res["single-turn"]["tokens_per_s"])
+
+
+@pytest.mark.slow  # three echotrain processes, ~30 s on a loaded core
+def test_distill_benchmark_runs_and_reports_ratios():
+    """The teacher-pass benchmark's three arms run on the testbed (teacher = a second copy) and each
+    arm's ratios are to the no-teacher arm of the same run."""
+    res = _load("bench_distill").main(["--model", "testbed", "--steps", "1", "--max-new-tokens", "4",
+                                       "--top-k", "4", "--generations", "2"])
+    assert list(res) == ["rl", "rl+distill (full vocabulary)", "rl+distill (top-4)"]
+    assert res["rl"]["step_ratio"] == 1.0 and res["rl"]["teacher_s"] == 0.0
+    for name in list(res)[1:]:
+        assert res[name]["teacher_s"] > 0 and res[name]["teacher_mb"] > 0
+        assert res[name]["step_ratio"] == pytest.approx(res[name]["step_s"] / res["rl"]["step_s"])

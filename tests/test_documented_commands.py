@@ -11,7 +11,8 @@ every other key of the command is kept as written):
 - ``train``: 1 step of 2+ prompts x 2 samples x 4 tokens, a 2-prompt evaluation (every step: the one), one thread,
   ``output_dir`` in a temporary folder (``prompts_per_step`` at least the resolved
   ``num_mini_batches``, read with ``--print-config``).
-- ``eval``: 2 prompts of at most 4 new tokens, one thread (``runs/<run>``: a tiny testbed run).
+- ``eval``: 2 prompts of at most 4 new tokens, one thread (``runs/<run>``: a tiny testbed run; a
+  ``train`` command's ``teacher=runs/<run>`` is that run too).
 - ``compare select CONFIG``: on a screening report written here (random per-seed numbers of
   every arm), it must print a confirmation command or say there is nothing to confirm.
 - ``compare CONFIG``: the grid is validated with ``--dry-run`` (every cell's config and the
@@ -180,6 +181,7 @@ def tiny_argv(argv: list[str], out: Path, run: Path | None, capsys) -> list[str]
         rc, text = _main([*base, "--print-config"], capsys)
         assert rc == 0, text
         mini = int(yaml.safe_load(text)["num_mini_batches"])
+        base = [f"teacher={run}" if a == "teacher=runs/<run>" else a for a in base]  # a distillation's teacher
         return [*base, "steps=1", *_tiny_train(max(2, mini)), f"output_dir={out}"]
     if argv[0] == "eval":
         return [str(run) if a == "runs/<run>" else a for a in argv] + TINY_EVAL

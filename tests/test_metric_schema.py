@@ -30,6 +30,7 @@ RUNS = {
                               "rollout_is_threshold_lower=0.5", "staleness=1", "steps=2"],
     "async": ["async_rollouts=true", "num_threads=2", "steps=2"],
     "episodes": ["task=testbed-calc", "env=calculator", "max_turns=2"],
+    "distill": ["teacher=testbed", "objective=distill", "distill_top_k=8"],
 }
 _TINY = ["model=testbed", "task=testbed", "steps=1", "prompts_per_step=2", "num_generations=2", "max_new_tokens=4",
          "num_mini_batches=1", "micro_batch_size=2", "num_threads=1", "save_every=0", "save_final_model=false",

@@ -262,7 +262,7 @@ def pack_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_id
 def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                      response_mask: torch.Tensor, *, temperature: float = 1.0,
                      with_entropy: bool = False, attention: str = "blocks",
-                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy_grad: bool = False, full: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the response tokens: the prompts' common prefix once per packed row, each
     distinct prompt's rest once, its responses packed after it.
 
@@ -279,6 +279,9 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
             block by block (:mod:`echotrain.runtime.block_attention`) for ``sdpa`` models; the
             whole-row ``mask`` for ``eager`` ones and for a with-grad forward under gradient
             checkpointing (whose recomputation would not see the blocks).
+
+        full: return the whole log-softmax ``(N, T, V)`` (0 off ``response_mask``) in place of
+            ``log_prob``, and no entropy (on-policy distillation, docs/design/objectives.md §12).
 
     Returns:
         ``(log_prob, entropy)``: (N, T) float32 on the model's device, 0 off ``response_mask``
@@ -331,6 +334,9 @@ def packed_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Te
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)  # (K, V)
     valid = response_mask.bool()
+    if full:  # every position's distribution, (N, T, V), 0 off response_mask
+        out = torch.zeros(N, T, logp_all.shape[-1], dtype=torch.float32, device=device)
+        return out.masked_scatter(valid.unsqueeze(-1), logp_all[where]), None
     log_prob = torch.zeros(N, T, dtype=torch.float32, device=device)
     log_prob = log_prob.masked_scatter(valid, logp_all[where, response_ids[valid]])
     entropy = None

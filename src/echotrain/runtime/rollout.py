@@ -576,6 +576,61 @@ def forward_log_probs(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.T
     return F.pad(log_prob, (0, T_full - T)), entropy
 
 
+def response_log_softmax(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                         response_mask: torch.Tensor, *, temperature: float = 1.0, pack: bool = True,
+                         packed_attention: str = "blocks") -> torch.Tensor:
+    """The full next-token log-softmax at every response position (on-policy distillation's
+    student and teacher passes: the divergence needs whole distributions, not the sampled token's
+    log-prob; docs/design/objectives.md §12).
+
+    The packed layout where the model supports it (:func:`echotrain.runtime.packing.packed_log_probs`
+    with ``full=True``: the prompts' common prefix once, each prompt's rest once, no response
+    padding), else one plain forward of prompt + response (position ids skip the left padding, as
+    in :func:`forward_log_probs`'s unpacked layout). Differentiable when grad is enabled.
+
+    Args:
+        prompt_ids, prompt_mask: (N, P) int64, left-padded.
+        response_ids, response_mask: (N, T) int64 / 0-1, right-padded; ``response_mask`` is what
+            the forward attends to (``RolloutBatch.attended_mask``).
+        temperature: the sampling temperature (the distributions the student sampled from).
+        pack, packed_attention: prefer the packed layout, and how its attention runs (as in
+            :func:`forward_log_probs`).
+
+    Returns:
+        (N, T, V) float32 log-probs on the model's device; columns past the longest attended
+        response are 0 (callers mask them).
+
+    Raises:
+        ValueError: shape mismatch.
+    """
+    if response_ids.shape != response_mask.shape or prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(f"shape mismatch: prompt {tuple(prompt_ids.shape)} vs mask {tuple(prompt_mask.shape)}, "
+                         f"response {tuple(response_ids.shape)} vs mask {tuple(response_mask.shape)}")
+    device = next(model.parameters()).device
+    T_full = response_ids.shape[1]
+    cols = response_mask.bool().any(0).nonzero()
+    T = max(1, int(cols[-1]) + 1 if len(cols) else 1)
+    if pack and supports_packed_forward(model) and is_prefix_mask(response_mask) \
+            and bool(prompt_mask.bool().any(-1).all()):
+        keep_from = int(prompt_mask.long().sum(0).nonzero()[0])
+        out, _ = packed_log_probs(model, prompt_ids[:, keep_from:].to(device),
+                                  prompt_mask[:, keep_from:].long().to(device), response_ids[:, :T].to(device),
+                                  response_mask[:, :T].long().to(device), temperature=temperature,
+                                  attention=packed_attention, full=True)
+        return F.pad(out, (0, 0, 0, T_full - T))
+    input_ids = torch.cat([prompt_ids, response_ids[:, :T]], dim=1).to(device)
+    attn = torch.cat([prompt_mask.long(), response_mask[:, :T].long()], dim=1).to(device)
+    kwargs: dict[str, Any] = {"attention_mask": attn}
+    if accepts_keyword(model, "position_ids"):
+        kwargs["position_ids"] = (attn.cumsum(-1) - 1).clamp(min=0)
+    if accepts_keyword(model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = T + 1
+    logits = model(input_ids, **kwargs).logits[:, -(T + 1):-1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return F.pad(torch.log_softmax(logits, dim=-1), (0, 0, 0, T_full - T))
+
+
 def group_seed(seed: int, draw: int, group: int) -> int:
     """Seed of one prompt group's sampling (``rollout_rng=group``): a function of the run seed,
     the prompt draw counter and the group's index in the draw only, so the sampled tokens do not

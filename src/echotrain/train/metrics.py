@@ -104,6 +104,7 @@ def builtin_metrics() -> None:
     module's), so :data:`echotrain.metrics.METRICS` is complete for readers of run directories
     (plots, the compare report, the docs' list)."""
     import echotrain.train.async_rollouts  # noqa: F401  (async/*)
+    import echotrain.train.distill  # noqa: F401  (distill/kl, time/teacher, memory/teacher_mb)
     import echotrain.train.episodes  # noqa: F401  (episode/*)
     import echotrain.train.lag  # noqa: F401  (staleness/*)
     import echotrain.train.no_signal  # noqa: F401  (groups/all_zero_variance)

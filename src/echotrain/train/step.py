@@ -48,6 +48,9 @@ class StepData:
             proximal policy; the rollout policy itself when ``staleness=0``).
         entropy: (N, T) float32 token entropy of those weights.
         ref_log_prob: (N, T) float32 reference-policy log-probs, None without a KL term.
+        teacher_top_values, teacher_top_indices: (N, T, k) float32 / int64 the distillation
+            teacher's top-k log-probs and token ids (``distill_top_k > 0``), else None
+            (train/distill.py).
 
     Attributes (set with the rollouts, by :class:`echotrain.train.lag.LaggedRollouts`):
         rollout_version: (N,) int64 version of the weights that sampled each rollout: the number
@@ -79,6 +82,8 @@ class StepData:
     old_log_prob: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     ref_log_prob: torch.Tensor | None = None
+    teacher_top_values: torch.Tensor | None = None
+    teacher_top_indices: torch.Tensor | None = None
     rollout_version: torch.Tensor | None = None
     rollout_log_prob: torch.Tensor | None = None
 

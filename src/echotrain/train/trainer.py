@@ -147,6 +147,12 @@ class Trainer:
         reward_fn = default_reward_fn(task, cfg.reward) if reward_fn is None else reward_fn
         #: the task's (or reward function's) step_metrics, or None (train/task_metrics.py)
         self.step_metrics = step_metrics_fn(task, reward_fn)
+        #: on-policy distillation's teacher (train/distill.py), or None
+        self.teacher = None
+        if cfg.teacher:
+            from echotrain.train.distill import Teacher
+
+            self.teacher = Teacher(cfg, self.model, self.tokenizer, self.device, self.autocast_dtype)
         self.ref_model = None
         if cfg.kl_coef > 0 and not is_lora(self.model):  # LoRA: the reference is the model with adapters off
             self.ref_model = copy.deepcopy(self.model).eval()
@@ -310,7 +316,7 @@ class Trainer:
         out = update_mini_batch(data, rows, cfg=cfg, loss_config=self.loss_config, model=self.model,
                                 optimizer=self.optimizer, scheduler=self.scheduler, dist=self.dist,
                                 forward=self._log_probs, on_policy=on_policy, fill_old=fill_old,
-                                entropy_coef=self.entropy_coef_now())
+                                entropy_coef=self.entropy_coef_now(), distill=self.teacher)
         if cfg.use_adaptive_entropy:
             h = out["entropy/current"]
             self.entropy_state = {"coef": adaptive_entropy_coef(
@@ -342,6 +348,8 @@ class Trainer:
         data.advantages, data.seq_advantages = compute_token_advantages(
             data.rewards, batch.group_index, data.response_mask, adv_estimator=cfg.adv_estimator,
             reward_baselines=data.reward_baselines, gamma=cfg.gamma, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo)
+        if cfg.objective == "distill":  # on-policy distillation alone: no policy-gradient signal
+            data.advantages, data.seq_advantages = torch.zeros_like(data.advantages), torch.zeros_like(data.seq_advantages)
         # the mini-batches of whole groups, per PPO epoch (rank 0 draws the split; every rank uses it)
         splits = mini_batch_splits(batch.group_index, cfg.num_mini_batches, cfg.ppo_epochs, self.dist)
 
@@ -364,6 +372,8 @@ class Trainer:
                                    "this rollout batch does not carry (generation did not record them)")
             data.old_log_prob, data.entropy = batch.rollout_log_prob.clone(), batch.rollout_entropy.clone()
         data.ref_log_prob = self._ref_log_probs(batch)
+        if self.teacher is not None and cfg.distill_top_k > 0:  # the teacher's top-k, stored for the update
+            data.teacher_top_values, data.teacher_top_indices = self.teacher.top_k(batch, cfg.micro_batch_size)
         if cfg.top_entropy_quantile < 1.0:  # "Beyond the 80/20 Rule": the step's high-entropy tokens only
             keep = high_entropy_mask(data.entropy, data.response_mask, cfg.top_entropy_quantile)
             data.response_mask = data.response_mask * keep.to(data.response_mask.dtype)
@@ -380,6 +390,8 @@ class Trainer:
         record = step_record(step, data, updates, last_lr=self.scheduler.get_last_lr()[0], t_start=t_start,
                              cpu_start=cpu_start, t_update=t_update, device=self.device)
         record[ALL_ZERO_VARIANCE] = int(all_zero_variance(data.rewards, batch.group_index))
+        if self.teacher is not None:  # time/teacher, memory/teacher_mb
+            record.update(self.teacher.step_metrics())
         # the task's own metrics of this step's rollouts (declared by the task, reduce="step")
         record.update(task_step_metrics(self.step_metrics, data.texts, data.examples, data.correct, builtin=record))
         # staleness/* (none when synchronous), async/*
@@ -507,7 +519,7 @@ class Trainer:
                 self.logger.log(record)
                 self.logger.log_samples(self._samples)
                 warning = no_signal.update(record, last=step == cfg.steps)
-                if warning and main:
+                if warning and main and cfg.objective != "distill":  # distillation learns from the teacher
                     tqdm.write(warning, file=sys.stderr)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward/mean']:.3f}", acc=f"{record['accuracy']:.3f}",

@@ -6,7 +6,8 @@ step (:func:`update_mini_batch`): split into micro-batches (:func:`echotrain.rl.
 with torchrun each rank takes its whole groups first), [ECHO pre-pass: a no-grad forward, or the
 with-grad forwards run first with their graphs kept (``log_prob_prepass``)] -> step-global
 statistics (:func:`echotrain.rl.compute_step_stats`) -> per micro-batch forward,
-``compute_policy_loss(..., step=stats)`` (+ KL aggregated with the same normalisers) and
+``compute_policy_loss(..., step=stats)`` (+ KL and, with a teacher, the distillation term
+aggregated with the same normalisers: train/distill.py) and
 ``backward`` -> all-reduce (sum) of the gradients -> clip grad norm -> optimizer step -> scheduler
 step. With ``optimizer=sam`` / ``late_sam`` the passes and the clipping form a closure that SAM
 calls twice (at w and at w + e; Foret et al. 2021, arXiv 2010.01412).
@@ -25,11 +26,13 @@ from echotrain.optim.sam import SAM
 from echotrain.rl import compute_policy_loss, compute_step_stats, kl_penalty, needs_log_prob_prepass, step_agg_loss
 from echotrain.rl.config import PolicyLossConfig
 from echotrain.rl.correction import apply_rollout_correction, parse_rollout_correction
+from echotrain.rl.distill import distill_token_divergence
 from echotrain.rl.entropy import entropy_bonus
 from echotrain.rl.stepwise import split_micro_batches
 from echotrain.train.config import TrainConfig
 from echotrain.train.config.schema import LOG_PROB_PREPASSES
 from echotrain.train.dist import DistContext
+from echotrain.train.distill import DISTILL_KL
 from echotrain.runtime.rollout import RolloutBatch, forward_log_probs
 from echotrain.train.step import StepData
 
@@ -199,6 +202,8 @@ class MicroBatch:
     ref_log_prob: torch.Tensor | None = None
     log_prob: torch.Tensor | None = None
     rollout_log_prob: torch.Tensor | None = None
+    teacher_top_values: torch.Tensor | None = None
+    teacher_top_indices: torch.Tensor | None = None
 
     @property
     def group_index(self) -> torch.Tensor:
@@ -228,6 +233,9 @@ def micro_batches(data: StepData, rows: torch.Tensor, micro_batch_size: int, dis
         tensors["ref_log_prob"] = data.ref_log_prob[rows]
     if data.rollout_log_prob is not None:
         tensors["rollout_log_prob"] = data.rollout_log_prob[rows]
+    if data.teacher_top_values is not None:  # distill_top_k > 0: the teacher's stored top-k
+        tensors["teacher_top_values"] = data.teacher_top_values[rows]
+        tensors["teacher_top_indices"] = data.teacher_top_indices[rows]
     return [MicroBatch(batch=RolloutBatch(**{k: mb.pop("batch." + k) for k in token_fields}), **mb)
             for mb in split_micro_batches(tensors, micro_batch_size)]
 
@@ -235,7 +243,7 @@ def micro_batches(data: StepData, rows: torch.Tensor, micro_batch_size: int, dis
 def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, loss_config: PolicyLossConfig,
                       model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, dist: DistContext,
                       forward: Forward, on_policy: bool = False, fill_old: bool = False,
-                      entropy_coef: float | None = None) -> dict[str, float]:
+                      entropy_coef: float | None = None, distill: Any = None) -> dict[str, float]:
     """One optimizer step on the sequences ``rows`` of the step's data, exactly micro-batched.
 
     ``on_policy``: no optimizer step has happened since the old log-probs were computed (the
@@ -247,6 +255,14 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
     ``entropy_coef``: the entropy bonus's coefficient for this optimizer step (docs/design/
     objectives.md §11): ``cfg.entropy_coeff`` (verl, aggregated by ``loss_agg_mode``) when that is
     set, else TRL's token-mean bonus with this value (the trainer's adaptive state); None: no term.
+    ``distill``: on-policy distillation's term (docs/design/objectives.md §12), an object with
+    ``coeff``, ``beta``, ``objective``, ``student_log_softmax(model, batch)`` (the policy's ``(b, T, V)``
+    log-softmax with grad: then the update's forward, its log-probs gathered from it) and
+    ``log_softmax(batch)`` (the teacher's, no grad; used unless the micro-batch carries the teacher's
+    stored top-k); the term ``coeff x step_agg_loss(divergence)`` is aggregated like the KL term, with
+    the step's normalisers, so it is exact over micro-batches. ``objective="distill"``: the policy
+    loss is not computed (its advantages are 0), the loss is the distillation term (+ KL / entropy
+    terms if set). None: no term.
 
     Returns this optimizer step's metrics (each reduced over the micro-batches as declared in
     :mod:`echotrain.metrics`), ``grad_norm``, ``lr`` and, with
@@ -266,7 +282,7 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
         if on_policy:  # same parameters as the old-log-prob pass: reuse it (saves one forward)
             for mb in mbs:
                 mb.log_prob = mb.old_log_prob.clone()
-        elif retains_prepass_graph(cfg.log_prob_prepass):
+        elif retains_prepass_graph(cfg.log_prob_prepass) and distill is None:
             # every micro-batch's with-grad forward now, graphs kept: their detached log-probs are
             # the pre-pass, and the loss below reuses them (one forward of the mini-batch less)
             retained = [forward(model, mb.batch, grad=True, with_entropy=entropy_coef is not None) for mb in mbs]
@@ -289,7 +305,16 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
         acc = StepMetrics()  # each key reduced over the micro-batches as its declaration says
         total = torch.zeros(())
         for i, mb in enumerate(mbs):
-            if retained[i] is not None:  # the pre-pass's forward (first call only: SAM's at w + e runs its own)
+            student_all = None
+            if distill is not None:  # the full distributions (with grad); the log-probs gathered from them
+                student_all = distill.student_log_softmax(model, mb.batch)
+                log_prob = torch.gather(student_all, -1, mb.batch.response_ids.to(student_all.device).unsqueeze(-1)
+                                        ).squeeze(-1)
+                ent = None
+                if fill_old or entropy_coef is not None:
+                    with contextlib.nullcontext() if entropy_coef is not None else torch.no_grad():
+                        ent = -(student_all.exp() * student_all).sum(-1)
+            elif retained[i] is not None:  # the pre-pass's forward (first call only: SAM's at w + e runs its own)
                 (log_prob, ent), retained[i] = retained[i], None
             else:
                 log_prob, ent = forward(model, mb.batch, grad=True, with_entropy=fill_old or entropy_coef is not None)
@@ -306,9 +331,12 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
                                                      loss_config, stats=stats.correction)
                 mask = corrected.response_mask.to(mask.dtype)
                 extra["rollout_is_weights"] = corrected.rollout_is_weights
-            loss, m = compute_policy_loss(
-                cfg.loss_mode, old, log_prob, advantages,
-                mask, cfg.loss_agg_mode, loss_config, group_index=group_index, step=stats, **extra)
+            if distill is not None and distill.objective == "distill":  # advantages 0: no policy loss
+                loss, m = log_prob.sum() * 0.0, {}
+            else:
+                loss, m = compute_policy_loss(
+                    cfg.loss_mode, old, log_prob, advantages,
+                    mask, cfg.loss_agg_mode, loss_config, group_index=group_index, step=stats, **extra)
             if stats.correction is not None:
                 m = {**m, **corrected.metrics}
             if mb.rollout_log_prob is not None:
@@ -322,6 +350,19 @@ def update_mini_batch(data: StepData, rows: torch.Tensor, *, cfg: TrainConfig, l
                 loss = loss + cfg.kl_coef * kl_loss
                 kl_mean = torch.where(mask.bool(), kl_mat.detach(), 0).sum() / mask.sum().clamp(min=1)
                 m = dict(m, **{"kl/ref": float(kl_mean)})
+            if distill is not None:  # on-policy distillation: divergence to the teacher, aggregated like KL
+                if mb.teacher_top_values is not None:
+                    div = distill_token_divergence(
+                        student_all, beta=distill.beta, teacher_values=mb.teacher_top_values.to(student_all.device),
+                        teacher_indices=mb.teacher_top_indices.to(student_all.device))
+                else:
+                    div = distill_token_divergence(student_all, beta=distill.beta,
+                                                   teacher_log_prob=distill.log_softmax(mb.batch).to(student_all.device))
+                div = torch.where(mask.bool(), div, 0.0)
+                loss = loss + distill.coeff * step_agg_loss(div, mask, stats, loss_config, advantages=advantages,
+                                                            group_index=group_index)
+                m = {**m, DISTILL_KL.name: float(div.detach().sum() / mask.sum().clamp(min=1))}
+                del student_all
             if entropy_coef is not None:  # the entropy term, from this forward's entropy (with grad)
                 if ent is None:  # the retained pre-pass forward ran without entropy
                     raise RuntimeError("the entropy term needs the update's forward to return the entropy")

@@ -240,6 +240,25 @@ class TrainConfig:
     top_entropy_quantile: float = _f(1.0, "TRL's rho of 'Beyond the 80/20 Rule' (2506.01939): train only on the valid "
                                      "tokens whose entropy (the step's old policy) is in the top rho quantile of the "
                                      "step's; 0.2 is the paper's choice, 1.0 = every token (off).", group="objective")
+    objective: str = _f("rl", "What the loss learns from: rl (the policy loss on rewards' advantages, plus distill_coeff x "
+                        "the distillation term when a teacher is set) or distill (on-policy distillation alone: "
+                        "advantages 0, so the policy loss and its gradient are 0, and the loss is the distillation "
+                        "term with coefficient 1; needs teacher; rewards are still scored and logged). "
+                        "docs/design/objectives.md §12.", choices=("rl", "distill"), group="objective")
+    teacher: str | None = _f(None, "On-policy distillation's teacher: a model id, a local path or an echotrain run "
+                             "directory (its final_model/, else its latest checkpoint). It scores the student's "
+                             "sampled tokens without gradient; it must share the student's tokenizer (checked at "
+                             "start). None = no distillation.", group="objective")
+    distill_coeff: float = _f(0.0, "Coefficient of the distillation term added to the RL loss (objective=rl), "
+                              "aggregated like the policy loss (loss_agg_mode, the step's normalisers). 0 = off; "
+                              "objective=distill uses 1.", group="objective")
+    distill_beta: float = _f(1.0, "TRL's beta of the distillation divergence: 1 = reverse KL(student || teacher) "
+                             "(on-policy distillation, the default), 0 = forward KL(teacher || student), between: "
+                             "the generalised JSD of GKD (2306.13649).", group="objective")
+    distill_top_k: int = _f(0, "0 = the divergence over the full vocabulary (the teacher re-run per micro-batch in "
+                            "the update, nothing stored); k > 0 = over the teacher's k most likely tokens, both "
+                            "distributions renormalised there (the teacher's (N, T, k) log-probs and ids stored in "
+                            "the log-prob phase).", group="objective")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose correctness is all 0 or all 1 and refill "
                                 "the batch with new prompts.", group="objective")
     max_sampling_rounds: int = _f(3, "Dynamic sampling: at most this many generate rounds per step; a step keeps whatever "

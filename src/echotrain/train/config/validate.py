@@ -142,6 +142,20 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.entropy_coef_min <= cfg.entropy_coef_max, "entropy_coef_min", "must be <= entropy_coef_max")
     need(cfg.entropy_coef_delta >= 0, "entropy_coef_delta", "must be >= 0")
     need(0.0 <= cfg.top_entropy_quantile <= 1.0, "top_entropy_quantile", "must be in [0, 1]")
+    need(cfg.distill_coeff >= 0, "distill_coeff", "must be >= 0")
+    need(0.0 <= cfg.distill_beta <= 1.0, "distill_beta", "must be in [0, 1] (TRL's beta)")
+    need(cfg.distill_top_k >= 0, "distill_top_k", "must be >= 0 (0 = the full vocabulary)")
+    need(cfg.objective != "distill" or bool(cfg.teacher), "objective",
+         "objective=distill needs teacher=<model id, path or run directory>")
+    need(not (cfg.distill_coeff > 0 and not cfg.teacher), "distill_coeff", "> 0 needs teacher=<model id, path or run "
+         "directory>")
+    need(not (cfg.teacher and cfg.objective == "rl" and cfg.distill_coeff == 0), "teacher",
+         "is set but unused: set distill_coeff > 0 (a term added to the RL loss) or objective=distill")
+    need(not (cfg.objective == "distill" and cfg.loss_agg_mode == "balanced"), "loss_agg_mode",
+         "balanced weights each token by its advantage's sign group, and objective=distill has advantages 0, so the "
+         "distillation term would weigh 0; use token-mean (or another loss_agg_mode)")
+    need(not (cfg.teacher and cfg.async_rollouts), "teacher", "not with async_rollouts yet (the teacher pass runs "
+         "in the learner's process)")
     need(-1 <= cfg.overlong_buffer_len < cfg.max_new_tokens, "overlong_buffer_len",
          f"must be -1 (auto), 0 (off) or in [1, max_new_tokens={cfg.max_new_tokens})")
     need(cfg.lr > 0, "lr", "must be > 0")
@@ -175,7 +189,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(str(exc)) from None
     need(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda") or cfg.device == "mps",
          "device", "valid: auto, cpu, cuda, cuda:N, mps")
-    _check_learning_signal(cfg)
+    if cfg.objective != "distill":  # distillation learns from the teacher, not from advantages
+        _check_learning_signal(cfg)
 
 
 def _check_env(cfg: TrainConfig, need: Any) -> None:

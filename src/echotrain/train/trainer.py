@@ -518,6 +518,9 @@ class Trainer:
                 stop = bool(self.dist.broadcast(stop))  # rank 0 evaluates; every rank stops with it
                 self.logger.log(record)
                 self.logger.log_samples(self._samples)
+                if self.utilisation is not None and self.utilisation.note:  # the peaks were re-measured
+                    tqdm.write(self.utilisation.note, file=sys.stderr)
+                    self.utilisation.note = None
                 warning = no_signal.update(record, last=step == cfg.steps)
                 if warning and main and cfg.objective != "distill":  # distillation learns from the teacher
                     tqdm.write(warning, file=sys.stderr)

@@ -10,7 +10,9 @@ machine's peaks (:mod:`echotrain.roofline.peaks`, measured once per machine / dt
 and cached; ``ECHOTRAIN_ROOFLINE_PEAKS`` stubs or disables them).
 
 A figure above 1 means the cached peak was measured while the machine was busier than during the
-step (``python benchmarks/bench_roofline.py`` re-measures and keeps the best figure seen).
+step: the meter then re-measures the peaks once (keeping the best figure seen, in the cache too),
+reports the step against them and the trainer prints one line saying so
+(``python benchmarks/bench_roofline.py`` re-measures by hand).
 
 With several processes (torchrun) the figures are rank 0's: its share of the passes and rollouts
 over its own phase times, against peaks measured by rank 0 alone (the other ranks count nothing).
@@ -21,7 +23,9 @@ out of metrics.jsonl, and run_info.json's ``roofline`` entry says why.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+import os
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -51,15 +55,27 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
 class UtilisationMeter:
     """Counts one step's work and gives its utilisation figures (:data:`METRICS`).
 
+    A figure above 1 means the run went faster than the peaks say the machine can: the cached
+    peaks were measured while other processes ran (a loaded machine measures low). The first time
+    that happens, ``remeasure`` (if given) measures them again (``machine_peaks(refresh=True)``
+    keeps the best of the new and the cached figures, and caches it), the step's figures are
+    computed against the new peaks, and :attr:`note` says so once (the trainer prints it).
+
     Args:
         shape: the policy's :class:`~echotrain.roofline.counts.TransformerShape`.
         peaks: the machine's :class:`~echotrain.roofline.peaks.Peaks`.
         param_bytes: bytes per stored weight; kv_bytes: bytes per cached K/V number.
+        remeasure: a callable returning fresh :class:`~echotrain.roofline.peaks.Peaks`, called at most
+            once per run (None: never).
     """
 
-    def __init__(self, shape: Any, peaks: Any, *, param_bytes: int, kv_bytes: int):
+    def __init__(self, shape: Any, peaks: Any, *, param_bytes: int, kv_bytes: int,
+                 remeasure: Callable[[], Any] | None = None):
         self.shape, self.peaks = shape, peaks
         self.param_bytes, self.kv_bytes = int(param_bytes), int(kv_bytes)
+        self._remeasure = remeasure
+        #: a one-time message for the user when the peaks were re-measured (None until then)
+        self.note: str | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -68,8 +84,10 @@ class UtilisationMeter:
         self.prefill_flops = 0
         self.decode_bytes = 0
         self.decode_flops = 0
-        #: roofline seconds of the decode steps: per step max(bytes / bandwidth, FLOPs / GEMM rate)
-        self.decode_seconds = 0.0
+        #: the (prompt lengths, response lengths) of each generate call, for the decode steps' roofline
+        #: seconds (per step max(bytes / bandwidth, FLOPs / GEMM rate)), computed against the peaks in
+        #: :meth:`step_metrics`
+        self.decode_calls: list[tuple[list[int], list[int]]] = []
 
     def log_prob_pass(self, batch: Any, grad: bool) -> None:
         """Count one log-prob forward of ``batch`` (a RolloutBatch; rows of one prompt group
@@ -102,21 +120,50 @@ class UtilisationMeter:
             flops = decode_flops(self.shape, pc, rc)
             self.decode_bytes += nbytes
             self.decode_flops += flops
-            self.decode_seconds += decode_roofline_seconds(
-                self.shape, pc, rc, param_bytes=self.param_bytes, kv_bytes=self.kv_bytes,
-                gemm_flops_per_s=self.peaks.gemm_flops_per_s, mem_bytes_per_s=self.peaks.mem_bytes_per_s)
+            self.decode_calls.append((pc, rc))
+
+    def _figures(self, time_generation: float, time_update: float) -> dict[str, float]:
+        from echotrain.roofline.counts import decode_roofline_seconds
+
+        gemm, bw = self.peaks.gemm_flops_per_s, self.peaks.mem_bytes_per_s
+        out = {}
+        if time_update > 0:
+            out["throughput/update_mfu"] = self.update_flops / (time_update * gemm)
+        if time_generation > 0:
+            decode = sum(decode_roofline_seconds(self.shape, pc, rc, param_bytes=self.param_bytes,
+                                                 kv_bytes=self.kv_bytes, gemm_flops_per_s=gemm, mem_bytes_per_s=bw)
+                         for pc, rc in self.decode_calls)
+            out["throughput/decode_bw_util"] = (self.prefill_flops / gemm + decode) / time_generation
+        return out
 
     def step_metrics(self, time_generation: float, time_update: float) -> dict[str, float]:
         """The figures of :data:`METRICS` for the counted step (then the counters restart);
-        a figure whose phase took no time is left out."""
-        out = {}
-        if time_update > 0:
-            out["throughput/update_mfu"] = self.update_flops / (time_update * self.peaks.gemm_flops_per_s)
-        if time_generation > 0:
-            bound = self.prefill_flops / self.peaks.gemm_flops_per_s + self.decode_seconds
-            out["throughput/decode_bw_util"] = bound / time_generation
+        a figure whose phase took no time is left out. A figure above 1 re-measures the peaks
+        once (class docstring)."""
+        out = self._figures(time_generation, time_update)
+        if self._remeasure is not None and any(v > 1.0 for v in out.values()):
+            old = self.peaks
+            self.peaks = self._remeasured_peaks(old)
+            self._remeasure = None  # at most once per run
+            before = ", ".join(f"{k.split('/')[-1]} {v:.2f}" for k, v in out.items())
+            out = self._figures(time_generation, time_update)
+            self.note = (f"echotrain: utilisation above 1 ({before}) against the cached peaks "
+                         f"({old.gemm_flops_per_s / 1e9:.1f} GFLOP/s, {old.mem_bytes_per_s / 1e9:.1f} GB/s), "
+                         "measured while other processes ran; re-measured: "
+                         f"{self.peaks.gemm_flops_per_s / 1e9:.1f} GFLOP/s, {self.peaks.mem_bytes_per_s / 1e9:.1f} GB/s "
+                         f"({self.peaks.source})")
         self.reset()
         return out
+
+    def _remeasured_peaks(self, old: Any) -> Any:
+        """Fresh peaks from the ``remeasure`` callable, never below ``old`` (figure by figure);
+        ``old`` when measuring fails."""
+        try:
+            new = self._remeasure()
+        except (RuntimeError, ValueError, OSError):
+            return old
+        return dataclasses.replace(new, gemm_flops_per_s=max(new.gemm_flops_per_s, old.gemm_flops_per_s),
+                                   mem_bytes_per_s=max(new.mem_bytes_per_s, old.mem_bytes_per_s))
 
 
 def generate_calls(n_rows: int, num_generations: int, rollout_rng: str, rollout_batch_size: int) -> list[range]:
@@ -131,9 +178,8 @@ def build_meter(model: Any, autocast_dtype: torch.dtype | None, device: torch.de
     """The run's meter and run_info.json's ``roofline`` entry (the peaks and where they came
     from, the counted shape; or ``disabled`` with the reason and no meter). Ranks other than the
     main one (``is_main`` False) get no meter: only rank 0 writes metrics."""
-    import dataclasses
-
     from echotrain.roofline import PeaksOff, UnsupportedModel, machine_peaks, shape_of
+    from echotrain.roofline.peaks import PEAKS_ENV
 
     if not is_main:
         return None, {"disabled": "counted on rank 0 only"}
@@ -148,7 +194,10 @@ def build_meter(model: Any, autocast_dtype: torch.dtype | None, device: torch.de
     except (PeaksOff, ValueError, RuntimeError, OSError) as exc:
         return None, {"disabled": f"no machine peaks: {exc}"}
     kv_bytes = torch.empty((), dtype=compute_dtype).element_size()
-    meter = UtilisationMeter(shape, peaks, param_bytes=param.element_size(), kv_bytes=kv_bytes)
+    threads = peaks.threads
+    remeasure = None if os.environ.get(PEAKS_ENV) else (  # peaks the user set are never re-measured
+        lambda: machine_peaks(compute_dtype, device, threads, refresh=True))
+    meter = UtilisationMeter(shape, peaks, param_bytes=param.element_size(), kv_bytes=kv_bytes, remeasure=remeasure)
     return meter, {"peaks": peaks.as_dict(), "shape": dataclasses.asdict(shape),
                    "param_bytes": meter.param_bytes, "kv_bytes": kv_bytes,
                    "metrics": {k: m.help for k, m in METRICS.items()}}

@@ -142,3 +142,19 @@ def test_a_model_without_chat_template_on_a_chat_task_is_one_line(tmp_path, monk
     capsys.readouterr()
     assert cli.main(["eval", "--model", model, "--task", "testbed", "--prompts", "1", "--n", "1", "--threads", "1",
                      "--max-new-tokens", "2", "--json"]) == 0
+
+
+def test_a_testbed_run_asked_for_its_final_model_says_where_its_weights_are(offline, capsys):
+    """The byte-level testbed has no save_pretrained: save_final_model=true wrote nothing, silently
+    (found by a distillation study whose teacher run had no final_model/). Now one line says so,
+    and the run directory still works as a model for eval (its last checkpoint)."""
+    run = offline / "runs" / "fm"
+    argv = ["train", "model=testbed", "task=testbed", *TINY_TRAIN, "save_every=1", f"output_dir={run}"]
+    assert cli.main([*argv[:-1], "save_final_model=true", argv[-1]]) == 0
+    err = capsys.readouterr().err
+    assert "no final_model/ written: LoopedTransformer has no save_pretrained" in err
+    assert not (run / "final_model").exists() and list((run / "checkpoints").glob("step_*.pt"))
+    out, _ = _eval(capsys, ["--model", str(run), *TINY_EVAL])
+    assert out
+    assert cli.main([*argv[:-1], f"output_dir={offline / 'runs' / 'nofm'}"]) == 0  # save_final_model=false: quiet
+    assert "final_model" not in capsys.readouterr().err

@@ -574,6 +574,10 @@ class Trainer:
             save_final_model(self.model, self.run_dir / "final_model", merged=cfg.lora_merge_final)
             if hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(self.run_dir / "final_model")
+        elif cfg.save_final_model:  # asked for, not possible: say so instead of leaving no folder silently
+            print(f"echotrain: no final_model/ written: {type(self.model).__name__} has no save_pretrained; the "
+                  "last checkpoint holds its weights (what `eval --model RUN_DIR` and teacher=RUN_DIR read)",
+                  file=sys.stderr)
         return records, stability
 
     def write_plots(self, records: list[dict[str, Any]] | None = None) -> list[Path]:

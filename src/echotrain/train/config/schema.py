@@ -415,7 +415,8 @@ class TrainConfig:
                           "take more than half of the available memory the run warns once and writes within the "
                           "step. false: write within the step (no extra memory). Either way the file is the old "
                           "checkpoint or the complete new one.", group="outputs")
-    save_final_model: bool = _f(True, "Also save the final policy with save_pretrained in <output_dir>/final_model.",
+    save_final_model: bool = _f(True, "Also save the final policy with save_pretrained in <output_dir>/final_model (a policy without "
+                                  "save_pretrained, the byte-level testbed, writes none and says so: its last checkpoint holds it).",
                                 group="outputs")
     log_samples: int = _f(4, "Completions written to samples.jsonl per step (with prompt, answer and reward), taken "
                           "round-robin over the step's prompt groups (first completion of each prompt, then the second ...).",

@@ -41,13 +41,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     gid = torch.arange(B) // args.generations
     mask = (torch.arange(args.T) < torch.randint(1, args.T + 1, (B,), generator=g)[:, None]).float()
     base = torch.randint(0, 2, (B,), generator=g).float()
+    pi = 0.01 + 0.99 * torch.rand(B, args.T, generator=g)  # the optimal token baselines' policy statistics
+    stats = dict(old_log_prob=pi.log(), sum_pi_squared=pi**2 + (1 - pi**2) * torch.rand(B, args.T, generator=g))
     times: dict[str, list[float]] = {name: [] for name in ADV_METHODS}
     names = list(ADV_METHODS)
     for _ in range(args.rounds):
         random.shuffle(names)
         for name in names:
             t0 = time.process_time()
-            compute_token_advantages(rewards, gid, mask, name, reward_baselines=base, gamma=0.99)
+            compute_token_advantages(rewards, gid, mask, name, reward_baselines=base, gamma=0.99, **stats)
             times[name].append(time.process_time() - t0)
     ref = statistics.median(times["grpo"])
     out = {}

@@ -22,9 +22,6 @@ core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 #: verl estimators with no echotrain counterpart, and why.
 NOT_IN_ECHOTRAIN = {
     "gae": "needs a critic (values): out of scope (issue 39)",
-    "optimal_token_baseline": "needs sum_pi_squared (sum of squared vocabulary probabilities per token) from the "
-                              "old-policy forward, which the trainer does not compute",
-    "tir_optimal_token_baseline": "as optimal_token_baseline",
 }
 #: echotrain estimators verl does not register.
 ONLY_IN_ECHOTRAIN = {"grpo_no_std", "batch_std"}
@@ -62,7 +59,16 @@ def _batch(seed: int, *, binary: bool, holes: bool, flat_group: bool = False, gr
     return index, rewards, mask, tlr, baselines
 
 
-def _verl(name: str, index, mask, tlr, baselines, *, gamma=1.0, norm=True) -> torch.Tensor:
+def _pi_stats(shape, seed: int) -> dict[str, torch.Tensor]:
+    """Random policy statistics: log pi of the sampled token in [log 0.01, 0], and a sum of squared
+    vocabulary probabilities between pi^2 and 1 (as a real distribution has)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    pi = 0.01 + 0.99 * torch.rand(shape, generator=g, dtype=torch.float64)
+    s2 = pi**2 + (1 - pi**2) * torch.rand(shape, generator=g, dtype=torch.float64)
+    return {"old_log_prob": pi.log(), "sum_pi_squared": s2}
+
+
+def _verl(name: str, index, mask, tlr, baselines, *, gamma=1.0, norm=True, stats=None) -> torch.Tensor:
     fn = core_algos.get_adv_estimator_fn(name)
     cfg = _Cfg(gamma=gamma, norm_adv_by_std_in_grpo=norm)
     kwargs = dict(token_level_rewards=tlr.clone(), response_mask=mask.clone(), config=cfg)
@@ -72,6 +78,8 @@ def _verl(name: str, index, mask, tlr, baselines, *, gamma=1.0, norm=True) -> to
         kwargs["index"] = index
     if name in ("grpo", "grpo_vectorized", "gdpo"):
         kwargs["norm_adv_by_std_in_grpo"] = norm
+    if ADV_ESTIMATOR_REGISTRY.info(name).get("needs_pi_stats"):
+        kwargs.update(old_log_probs=stats["old_log_prob"].clone(), sum_pi_squared=stats["sum_pi_squared"].clone())
     return fn(**kwargs)[0] * mask
 
 
@@ -99,9 +107,10 @@ PARITY = sorted(_verl_names() - set(NOT_IN_ECHOTRAIN))
 @pytest.mark.parametrize("holes", [False, True])
 def test_matches_verl(name, seed, binary, holes):
     index, rewards, mask, tlr, base = _batch(seed, binary=binary, holes=holes, flat_group=seed == 1)
-    ref = _verl(name, index, mask, tlr, base)
+    stats = _pi_stats(mask.shape, seed)
+    ref = _verl(name, index, mask, tlr, base, stats=stats)
     tok, seq = compute_token_advantages(rewards, torch.as_tensor(index), mask, adv_estimator=name,
-                                        reward_baselines=base)
+                                        reward_baselines=base, **stats)
     assert tok.dtype == torch.float32 and tok.shape == mask.shape
     if name == "grpo_vectorized" and seed == 1:
         # verl's vectorized group std leaves a rounding residue in a flat group's mean and divides
@@ -233,3 +242,56 @@ def test_zero_variance_is_exact_no_tolerance():
     std = (2 * 0.5e-4**2) ** 0.5
     expected = torch.tensor([-0.5e-4, 0.5e-4]) / (std + 1e-6)
     torch.testing.assert_close(compute_advantages(r, gid, "grpo"), expected.float())
+
+
+OTB = ("optimal_token_baseline", "tir_optimal_token_baseline")
+
+
+@pytest.mark.parametrize("name", OTB)
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_optimal_token_baselines_match_verl_on_groups_of_one_flat_groups_and_empty_responses(name, seed):
+    """The cases the random batches rarely hit: groups of one (no baseline: A = the reward, as verl),
+    an all-equal group (not zeroed, as verl), empty responses, one strictly longest response (its
+    baseline 0 past the second longest: handle_zero_tail) and holes."""
+    index, rewards, mask, tlr, base = _batch(seed, binary=True, holes=seed != 5, flat_group=True,
+                                             group_sizes=(1, 2, 3))
+    mask[1] = 0.0  # an empty response
+    last = torch.where(mask.any(-1), mask.shape[1] - 1 - mask.flip(-1).argmax(-1), 0)
+    tlr = torch.zeros_like(tlr)
+    tlr[torch.arange(len(rewards)), last] = rewards
+    stats = _pi_stats(mask.shape, seed)
+    ref = _verl(name, index, mask, tlr, base, stats=stats)
+    tok, _ = compute_token_advantages(rewards, torch.as_tensor(index), mask, name, **stats)
+    torch.testing.assert_close(tok.double(), ref, rtol=1e-5, atol=1e-6)
+    assert (np.unique(index, return_counts=True)[1] == 1).any()  # the batch has a group of one
+
+
+def test_optimal_token_baseline_by_hand():
+    """One group of two responses, no holes: w = 1 - 2 pi + s2 per token, W its running sum,
+    B_t = sum_i r_i W_it / sum_i W_it on the columns both have, 0 on the longer one's tail."""
+    r = torch.tensor([1.0, 0.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    pi = torch.tensor([[0.5, 0.5, 0.5], [0.5, 1.0, 0.5]])
+    s2 = torch.tensor([[0.5, 0.5, 0.5], [0.5, 1.0, 0.5]])
+    # w = 1 - 2 pi + s2: row 0: 0.5, 0.5, 0.5 -> W 0.5, 1.0, 1.5; row 1: 0.5, 0.0 -> W 0.5, 0.5
+    tok, _ = compute_token_advantages(r, torch.tensor([0, 0]), mask, "optimal_token_baseline",
+                                      old_log_prob=pi.log(), sum_pi_squared=s2)
+    b0 = 1 * 0.5 / (0.5 + 0.5 + 1e-8)
+    b1 = 1 * 1.0 / (1.0 + 0.5 + 1e-8)
+    # column 2: only row 0 is valid, and row 0 is strictly the longest (3 > 2): its baseline is 0 from column 2
+    expect = torch.tensor([[1 - b0, 1 - b1, 1.0], [-b0, -b1, 0.0]])
+    torch.testing.assert_close(tok, expect.float())
+
+
+def test_optimal_token_baselines_need_the_policy_statistics():
+    gid, r, mask = torch.tensor([0, 0]), torch.tensor([1.0, 0.0]), torch.ones(2, 3)
+    for name in OTB:
+        with pytest.raises(ValueError, match="needs old_log_prob"):
+            compute_token_advantages(r, gid, mask, name)
+        with pytest.raises(ValueError, match="sum_pi_squared has shape"):
+            compute_token_advantages(r, gid, mask, name, old_log_prob=torch.zeros(2, 3), sum_pi_squared=torch.zeros(2, 4))
+        with pytest.raises(ValueError, match="old_log_prob"):
+            compute_token_advantages(r, gid, mask, name, old_log_prob=torch.full((2, 3), float("nan")),
+                                     sum_pi_squared=torch.zeros(2, 3))
+        with pytest.raises(ValueError, match="compute_token_advantages"):
+            compute_advantages(r, gid, name)

@@ -71,3 +71,35 @@ def test_the_step_trains_on_the_estimators_advantages(build_trainer, adv):
         torch.testing.assert_close(d.advantages, ((ret - mean) / torch.sqrt(var + 1e-8) * m).float())
     # estimators without a baseline roll out no greedy response
     assert build_trainer(BASE, name="grpo").collector.collect().reward_baselines is None
+
+
+@pytest.mark.parametrize("adv", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baselines_read_the_step_start_policy(build_trainer, adv):
+    """The trainer's one no-grad pass gives log pi of the sampled tokens (= the recomputed
+    old_log_prob of the same weights) and sum_v pi(v)^2 (= a plain, unpacked forward of the weights
+    before the update), and the step trains on the estimator's advantages of exactly those."""
+    import copy
+
+    from echotrain.rl import compute_token_advantages
+    from echotrain.runtime.rollout import response_log_softmax
+
+    trainer = build_trainer(BASE, adv_estimator=adv, prompts_per_step=4, num_generations=4, max_new_tokens=8,
+                            micro_batch_size=5)  # micro-batches of 5 rows: the pass runs in 4 pieces
+    before = copy.deepcopy(trainer.model)
+    seen, stats = [], []
+    rollouts_for, pi_stats = trainer.rollouts.rollouts_for, trainer._pi_stats
+    trainer.rollouts.rollouts_for = lambda step: seen.append(rollouts_for(step)) or seen[-1]
+    trainer._pi_stats = lambda batch: stats.append(pi_stats(batch)) or stats[-1]
+    trainer.train()
+    (d,), ((lp, s2),) = seen, stats
+    m = d.response_mask.bool()
+    torch.testing.assert_close(lp[m], d.old_log_prob[m], rtol=0, atol=2e-5)
+    b = d.batch
+    with torch.no_grad():
+        ls = response_log_softmax(before, b.prompt_ids, b.prompt_mask, b.response_ids, b.attended_mask,
+                                  temperature=trainer.cfg.temperature, pack=False)
+    torch.testing.assert_close(s2[m], ls.exp().pow(2).sum(-1)[m], rtol=0, atol=2e-5)
+    assert (s2[m] <= 1 + 1e-6).all() and (s2[m] >= lp[m].exp() ** 2 - 1e-6).all()
+    expect, _ = compute_token_advantages(d.rewards, b.group_index, d.response_mask, adv, old_log_prob=lp,
+                                         sum_pi_squared=s2)
+    assert torch.equal(d.advantages, expect) and d.advantages.abs().sum() > 0

@@ -29,7 +29,10 @@ class GroupedRewards:
     r_i - mean_g r; ``eps`` the std guard (> 0). ``response_mask`` ``(B, T)`` float64 (None
     where the caller gave none: only sequence-level estimators run then); ``reward_baselines``
     ``(B,)`` float64 (ReMax's greedy-rollout reward, None unless given); ``gamma`` the discount
-    of ``reinforce_plus_plus``; ``norm_adv_by_std_in_grpo`` verl's switch of the group std.
+    of ``reinforce_plus_plus``; ``norm_adv_by_std_in_grpo`` verl's switch of the group std;
+    ``old_log_prob`` ``(B, T)`` float64 log pi(y_t) and ``sum_pi_squared`` ``(B, T)`` float64
+    sum over the vocabulary of pi(v)^2 at each position (the optimal-token-baseline estimators'
+    policy statistics; None unless given).
     """
 
     rewards: torch.Tensor
@@ -42,6 +45,8 @@ class GroupedRewards:
     reward_baselines: torch.Tensor | None = None
     gamma: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
+    old_log_prob: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
 
 
 AdvEstimatorFn = Callable[[GroupedRewards], torch.Tensor]
@@ -49,17 +54,21 @@ AdvEstimatorFn = Callable[[GroupedRewards], torch.Tensor]
 #: registration's info: ``token_level`` (returns ``(B, T)``, needs ``response_mask``),
 #: ``zero_flat_groups`` (a zero-variance group's responses are set to exactly 0 afterwards),
 #: ``needs_baseline`` (reads ``reward_baselines``), ``group_baseline`` (a group of one response
-#: has advantage 0, so ``num_generations=1`` trains nothing).
+#: has advantage 0, so ``num_generations=1`` trains nothing), ``needs_pi_stats`` (reads
+#: ``old_log_prob`` and ``sum_pi_squared``: the trainer computes them in a no-grad pass first).
 ADV_ESTIMATOR_REGISTRY: Registry[AdvEstimatorFn] = Registry("advantage estimator", "adv_estimator")
 #: The registered advantage estimator names (a live view of :data:`ADV_ESTIMATOR_REGISTRY`).
 ADV_METHODS = ADV_ESTIMATOR_REGISTRY.names()
 #: The estimators that need ``reward_baselines`` (ReMax): the trainer rolls out one greedy
 #: response per prompt for them (a live view).
 ADV_NEEDS_BASELINE = ADV_ESTIMATOR_REGISTRY.names(lambda info: info.get("needs_baseline", False))
+#: The estimators that read the policy's ``old_log_prob`` and ``sum_pi_squared`` (the optimal token
+#: baselines): the trainer computes both before the advantages (a live view).
+ADV_NEEDS_PI_STATS = ADV_ESTIMATOR_REGISTRY.names(lambda info: info.get("needs_pi_stats", False))
 
 
 def register_adv_estimator(name: str, *, token_level: bool = False, zero_flat_groups: bool = True,
-                           needs_baseline: bool = False,
+                           needs_baseline: bool = False, needs_pi_stats: bool = False,
                            group_baseline: bool = True) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
     """Decorator: register ``fn(GroupedRewards) -> advantages`` under ``name``.
 
@@ -69,6 +78,8 @@ def register_adv_estimator(name: str, *, token_level: bool = False, zero_flat_gr
             equal, incl. a group of one) gets exactly 0 (no rounding residue). False for
             estimators whose output is not group-relative (batch whitening, ReMax's baseline).
         needs_baseline: ``fn`` reads ``g.reward_baselines`` ``(B,)`` (callers must pass them).
+        needs_pi_stats: ``fn`` reads ``g.old_log_prob`` and ``g.sum_pi_squared`` ``(B, T)`` (callers
+            must pass them; implies ``token_level``).
         group_baseline: the baseline comes from the response's own group, so a group of one
             has advantage 0 (the trainer then refuses ``num_generations=1``).
 
@@ -77,8 +88,9 @@ def register_adv_estimator(name: str, *, token_level: bool = False, zero_flat_gr
     Raises:
         ValueError: ``name`` is already registered.
     """
-    return ADV_ESTIMATOR_REGISTRY.register(name, token_level=token_level, zero_flat_groups=zero_flat_groups,
-                                           needs_baseline=needs_baseline, group_baseline=group_baseline)
+    return ADV_ESTIMATOR_REGISTRY.register(name, token_level=token_level or needs_pi_stats,
+                                           zero_flat_groups=zero_flat_groups, needs_baseline=needs_baseline,
+                                           needs_pi_stats=needs_pi_stats, group_baseline=group_baseline)
 
 
 def _dense_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -121,7 +133,8 @@ def zero_variance_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> to
 
 def _grouped(rewards: torch.Tensor, group_index: torch.Tensor, adv_estimator: str, eps: float,
              response_mask: torch.Tensor | None, reward_baselines: torch.Tensor | None, gamma: float,
-             norm_adv_by_std_in_grpo: bool) -> GroupedRewards | None:
+             norm_adv_by_std_in_grpo: bool, old_log_prob: torch.Tensor | None = None,
+             sum_pi_squared: torch.Tensor | None = None) -> GroupedRewards | None:
     """Checked inputs as a :class:`GroupedRewards` (None for an empty batch)."""
     check_choice("adv_estimator", adv_estimator, ADV_METHODS)
     if not eps > 0:
@@ -146,11 +159,29 @@ def _grouped(rewards: torch.Tensor, group_index: torch.Tensor, adv_estimator: st
             raise ValueError(f"reward_baselines has shape {tuple(reward_baselines.shape)}, rewards {tuple(r.shape)}")
         check_finite("reward_baselines", reward_baselines)
         base = reward_baselines.to(torch.float64)
+    stats = (None, None)
+    if ADV_ESTIMATOR_REGISTRY.info(adv_estimator).get("needs_pi_stats", False):
+        stats = tuple(_pi_stat(name, t, mask, adv_estimator) for name, t in
+                      (("old_log_prob", old_log_prob), ("sum_pi_squared", sum_pi_squared)))
     if n == 0:
         return None
     count = _group_sum(torch.ones_like(r), ids, n)
     mean = _group_sum(r, ids, n) / count
-    return GroupedRewards(r, ids, n, count, r - mean[ids], eps, mask, base, float(gamma), bool(norm_adv_by_std_in_grpo))
+    return GroupedRewards(r, ids, n, count, r - mean[ids], eps, mask, base, float(gamma), bool(norm_adv_by_std_in_grpo),
+                          *stats)
+
+
+def _pi_stat(name: str, t: torch.Tensor | None, mask: torch.Tensor | None, adv_estimator: str) -> torch.Tensor:
+    """A checked ``(B, T)`` float64 policy statistic of the optimal-token-baseline estimators."""
+    if t is None:
+        raise ValueError(f"adv_estimator={adv_estimator!r} needs {name} (B, T): the policy's log-probs of the "
+                         "sampled tokens and the sum of squared vocabulary probabilities per token")
+    check_tensor(name, t, 2)
+    if mask is not None and t.shape != mask.shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, response_mask {tuple(mask.shape)}")
+    t = t.to(torch.float64)
+    check_finite(name, torch.where(mask > 0, t, 0.0) if mask is not None else t)
+    return t
 
 
 def _zero_flat(adv: torch.Tensor, adv_estimator: str, rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
@@ -233,6 +264,8 @@ def compute_token_advantages(
     reward_baselines: torch.Tensor | None = None,
     gamma: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
+    old_log_prob: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages of every token ``(B, T)`` float32 and one figure per response ``(B,)`` float32.
 
@@ -248,6 +281,16 @@ def compute_token_advantages(
     - ``gdpo`` (arXiv 2601.05242) with one reward dimension (echotrain's rewards are scalar):
       ``grpo``'s advantage on every valid token, whitened the same way.
     - ``opo``: see :func:`compute_advantages`.
+    - ``optimal_token_baseline`` (OTB, verl 0.9.1): a baseline per token position t of each group,
+      B_t = sum_i G_it W_it m_it / (sum_i W_it m_it + 1e-8), with G_it the reward-to-go (the outcome
+      reward on every position up to the last valid token), W_it = sum_{j <= t} m_ij (1 - 2 pi_ij +
+      sum_v pi_ij(v)^2) the cumulative path-variance proxy (``old_log_prob``, ``sum_pi_squared``);
+      A = (G - B) m. Positions are the tensor's columns. A group of one has B = 0 (A = the reward,
+      as verl); when one response is strictly the group's longest, its B is 0 from the second
+      longest's valid-token count on (verl's ``handle_zero_tail``). Flat groups are not zeroed.
+    - ``tir_optimal_token_baseline`` (verl's multi-turn OTB): the same with each response's valid
+      tokens compacted (the k-th valid token of every response shares a baseline, so the
+      environment's holes do not misalign turns); empty responses take no part and get 0.
 
     The per-response figure of a token-level estimator is its mean over the valid tokens (0 for an
     empty response); it feeds the metrics only.
@@ -256,13 +299,17 @@ def compute_token_advantages(
         rewards, group_index, adv_estimator, eps, reward_baselines, gamma,
             norm_adv_by_std_in_grpo: as :func:`compute_advantages`.
         response_mask: ``(B, T)`` 0/1 (any real or bool dtype) valid-token mask; holes allowed.
+        old_log_prob, sum_pi_squared: ``(B, T)`` log pi of the sampled tokens and sum_v pi(v)^2 at each
+            position (only the optimal-token-baseline estimators read them; NaN/Inf refused on valid
+            tokens).
 
     Raises:
-        ValueError / TypeError: as :func:`compute_advantages`, and a ``response_mask`` that is not
-            ``(B, T)``.
+        ValueError / TypeError: as :func:`compute_advantages`, a ``response_mask`` that is not
+            ``(B, T)``, and missing, mis-shaped or non-finite ``old_log_prob`` / ``sum_pi_squared``
+            for an estimator that reads them.
     """
     g = _grouped(rewards, group_index, adv_estimator, eps, response_mask, reward_baselines, gamma,
-                 norm_adv_by_std_in_grpo)
+                 norm_adv_by_std_in_grpo, old_log_prob, sum_pi_squared)
     if g is None:
         z = torch.zeros(0, dtype=torch.float32, device=rewards.device)
         return torch.zeros(response_mask.shape, dtype=torch.float32, device=rewards.device), z
@@ -415,3 +462,73 @@ def _gdpo(g: GroupedRewards) -> torch.Tensor:
     flat = zero_variance_groups(g.rewards, g.ids)
     a = torch.where(flat, 0.0, _grpo(g))
     return masked_whiten(a.unsqueeze(-1) * mask, mask)
+
+
+#: verl's epsilon of the optimal token baseline's denominator
+OTB_EPS = 1e-8
+
+
+def _otb_inputs(g: GroupedRewards, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask, G, W) ``(B, T)`` float64: the valid-token mask, the reward-to-go (the outcome reward
+    on every position up to the last valid token) and the cumulative path-variance proxy
+    W_t = sum_{j <= t} m_j (1 - 2 pi_j + sum_v pi_j(v)^2)."""
+    mask = _need_mask(g, name)
+    last = mask.flip(-1).cumsum(-1).flip(-1) > 0  # at or before the last valid token
+    returns = g.rewards.unsqueeze(-1) * last
+    w = 1.0 - 2.0 * g.old_log_prob.exp() + g.sum_pi_squared
+    return mask, returns, (torch.where(mask > 0, w, 0.0) * mask).cumsum(-1)
+
+
+def _otb_baselines(returns: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, ids: torch.Tensor,
+                   num_groups: int, lengths: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """Per-group position-wise baselines ``(B, T)``: sum_i G W m / (sum_i W m + eps) over the
+    group's ``members`` (bool ``(B,)``), 0 for a group of one member, and 0 from the second longest
+    member's length on for a strictly longest member."""
+    base = torch.zeros_like(returns)
+    for grp in range(num_groups):
+        rows = torch.nonzero((ids == grp) & members).flatten()
+        if rows.numel() < 2:
+            continue
+        num = (returns[rows] * w[rows] * mask[rows]).sum(0)
+        den = (w[rows] * mask[rows]).sum(0) + OTB_EPS
+        base[rows] = (num / den).unsqueeze(0)
+        ls = lengths[rows]
+        second, top = torch.sort(ls).values[-2:].tolist()
+        longest = torch.nonzero(ls == top).flatten()
+        if longest.numel() == 1 and top > second:
+            base[rows[longest[0]], int(second):] = 0.0
+    return base
+
+
+@register_adv_estimator("optimal_token_baseline", needs_pi_stats=True, zero_flat_groups=False, group_baseline=False)
+def _otb(g: GroupedRewards) -> torch.Tensor:
+    """Optimal token baseline (verl 0.9.1's ``optimal_token_baseline``): A_t = G_t - B_t with a
+    per-position group baseline weighted by the cumulative path variance (see
+    :func:`compute_token_advantages`)."""
+    mask, returns, w = _otb_inputs(g, "optimal_token_baseline")
+    lengths = mask.sum(-1)
+    base = _otb_baselines(returns, w, mask, g.ids, g.num_groups, lengths, torch.ones_like(lengths, dtype=torch.bool))
+    return (returns - base) * mask
+
+
+@register_adv_estimator("tir_optimal_token_baseline", needs_pi_stats=True, zero_flat_groups=False,
+                        group_baseline=False)
+def _tir_otb(g: GroupedRewards) -> torch.Tensor:
+    """verl's multi-turn optimal token baseline: :func:`_otb` over each response's valid tokens
+    compacted to the front (the k-th model token of every response shares a baseline), then
+    scattered back to their columns; empty responses get 0."""
+    mask, returns, w = _otb_inputs(g, "tir_optimal_token_baseline")
+    valid = mask > 0
+    lengths = valid.sum(-1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    k = valid.cumsum(-1) - 1  # the rank of each valid token within its response
+    rows, cols = torch.nonzero(valid, as_tuple=True)
+    packed_mask = torch.zeros(mask.shape[0], width, dtype=mask.dtype)
+    packed_mask[rows, k[rows, cols]] = 1.0
+    packed_ret, packed_w = torch.zeros_like(packed_mask), torch.zeros_like(packed_mask)
+    packed_ret[rows, k[rows, cols]] = returns[rows, cols]
+    packed_w[rows, k[rows, cols]] = w[rows, cols]
+    base = _otb_baselines(packed_ret, packed_w, packed_mask, g.ids, g.num_groups, lengths.to(mask.dtype), lengths > 0)
+    adv = torch.zeros_like(returns)
+    adv[rows, cols] = (packed_ret - base)[rows, k[rows, cols]]
+    return adv * mask

@@ -34,6 +34,7 @@ import torch
 
 from echotrain.optim.sam import SAM
 from echotrain.rl import compute_token_advantages, overlong_reward_penalty, truncated_response_mask
+from echotrain.rl.advantages import ADV_NEEDS_PI_STATS
 from echotrain.rl.entropy import adaptive_entropy_coef, applied_entropy_coef, high_entropy_mask
 from echotrain.rl.objectives import loss_step_stats
 from echotrain.train.checkpoint import CheckpointWriter, resume_from, seed_everything
@@ -263,6 +264,28 @@ class Trainer:
         return batched_log_probs(self._log_probs, model, batch, self.cfg.micro_batch_size, self.dist,
                                  with_entropy=with_entropy)
 
+    def _pi_stats(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current weights' log pi of the sampled tokens and sum_v pi(v)^2 at every response
+        position, ``(N, T)`` float32 on CPU each, from one no-grad pass of the full log-softmax at the
+        sampling temperature, in micro-batches (sharded over ranks): what verl's optimal token
+        baselines read (``old_log_probs``, ``sum_pi_squared``; docs/design/objectives.md §1)."""
+        from echotrain.runtime.rollout import response_log_softmax
+
+        cfg = self.cfg
+
+        def forward(model: Any, mb: RolloutBatch, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.utilisation is not None:
+                self.utilisation.log_prob_pass(mb, False)
+            with autocast(model, self.autocast_dtype):
+                ls = response_log_softmax(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.attended_mask,
+                                          temperature=cfg.temperature, pack=cfg.pack_responses,
+                                          packed_attention=cfg.packed_attention).float()
+            ids = mb.response_ids.to(ls.device)[:, :ls.shape[1]]
+            return ls.gather(-1, ids.unsqueeze(-1)).squeeze(-1), (2.0 * ls).exp().sum(-1)
+
+        with torch.no_grad():
+            return batched_log_probs(forward, self.model, batch, cfg.micro_batch_size, self.dist, with_entropy=True)
+
     def _ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Reference-policy log-probs for the KL term (None when ``kl_coef`` is 0): the initial
         model's copy, or with LoRA the same model with its adapters disabled."""
@@ -345,9 +368,12 @@ class Trainer:
 
         # 3. advantages (one scalar per response broadcast over its tokens, or per token for the
         # token-level estimators; remax's baselines were rolled out with the responses)
+        # (the optimal token baselines read pi and sum_v pi(v)^2 of the current weights: one no-grad pass)
+        pi_stats = self._pi_stats(batch) if cfg.adv_estimator in ADV_NEEDS_PI_STATS else (None, None)
         data.advantages, data.seq_advantages = compute_token_advantages(
             data.rewards, batch.group_index, data.response_mask, adv_estimator=cfg.adv_estimator,
-            reward_baselines=data.reward_baselines, gamma=cfg.gamma, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo)
+            reward_baselines=data.reward_baselines, gamma=cfg.gamma, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
+            old_log_prob=pi_stats[0], sum_pi_squared=pi_stats[1])
         if cfg.objective == "distill":  # on-policy distillation alone: no policy-gradient signal
             data.advantages, data.seq_advantages = torch.zeros_like(data.advantages), torch.zeros_like(data.seq_advantages)
         # the mini-batches of whole groups, per PPO epoch (rank 0 draws the split; every rank uses it)

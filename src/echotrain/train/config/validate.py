@@ -254,7 +254,8 @@ def _check_learning_signal(cfg: TrainConfig) -> None:
 
     if cfg.num_generations == 1:
         probe, _ = compute_token_advantages(torch.tensor([0.0, 1.0, 3.0]), torch.arange(3), torch.ones(3, 2),
-                                            adv_estimator=cfg.adv_estimator, reward_baselines=torch.zeros(3))
+                                            adv_estimator=cfg.adv_estimator, reward_baselines=torch.zeros(3),
+                                            old_log_prob=torch.full((3, 2), -1.0), sum_pi_squared=torch.full((3, 2), 0.5))
         if not probe.any():
             raise ConfigError(
                 f"num_generations=1: adv_estimator={cfg.adv_estimator!r} centres rewards within each prompt's group, "

@@ -13,7 +13,8 @@ from echotrain.train.config import ConfigError, resolve_config
 def _adv(rewards, groups, adv):
     n = len(rewards)
     return compute_token_advantages(torch.tensor(rewards), torch.tensor(groups), torch.ones(n, 3), adv_estimator=adv,
-                                    reward_baselines=torch.zeros(n))[0]
+                                    reward_baselines=torch.zeros(n), old_log_prob=torch.full((n, 3), -1.0),
+                                    sum_pi_squared=torch.full((n, 3), 0.5))[0]
 
 
 GROUPED = [a for a in ADV_METHODS if ADV_ESTIMATOR_REGISTRY.info(a)["group_baseline"]]
@@ -33,8 +34,9 @@ def test_one_generation_is_refused_naming_the_key(preset, adv):
 
 @pytest.mark.parametrize("adv", [a for a in ADV_METHODS if a not in GROUPED])
 def test_one_generation_is_accepted_without_a_group_baseline(adv):
-    # remax's greedy baseline and reinforce_plus_plus's batch whitening learn from G = 1
-    assert adv in ("remax", "reinforce_plus_plus")
+    # remax's greedy baseline, reinforce_plus_plus's batch whitening and the optimal token baselines
+    # (a group of one has no baseline, as verl) learn from G = 1
+    assert adv in ("remax", "reinforce_plus_plus", "optimal_token_baseline", "tir_optimal_token_baseline")
     assert _adv([0.0, 1.0, 5.0], [0, 1, 2], adv).any()
     assert resolve_config(overrides={"adv_estimator": adv, "num_generations": 1}).num_generations == 1
 

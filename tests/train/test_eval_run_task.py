@@ -153,6 +153,7 @@ def test_a_testbed_run_asked_for_its_final_model_says_where_its_weights_are(offl
     assert cli.main([*argv[:-1], "save_final_model=true", argv[-1]]) == 0
     err = capsys.readouterr().err
     assert "no final_model/ written: LoopedTransformer has no save_pretrained" in err
+    assert "; 1 thread, device cpu" in err  # num_threads=1: singular (was "1 threads")
     assert not (run / "final_model").exists() and list((run / "checkpoints").glob("step_*.pt"))
     out, _ = _eval(capsys, ["--model", str(run), *TINY_EVAL])
     assert out

@@ -151,8 +151,10 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"echotrain train: error: {exc}", file=sys.stderr)
         return 2
     outputs = "config.yaml, metrics.jsonl, samples.jsonl, " + ("plots/, " if cfg.plots else "") + "checkpoints/"
-    threads = (f"{torch.get_num_threads()} learner + {trainer.rollouts.spec.threads} rollout-worker threads"
-               if cfg.async_rollouts else f"{torch.get_num_threads()} threads")
+    n = torch.get_num_threads()
+    threads = (f"{n} learner + {trainer.rollouts.spec.threads} rollout-worker thread"
+               f"{'s' if n + trainer.rollouts.spec.threads > 1 else ''}"
+               if cfg.async_rollouts else f"{n} thread{'s' if n > 1 else ''}")
     print(f"echotrain: run directory {trainer.run_dir} ({outputs}); {threads}, device "
           f"{trainer.device} (because {trainer.device_reason}), {describe_precision(trainer.autocast_dtype, trainer.autocast_reason)}; OpenMP wait "
           f"policy {omp_wait_in_force()}" + (f"; {note}" if (note := getattr(trainer.rollouts, "resume_note", None))

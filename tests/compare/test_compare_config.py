@@ -97,7 +97,7 @@ SELECTIONS = {"testbed": "grpo,echo", "smollm": "grpo,echo", "balanced_testbed":
               "echo_band": "geo", "testbed_length": "grpo,echo", "staleness_length": "grpo_nokl,echo",
               "balanced_length": "token_mean,balanced", "echo_choices_length": "echo,echo_arith",
               "staleness_length_gspo": "grpo_nokl,echo,gspo", "staleness_length_gspo_claim5": "gspo",
-              "staleness_dose": "grpo_nokl,echo"}
+              "staleness_dose": "grpo_nokl,echo", "distill_testbed": "rl,distill"}
 
 
 def test_every_shipped_config_is_covered():
@@ -120,9 +120,11 @@ def test_shipped_configs_validate_whole_and_under_arms_selection(path, tmp_path,
     labels = {c.arm for c in cells}
     assert all(c[k] in labels for c in kept for k in ("arm", "baseline", "arm_ref", "baseline_ref") if k in c)
     assert sum(line.startswith("[") for line in captured.out.splitlines()) == len(cells)
-    for d in dropped:  # each dropped claim names an unselected arm, and the command said so
+    for d in dropped:  # each dropped claim names an unselected arm, and the command said so in one line
         assert "not selected" in d["reason"]
-        assert f"claim not evaluated ({d['reason']}): {d['claim']}" in captured.err
+        assert all(arm in captured.err for arm in d["missing"])
+    assert captured.err.count("not evaluated") == 1
+    assert f"{len(dropped)} of {len(raw['verdict'])} claim" in captured.err
     assert dropped, "the selection should leave out some claims"
 
 
@@ -143,7 +145,9 @@ def test_verdict_none_skips_every_claim(path, tmp_path, capsys):
     assert main(["compare", str(path), "verdict=none", "seeds=1", f"output_dir={out}", "--dry-run"]) == 0
     plan = yaml.safe_load((out / "compare.yaml").read_text())
     assert plan["verdict"] == [] and all(d["reason"] == "verdict=none" for d in plan["dropped_verdicts"])
-    assert "claim not evaluated (verdict=none)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{len(plan['dropped_verdicts'])} of {len(plan['dropped_verdicts'])} claim" in err
+    assert "not evaluated: verdict=none" in err and err.count("not evaluated") == 1
 
 
 def test_verdict_override_accepts_only_none(tmp_path, capsys):
@@ -258,7 +262,7 @@ def test_a_difference_claim_whose_reference_arm_is_not_selected_is_dropped(tmp_p
                                                "baseline_ref": "d"}]
     s = spec(tmp_path, ["arms=a,b"], arms=arms, baseline="a", verdict=claims)
     assert [c["arm"] for c in s.verdict] == ["a"] and "arm_ref" not in s.verdict[0]
-    assert s.dropped_verdicts == [{"claim": "dd", "reason": "arm(s) c, d not selected"}]
+    assert s.dropped_verdicts == [{"claim": "dd", "missing": ["c", "d"], "reason": "arm(s) c, d not selected"}]
     whole = spec(tmp_path, arms=arms, baseline="a", verdict=claims)  # all arms: both claims stay
     assert [c.get("arm_ref") for c in whole.verdict] == [None, "c"] and whole.dropped_verdicts == []
 

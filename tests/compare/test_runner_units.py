@@ -40,10 +40,13 @@ def test_states(cell):
     assert runner.cell_command(cell, "new")[-2:] == ["--config", str(cell.run_dir / "config.yaml")]
 
 
-def test_a_new_cell_loses_partial_logs(cell):
-    write_metrics(cell, [1])  # killed before its first checkpoint
-    assert runner.prepare_cell(cell) == "new"
+def test_a_new_cell_loses_partial_logs_and_says_so(cell):
+    write_metrics(cell, [1, 2])  # killed before its first checkpoint
+    status = runner.prepare_cell(cell)
+    assert status == "new: the earlier run stopped at step 2 before its first checkpoint, restarting from step 1"
     assert not (cell.run_dir / "metrics.jsonl").exists()
+    assert runner.cell_command(cell, status)[-2:] == ["--config", str(cell.run_dir / "config.yaml")]
+    assert runner.prepare_cell(cell) == "new"  # nothing logged since: a plain new cell
 
 
 def test_a_cell_holding_another_run_is_refused(cell):
@@ -101,7 +104,7 @@ def test_cell_json_records_every_commit_that_ran_the_cell(cell, monkeypatch):
     assert runner.prepare_cell(cell) == "resume" and read() == ["aaaaaaaaaaaa", "bbbbbbbbbbbb+dirty"]
     (cell.run_dir / "checkpoints" / "step_00000002.pt").unlink()
     monkeypatch.setattr(runner, "source_commit", lambda: None)  # not a git checkout: nothing recorded
-    assert runner.prepare_cell(cell) == "new" and read() == []
+    assert runner.prepare_cell(cell).startswith("new: the earlier run stopped at step") and read() == []
 
 
 def test_source_commit_is_the_checkout_head():

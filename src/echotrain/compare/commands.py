@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import Any
 
 from echotrain.errors import ConfigError
 
@@ -35,6 +36,21 @@ claim), report.KEY=, or any TrainConfig key (applied to every
 cell, over the arms' values).
 """
 
+
+
+def dropped_claims_line(spec: Any) -> str:
+    """One line for the claims a command line left out (``arms=`` selection, ``verdict=none``):
+    how many of how many, and why (the arms not selected, named once each), e.g. ``7 of 10 claims not
+    evaluated: arm(s) dapo, gspo not selected (each claim is listed in compare.yaml and the report)``."""
+    dropped = spec.dropped_verdicts
+    total = len(dropped) + len(spec.verdict)
+    if all(d["reason"] == "verdict=none" for d in dropped):
+        why = "verdict=none"
+    else:
+        arms = dict.fromkeys(a for d in dropped for a in d.get("missing", []))
+        why = f"arm(s) {', '.join(arms)} not selected"
+    return (f"{len(dropped)} of {total} claim{'s' if total > 1 else ''} not evaluated: {why} (each claim is listed "
+            "in compare.yaml's dropped_verdicts and in the report)")
 
 def register(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``echotrain compare`` to ``parser``."""
@@ -176,8 +192,8 @@ def run_compare(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"echotrain compare: error: {exc}", file=sys.stderr)
         return 2
-    for d in spec.dropped_verdicts:
-        print(f"echotrain compare: claim not evaluated ({d['reason']}): {d['claim']}", file=sys.stderr)
+    if spec.dropped_verdicts:  # one line (was one per claim); the plan and the report list each claim
+        print(f"echotrain compare: {dropped_claims_line(spec)}", file=sys.stderr)
     spec.raw["command"] = " ".join(["echotrain compare", args.config, *args.rest] +
                                    ([f"--threads {args.threads}"] if args.threads != 1 else []))
     write_plan(spec, cells)

@@ -412,7 +412,7 @@ def load_spec(path: str | Path | None, tokens: list[str] | None = None, data: di
             continue
         missing = [c[k] for k in ("arm", "baseline", *refs) if c[k] not in labels]
         if missing:  # names an arm the command line did not select
-            spec.dropped_verdicts.append({"claim": c["claim"],
+            spec.dropped_verdicts.append({"claim": c["claim"], "missing": list(dict.fromkeys(missing)),
                                           "reason": f"arm(s) {', '.join(dict.fromkeys(missing))} not selected"})
             continue
         spec.verdict.append(c)

@@ -102,7 +102,8 @@ def check_cell_free(cell: Cell) -> None:
 
 def prepare_cell(cell: Cell) -> str:
     """Check the cell (another run's config, another writer), write its ``config.yaml`` and
-    ``cell.json``, clean partial logs of a ``new`` cell; return its status.
+    ``cell.json``, clean partial logs of a ``new`` cell; return its status (a ``new`` cell whose
+    earlier run logged steps but wrote no checkpoint: ``"new: ..."`` saying where it stopped).
 
     Raises:
         ValueError: the run directory holds a run of another configuration.
@@ -115,6 +116,9 @@ def prepare_cell(cell: Cell) -> str:
         return status
     cell.run_dir.mkdir(parents=True, exist_ok=True)
     if status == "new":
+        partial = read_jsonl(cell.run_dir / "metrics.jsonl")
+        if partial:  # killed before its first checkpoint: its steps are lost, say so (was silent)
+            status = f"new: the earlier run stopped at step {partial[-1]['step']} before its first checkpoint, restarting from step 1"
         for name in _PARTIAL_FILES:
             (cell.run_dir / name).unlink(missing_ok=True)
         save_config(cell.config, cell.run_dir / "config.yaml")
@@ -282,7 +286,7 @@ def run_cells(spec: CompareSpec, cells: Sequence[Cell], jobs: int = 1, nice: int
         else:
             queue.append((c, status))
     log(f"compare: {len(cells)} cells: {len(cells) - len(queue)} done, "
-        f"{sum(s == 'resume' for _, s in queue)} to resume, {sum(s == 'new' for _, s in queue)} new; jobs={jobs}")
+        f"{sum(s == 'resume' for _, s in queue)} to resume, {sum(s.startswith('new') for _, s in queue)} new; jobs={jobs}")
     running: list[tuple[Cell, subprocess.Popen, Any, float]] = []
     t0 = time.perf_counter()
     try:

@@ -159,3 +159,33 @@ def test_a_testbed_run_asked_for_its_final_model_says_where_its_weights_are(offl
     assert out
     assert cli.main([*argv[:-1], f"output_dir={offline / 'runs' / 'nofm'}"]) == 0  # save_final_model=false: quiet
     assert "final_model" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("omp", ["1", None, "x"])
+def test_num_threads_0_honours_omp_num_threads(offline, capsys, monkeypatch, omp):
+    """num_threads=0 took all cores even with OMP_NUM_THREADS=1 set (a new user's surprise; torch's
+    own default honours it): now OMP_NUM_THREADS when it is a positive integer, else all cores, and
+    the startup line says which."""
+    import torch
+
+    from echotrain.runtime import preflight
+
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    try:
+        argv = [a for a in TINY_TRAIN if not a.startswith("num_threads=")]
+        assert cli.main(["train", "model=testbed", "task=testbed", *argv, "num_threads=0",
+                         f"output_dir={offline / 'runs' / 'threads'}"]) == 0
+        err = capsys.readouterr().err
+        if omp == "1":
+            assert "; 1 thread (num_threads=0: OMP_NUM_THREADS=1), device" in err
+            assert preflight.default_threads() == (1, "OMP_NUM_THREADS=1")
+        else:  # unset or not a number: every core this process may use
+            n = preflight.affinity_cores()
+            assert f"; {n} thread{'s' if n > 1 else ''} (num_threads=0: all cores), device" in err
+            assert preflight.default_threads() == (n, "all cores")
+    finally:
+        torch.set_num_threads(before)

@@ -59,6 +59,20 @@ def affinity_cores() -> int:
         return os.cpu_count() or 1
 
 
+def default_threads() -> tuple[int, str]:
+    """The thread count of ``num_threads=0`` / ``--threads 0`` and why: ``OMP_NUM_THREADS`` when the
+    user set it to a positive integer (as torch's own default does), else every core this process
+    may run on (:func:`affinity_cores`).
+
+    Returns:
+        (threads >= 1, the reason: ``"OMP_NUM_THREADS=N"`` or ``"all cores"``).
+    """
+    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw), f"OMP_NUM_THREADS={raw}"
+    return affinity_cores(), "all cores"
+
+
 def _offline_env() -> bool:
     return any(os.environ.get(k, "").lower() in _TRUTHY for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
                                                                    "TRANSFORMERS_OFFLINE"))

@@ -134,7 +134,9 @@ def run_train(args: argparse.Namespace) -> int:
     from echotrain.train.dist import local_world_size
 
     # torchrun: the processes on this machine share its cores
-    torch.set_num_threads(cfg.num_threads or max(1, preflight.affinity_cores() // local_world_size()))
+    cores, cores_reason = preflight.default_threads()
+    torch.set_num_threads(cfg.num_threads or max(1, cores // local_world_size()))
+    threads_why = "" if cfg.num_threads else f" (num_threads=0: {cores_reason})"
     t0 = time.perf_counter()
     from echotrain.train.dist import WorldSizeMismatch
     from echotrain.train.async_rollouts import AsyncUnsupported, RolloutWorkerError
@@ -154,7 +156,7 @@ def run_train(args: argparse.Namespace) -> int:
     n = torch.get_num_threads()
     threads = (f"{n} learner + {trainer.rollouts.spec.threads} rollout-worker thread"
                f"{'s' if n + trainer.rollouts.spec.threads > 1 else ''}"
-               if cfg.async_rollouts else f"{n} thread{'s' if n > 1 else ''}")
+               if cfg.async_rollouts else f"{n} thread{'s' if n > 1 else ''}") + threads_why
     print(f"echotrain: run directory {trainer.run_dir} ({outputs}); {threads}, device "
           f"{trainer.device} (because {trainer.device_reason}), {describe_precision(trainer.autocast_dtype, trainer.autocast_reason)}; OpenMP wait "
           f"policy {omp_wait_in_force()}" + (f"; {note}" if (note := getattr(trainer.rollouts, "resume_note", None))
@@ -233,7 +235,7 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 = greedy (default 0.7)")
     parser.add_argument("--seed", type=int, default=1234, help="seed for prompt choice and sampling (default 1234)")
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores (default)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = OMP_NUM_THREADS when set, else all cores (default)")
     parser.add_argument("--autocast", default="off", choices=AUTOCAST_CHOICES,
                         help="precision of the model's forward passes, as train's autocast key; default off "
                              "(float32). A run's in-training evaluation uses the run's setting (run_info.json's "
@@ -324,7 +326,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from echotrain.train.evaluate import evaluate
     from echotrain.runtime.precision import autocast, resolve_for
 
-    torch.set_num_threads(args.threads or preflight.affinity_cores())
+    torch.set_num_threads(args.threads or preflight.default_threads()[0])
     try:
         model, tok, desc = load_for_eval(args.model, device=args.device)
         first = next(iter(plan.task), None)  # a model without a chat template and a chat task: one line, both named

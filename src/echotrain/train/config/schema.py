@@ -71,7 +71,8 @@ class TrainConfig:
     device: str = _f("auto", "Device: auto (the default: cuda when a CUDA GPU is usable, else cpu; the startup line and "
                      "run_info.json (device_reason) say which and why), cpu, cuda, cuda:N, mps. A GPU needs a CUDA build "
                      "of torch (README, Set up); echotrain device-check tests the CUDA path.")
-    num_threads: int = _f(0, "torch intra-op threads for the run; 0 = all cores visible to this process (os.sched_getaffinity).")
+    num_threads: int = _f(0, "torch intra-op threads for the run; 0 = OMP_NUM_THREADS when set, else all cores visible to this "
+                          "process (os.sched_getaffinity).")
     dtype: str = _f("float32", "Parameter dtype of the policy. float32 is exact on CPU; bfloat16 halves memory on GPU.",
                     ("float32", "bfloat16", "float16"))
     autocast: str = _f("auto", "Mixed precision of the model's forward passes (generation, log-probs, evaluation): 'bfloat16' "

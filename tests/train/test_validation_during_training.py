@@ -68,6 +68,23 @@ def test_early_stop_and_keep_best(run, tmp_path, monkeypatch):
     assert last["extra"]["best"] == {"best": 0.6, "best_step": 1, "since": 2}
 
 
+def test_the_step_0_evaluation_is_not_a_best_candidate(run, tmp_path, monkeypatch):
+    """As best_metric's help says: the untrained policy's evaluation (0.9 here, the highest) is no
+    candidate; the first best is step 1's 0.5, and patience counts from there."""
+    values = iter([0.9, 0.5, 0.4, 0.3, 0.2])
+    from echotrain.train import trainer as trainer_mod
+
+    def fake_evaluate(self, step):
+        out = {"eval/accuracy": next(values), "eval/format_rate": 1.0}
+        self.logger.log_eval({"step": step, **out, "eval/prompts": 4, "time/eval": 0.0})
+        return out
+
+    monkeypatch.setattr(trainer_mod.Trainer, "evaluate", fake_evaluate)
+    _, recs = run("zero", steps=6, early_stop_patience=2, keep_best=True)
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert json.loads((tmp_path / "zero" / "best" / "best.json").read_text())["step"] == 1
+
+
 def test_a_new_best_restarts_the_patience_count():
     t = BestTracker("eval/accuracy", patience=2)
     for s, v in [(1, 0.5), (2, 0.4), (3, 0.6), (4, 0.6)]:

@@ -397,7 +397,8 @@ class TrainConfig:
     eval_top_p: float = _f(1.0, "Nucleus (top-p) of the sampled evaluation (eval_temperature > 0); 1.0 = off.",
                            group="eval")
     best_metric: str = _f("eval/accuracy", "The evaluation metric keep_best and early_stop_patience follow (higher is "
-                          "better).", choices=BEST_METRICS, group="eval")
+                          "better). The step-0 evaluation (the untrained policy) is not a candidate: the first best "
+                          "is the first evaluation after training starts.", choices=BEST_METRICS, group="eval")
     early_stop_patience: int = _f(0, "Stop the run after this many evaluations in a row without a new best of "
                                   "best_metric (its last checkpoint, plots and final model are written as at a normal "
                                   "end); 0 = off. Needs eval_every > 0.", group="eval")

@@ -169,6 +169,7 @@ def test_rollouts_of_step_t_come_from_the_weights_of_step_t_minus_2(build_traine
         assert r["rollout_corr/behaviour_ess"] == pytest.approx(float(w.sum() ** 2 / (w.numel() * (w * w).sum())), rel=1e-6)
         assert r["rollout_corr/behaviour_ess"] < 1.0
     assert [r["staleness/mean"] for r in records] == [0, 1, 2, 2]
+    assert [r["staleness/token_mean"] for r in records] == [0, 1, 2, 2]  # one version a step: the same figure
     # step 1: sampler = learner (generation's incremental forward vs the full one: rounding only)
     assert abs(records[0]["rollout_corr/kl"]) < 1e-6
     assert records[0]["rollout_corr/behaviour_ess"] == pytest.approx(1.0, abs=1e-9)
@@ -447,3 +448,20 @@ def test_compare_arms_and_sweeps_set_staleness(tmp_path):
     assert [c.config.staleness for c in expand_cells(load_spec(None, [], data=data))] == [0, 4]
     with pytest.raises(ConfigError, match="staleness=-2: must be >= 0"):
         expand_cells(load_spec(None, [], data={**data, "arms": {"sync": {"staleness": -2}}, "baseline": "sync"}))
+
+
+def test_token_weighted_staleness_by_hand():
+    """Rollouts of different ages and lengths in one step (async can mix them): the per-sample mean
+    (0 + 2 + 2) / 3 against the token-weighted (0 * 4 + 2 * 1 + 2 * 1) / 6; a step without tokens
+    falls back to the per-sample mean."""
+    from types import SimpleNamespace
+
+    from echotrain.train.lag import staleness_summary
+
+    data = SimpleNamespace(rollout_version=torch.tensor([4, 2, 2]),
+                           response_mask=torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [0, 1, 0, 0]]))
+    out = staleness_summary(5, data)  # step 5: the learner's version is 4
+    assert out == {"staleness/min": 0.0, "staleness/mean": pytest.approx(4 / 3), "staleness/max": 2.0,
+                   "staleness/token_mean": pytest.approx(4 / 6)}
+    empty = SimpleNamespace(rollout_version=torch.tensor([4, 2]), response_mask=torch.zeros(2, 3))
+    assert staleness_summary(5, empty)["staleness/token_mean"] == 1.0

@@ -373,10 +373,10 @@ class AsyncRollouts:
             self.publish(step)
 
     def step_metrics(self, step: int, data: StepData, step_seconds: float | None = None) -> dict[str, float]:
-        """``staleness/min|mean|max`` and :data:`ASYNC_METRICS` of step ``step``."""
-        lag = ((step - 1) - data.rollout_version).float()
-        out = {"staleness/min": float(lag.min()), "staleness/mean": float(lag.mean()),
-               "staleness/max": float(lag.max())}
+        """``staleness/min|mean|max|token_mean`` and :data:`ASYNC_METRICS` of step ``step``."""
+        from echotrain.train.lag import staleness_summary
+
+        out = staleness_summary(step, data)
         info = dict(self._step_info)
         waited = info.pop("_waited", 0.0)
         out.update(info)

@@ -64,11 +64,28 @@ STALENESS_METRICS: dict[str, Metric] = {m.name: m for m in (
                    help="as staleness/min, averaged (mean over the step's rollouts)"),
     declare_metric("staleness/max", reduce="step", unit="training steps", when="staleness > 0 or async_rollouts=true", panel="Staleness", label="max staleness (steps)",
                    help="as staleness/min, the largest (max over the step's rollouts)"),
+    declare_metric("staleness/token_mean", reduce="step", unit="training steps",
+                   when="staleness > 0 or async_rollouts=true",
+                   help="as staleness/mean, weighted by each rollout's trained tokens (response_mask): the staleness "
+                        "of the average trained token (verl's token-weighted figure; differs from the per-sample mean "
+                        "when rollouts of different ages and lengths share a step)"),
     declare_metric("staleness/queue_depth", reduce="step", unit="rollout batches", when="staleness > 0",
                    help="batches generated ahead for later steps, held in the queue (value after the step)"),
     declare_metric("staleness/queue_mb", reduce="step", unit="MiB", when="staleness > 0",
                    help="memory of the queued batches' tensors (value after the step)"),
 )}
+
+
+def staleness_summary(step: int, data: StepData) -> dict[str, float]:
+    """``staleness/min|mean|max|token_mean`` of step ``step`` (1-based) trained on ``data``: the lag
+    of each rollout is ``(step - 1) - data.rollout_version`` (training steps since the weights that
+    sampled it); ``token_mean`` weights each rollout by its trained tokens (``data.response_mask``
+    row sums; the per-sample mean when no rollout has a token)."""
+    lag = ((step - 1) - data.rollout_version).double()
+    tokens = data.response_mask.double().sum(-1)
+    token_mean = float((lag * tokens).sum() / tokens.sum()) if tokens.sum() > 0 else float(lag.mean())
+    return {"staleness/min": float(lag.min()), "staleness/mean": float(lag.mean()), "staleness/max": float(lag.max()),
+            "staleness/token_mean": token_mean}
 
 
 class StalenessMismatch(RuntimeError):
@@ -182,9 +199,7 @@ class LaggedRollouts:
         ``rollout_corr/kl``, logged every step (:func:`echotrain.rl.correction.rollout_mismatch_metrics`)."""
         if self.staleness == 0:
             return {}
-        lag = ((step - 1) - data.rollout_version).float()
-        out = {"staleness/min": float(lag.min()), "staleness/mean": float(lag.mean()),
-               "staleness/max": float(lag.max())}
+        out = staleness_summary(step, data)
         out["staleness/queue_depth"] = float(len(self.queue))
         out["staleness/queue_mb"] = sum(_tensor_bytes(d) for _, d in self.queue) / 2**20
         return out

@@ -80,9 +80,11 @@ def staleness_summary(step: int, data: StepData) -> dict[str, float]:
     """``staleness/min|mean|max|token_mean`` of step ``step`` (1-based) trained on ``data``: the lag
     of each rollout is ``(step - 1) - data.rollout_version`` (training steps since the weights that
     sampled it); ``token_mean`` weights each rollout by its trained tokens (``data.response_mask``
-    row sums; the per-sample mean when no rollout has a token)."""
+    row sums, ``data.batch.response_mask`` before the trainer sets the loss mask; the per-sample
+    mean when no rollout has a token)."""
     lag = ((step - 1) - data.rollout_version).double()
-    tokens = data.response_mask.double().sum(-1)
+    mask = data.response_mask if data.response_mask is not None else data.batch.response_mask
+    tokens = mask.double().sum(-1)
     token_mean = float((lag * tokens).sum() / tokens.sum()) if tokens.sum() > 0 else float(lag.mean())
     return {"staleness/min": float(lag.min()), "staleness/mean": float(lag.mean()), "staleness/max": float(lag.max()),
             "staleness/token_mean": token_mean}

@@ -151,6 +151,8 @@ def test_generate_rollouts_either_loop_gives_the_same_batch(policy):
     assert bool(a.truncated.any()) and not bool(a.truncated.all())
     torch.testing.assert_close(b.rollout_log_prob, a.rollout_log_prob, rtol=0, atol=1e-5)
     torch.testing.assert_close(b.rollout_entropy, a.rollout_entropy, rtol=0, atol=1e-5)
+    torch.testing.assert_close(b.rollout_sum_pi_squared, a.rollout_sum_pi_squared, rtol=0, atol=1e-6)
+    assert float(a.rollout_sum_pi_squared.abs().sum()) > 0
     with pytest.raises(ValueError, match="decode_loop"):
         R.generate_rollouts(model, tok, TEXTS, G, max_new_tokens=4, decode_loop="vllm")
     with pytest.raises(ValueError, match="sampler"):

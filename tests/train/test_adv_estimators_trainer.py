@@ -74,17 +74,22 @@ def test_the_step_trains_on_the_estimators_advantages(build_trainer, adv):
 
 
 @pytest.mark.parametrize("adv", ["optimal_token_baseline", "tir_optimal_token_baseline"])
-def test_optimal_token_baselines_read_the_step_start_policy(build_trainer, adv):
-    """The trainer's one no-grad pass gives log pi of the sampled tokens (= the recomputed
-    old_log_prob of the same weights) and sum_v pi(v)^2 (= a plain, unpacked forward of the weights
-    before the update), and the step trains on the estimator's advantages of exactly those."""
+@pytest.mark.parametrize("from_sampler", [True, False], ids=["sampler", "pass"])
+def test_optimal_token_baselines_read_the_step_start_policy(build_trainer, adv, from_sampler):
+    """log pi of the sampled tokens (= the recomputed old_log_prob of the same weights) and
+    sum_v pi(v)^2 (= a plain, unpacked forward of the weights before the update), from the sampler's
+    own numbers (synchronous float32: no pass) or from the trainer's one no-grad pass
+    (``reuse_sampler_log_probs=false``), and the step trains on the estimator's advantages of
+    exactly those."""
     import copy
 
     from echotrain.rl import compute_token_advantages
     from echotrain.runtime.rollout import response_log_softmax
 
     trainer = build_trainer(BASE, adv_estimator=adv, prompts_per_step=4, num_generations=4, max_new_tokens=8,
-                            micro_batch_size=5)  # micro-batches of 5 rows: the pass runs in 4 pieces
+                            micro_batch_size=5,  # micro-batches of 5 rows: the pass runs in 4 pieces
+                            reuse_sampler_log_probs=from_sampler)
+    assert trainer.sampler_is_learner is from_sampler
     before = copy.deepcopy(trainer.model)
     seen, stats = [], []
     rollouts_for, pi_stats = trainer.rollouts.rollouts_for, trainer._pi_stats
@@ -93,8 +98,9 @@ def test_optimal_token_baselines_read_the_step_start_policy(build_trainer, adv):
     trainer.train()
     (d,), ((lp, s2),) = seen, stats
     m = d.response_mask.bool()
-    torch.testing.assert_close(lp[m], d.old_log_prob[m], rtol=0, atol=2e-5)
     b = d.batch
+    assert (lp is b.rollout_log_prob and s2 is b.rollout_sum_pi_squared) is from_sampler
+    torch.testing.assert_close(lp[m], d.old_log_prob[m], rtol=0, atol=2e-5)
     with torch.no_grad():
         ls = response_log_softmax(before, b.prompt_ids, b.prompt_mask, b.response_ids, b.attended_mask,
                                   temperature=trainer.cfg.temperature, pack=False)

@@ -55,6 +55,17 @@ def test_recorded_log_probs_are_the_update_distribution(testbed, share_prefix):
     assert (b.rollout_entropy[~m] == 0).all() and (b.rollout_entropy[m] >= 0).all()
     assert float(b.rollout_entropy[m].std()) > 1e-3  # per-position values, not one number
     assert torch.equal(b.select([1, 0]).rollout_entropy, b.rollout_entropy[[1, 0]])
+    # the sampler's sum_v pi(v)^2 (the optimal token baselines' statistic): the same distributions'
+    from echotrain.runtime.rollout import response_log_softmax
+
+    with torch.no_grad():
+        ls = response_log_softmax(model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask,
+                                  temperature=0.7, pack=False)
+    sq = b.rollout_sum_pi_squared
+    assert sq is not None and sq.shape == b.response_ids.shape and (sq[~m] == 0).all()
+    torch.testing.assert_close(sq[m], (2 * ls).exp().sum(-1)[m], rtol=0, atol=1e-5)
+    assert float(sq[m].std()) > 1e-3 and (sq[m] <= 1 + 1e-6).all()
+    assert torch.equal(b.select([1, 0]).rollout_sum_pi_squared, sq[[1, 0]])
 
 
 def test_bf16_generation_shows_a_mismatch(testbed):

@@ -26,8 +26,8 @@ setting of the same name; :data:`SAMPLERS`):
 Both draw from the same distribution; only ``multinomial`` reproduces ``generate``'s tokens for a
 seed. Greedy decoding (``do_sample=False``) takes the argmax.
 
-The sampler's own per-token log-probs and entropies (``rollout_log_prob``, ``rollout_entropy``)
-come out of the same pass: ``log_softmax(logits / temperature)`` before top-k / top-p, as
+The sampler's own per-token log-probs, entropies and ``sum_v pi(v)^2`` (``rollout_log_prob``,
+``rollout_entropy``, ``rollout_sum_pi_squared``) come out of the same pass: ``log_softmax(logits / temperature)`` before top-k / top-p, as
 :class:`~echotrain.runtime.rollout.RolloutLogProbRecorder` records them inside ``generate``.
 """
 
@@ -66,6 +66,12 @@ def entropy_of(log_p: torch.Tensor) -> torch.Tensor:
     return -(log_p.exp() * log_p).sum(-1).float().cpu()
 
 
+def sum_pi_squared_of(log_p: torch.Tensor) -> torch.Tensor:
+    """(N,) float32 ``sum_v pi(v)^2`` (the collision probability) of the (N, V) log-softmax
+    ``log_p``, on CPU: what verl's optimal token baselines read (docs/design/objectives.md §1)."""
+    return (2.0 * log_p).exp().sum(-1).float().cpu()
+
+
 @dataclass
 class Decoded:
     """Output of :func:`sample_tokens` for N rows and T = the number of decode steps run.
@@ -75,11 +81,14 @@ class Decoded:
         log_prob: (N, T) float32 log-probs of ``tokens`` under ``log_softmax(logits / temperature)``;
             0 after a row's EOS. None when not recorded.
         entropy: (N, T) float32 entropies (nats) of those distributions; 0 after EOS; or None.
+        sum_pi_squared: (N, T) float32 ``sum_v pi(v)^2`` of those distributions; 0 after EOS;
+            or None.
     """
 
     tokens: torch.Tensor
     log_prob: torch.Tensor | None
     entropy: torch.Tensor | None
+    sum_pi_squared: torch.Tensor | None = None
 
 
 def _warpers(temperature: float, top_k: int, top_p: float) -> Any:
@@ -115,7 +124,7 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
         past_key_values: optional cache of ``input_ids[:, :-1]`` for all N rows (the prefill of
             :func:`~echotrain.runtime.rollout._prefill`); the loop then runs only the last prompt
             token first.
-        record_log_prob: also return the sampler's log-probs and entropies.
+        record_log_prob: also return the sampler's log-probs, entropies and ``sum_v pi(v)^2``.
         sampler: one of :data:`SAMPLERS` (module docstring).
 
     Returns:
@@ -140,6 +149,7 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     tokens = torch.full((N, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     log_prob = torch.zeros(N, max_new_tokens) if record_log_prob else None
     entropy = torch.zeros(N, max_new_tokens) if record_log_prob else None
+    sum_sq = torch.zeros(N, max_new_tokens) if record_log_prob else None
 
     attn = attention_mask.long()
     pos = attn.cumsum(-1) - 1
@@ -175,6 +185,7 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
             lp = torch.log_softmax(logits / temperature if do_sample and temperature != 1.0 else logits, dim=-1)
             log_prob[rows.cpu(), t] = lp.gather(-1, nxt[:, None]).squeeze(-1).cpu()
             entropy[rows.cpu(), t] = entropy_of(lp)
+            sum_sq[rows.cpu(), t] = sum_pi_squared_of(lp)
         steps = t + 1
         alive = ~torch.isin(nxt, eos) if len(eos) else torch.ones_like(nxt, dtype=torch.bool)
         if not bool(alive.any()) or steps == max_new_tokens:
@@ -187,4 +198,5 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
         step_ids, step_pos = nxt[:, None], next_pos
         next_pos = next_pos + 1
     return Decoded(tokens=tokens[:, :steps], log_prob=None if log_prob is None else log_prob[:, :steps],
-                   entropy=None if entropy is None else entropy[:, :steps])
+                   entropy=None if entropy is None else entropy[:, :steps],
+                   sum_pi_squared=None if sum_sq is None else sum_sq[:, :steps])

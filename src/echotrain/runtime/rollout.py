@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from echotrain.runtime.device import rng_devices
-from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS, entropy_of, sample_tokens
+from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS, entropy_of, sample_tokens, sum_pi_squared_of
 from echotrain.runtime.packing import (accepts_keyword, common_prefix_len, distinct_prompts, has_window_attention,
                                        is_prefix_mask, packed_log_probs, real_prompts, supports_packed_forward)
 
@@ -47,6 +47,9 @@ class RolloutBatch:
         rollout_entropy: (N, T) float32 entropy (nats) of the distribution each response token
             was sampled from (the same log-softmax), 0 off ``response_mask``; None when not
             recorded. The trainer's ``entropy`` when ``recompute_old_log_prob=false``.
+        rollout_sum_pi_squared: (N, T) float32 ``sum_v pi(v)^2`` of that distribution, 0 off
+            ``response_mask``; None when not recorded (multi-turn episodes). What the optimal token
+            baselines read when the sampler is the learner (docs/design/objectives.md §1).
         response_attention_mask: (N, T) float32, 1 on every token of the trajectory the forward
             attends to; None = ``response_mask``. Multi-turn episodes
             (:mod:`echotrain.runtime.episodes`) set it: their ``response_mask`` has holes (0 on the
@@ -63,6 +66,7 @@ class RolloutBatch:
     truncated: torch.Tensor
     rollout_log_prob: torch.Tensor | None = None
     rollout_entropy: torch.Tensor | None = None
+    rollout_sum_pi_squared: torch.Tensor | None = None
     response_attention_mask: torch.Tensor | None = None
     episode_stats: torch.Tensor | None = None
 
@@ -108,6 +112,7 @@ class RolloutLogProbRecorder:
         self.prev: torch.Tensor | None = None
         self.cols: list[torch.Tensor] = []
         self.ent_cols: list[torch.Tensor] = []
+        self.sq_cols: list[torch.Tensor] = []
         self._handles: list[Any] = []
 
     def _pre(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -115,6 +120,7 @@ class RolloutLogProbRecorder:
         if self.prev is not None and ids is not None:
             self.cols.append(self.prev.gather(-1, ids[:, -1:].to(self.prev.device)).squeeze(-1).float().cpu())
             self.ent_cols.append(self._entropy(self.prev))
+            self.sq_cols.append(sum_pi_squared_of(self.prev))
 
     def _post(self, module: Any, args: tuple, kwargs: dict, out: Any) -> None:
         logits = out.logits[:, -1, :].float()
@@ -145,6 +151,7 @@ class RolloutLogProbRecorder:
             self.cols.append(self.prev.gather(-1, response_ids[:, len(self.cols):len(self.cols) + 1]
                                               .to(self.prev.device)).squeeze(-1).float().cpu())
             self.ent_cols.append(self._entropy(self.prev))
+            self.sq_cols.append(sum_pi_squared_of(self.prev))
         self.prev = None
         if len(self.cols) != response_ids.shape[1]:
             raise RuntimeError(f"recorded {len(self.cols)} sampled-token log-probs for {response_ids.shape[1]} response "
@@ -157,6 +164,14 @@ class RolloutLogProbRecorder:
         if len(self.ent_cols) != response_ids.shape[1]:
             raise RuntimeError(f"recorded {len(self.ent_cols)} entropies for {response_ids.shape[1]} response positions")
         return (torch.stack(self.ent_cols, dim=1) if self.ent_cols
+                else torch.zeros(response_ids.shape, dtype=torch.float32))
+
+    def sum_pi_squared(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """``(N, T)`` float32 ``sum_v pi(v)^2`` of the same distributions as :meth:`entropy`; call
+        after :meth:`finish`."""
+        if len(self.sq_cols) != response_ids.shape[1]:
+            raise RuntimeError(f"recorded {len(self.sq_cols)} sum_pi_squared for {response_ids.shape[1]} response positions")
+        return (torch.stack(self.sq_cols, dim=1) if self.sq_cols
                 else torch.zeros(response_ids.shape, dtype=torch.float32))
 
 
@@ -329,7 +344,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
     device = next(model.parameters()).device
     ids, attn = encode_prompts(tokenizer, texts, pad_id)
     chunk = batch_size or len(texts)
-    responses, rollout_lps, rollout_ents = [], [], []
+    responses, rollout_lps, rollout_ents, rollout_sqs = [], [], [], []
     own_loop = decode_loop == "echotrain" and _supports_decode_loop(model)
     was_training = model.training
     model.eval()
@@ -361,6 +376,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                     if dec.log_prob is not None:
                         rollout_lps.append(dec.log_prob)
                         rollout_ents.append(dec.entropy)
+                        rollout_sqs.append(dec.sum_pi_squared)
                 else:
                     # the sampler's own log-probs, recorded inside generate (whatever model generates)
                     recorder = RolloutLogProbRecorder(model, temperature) if do_sample and record_log_prob else None
@@ -370,6 +386,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                     if recorder is not None:
                         rollout_lps.append(recorder.finish(new_ids))
                         rollout_ents.append(recorder.entropy(new_ids))
+                        rollout_sqs.append(recorder.sum_pi_squared(new_ids))
             # clone outside inference mode: later passes use these ids under autograd
             responses.append(new_ids.cpu().clone())
     finally:
@@ -377,13 +394,14 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
     width = max(r.shape[1] for r in responses)
     response_ids = torch.cat([F.pad(r, (0, width - r.shape[1]), value=pad_id) for r in responses])
     mask, truncated = response_mask_from_ids(response_ids, eos, pad_id)
-    rollout_log_prob = rollout_entropy = None
+    rollout_log_prob = rollout_entropy = rollout_sum_pi_squared = None
     if rollout_lps:
-        rollout_log_prob = torch.cat([F.pad(r.clone(), (0, width - r.shape[1])) for r in rollout_lps]) * mask
-        rollout_entropy = torch.cat([F.pad(r.clone(), (0, width - r.shape[1])) for r in rollout_ents]) * mask
+        rollout_log_prob, rollout_entropy, rollout_sum_pi_squared = (
+            torch.cat([F.pad(r.clone(), (0, width - r.shape[1])) for r in cols]) * mask
+            for cols in (rollout_lps, rollout_ents, rollout_sqs))
     return RolloutBatch(prompt_ids=ids, prompt_mask=attn, response_ids=response_ids, response_mask=mask,
                         group_index=group_index, truncated=truncated, rollout_log_prob=rollout_log_prob,
-                        rollout_entropy=rollout_entropy)
+                        rollout_entropy=rollout_entropy, rollout_sum_pi_squared=rollout_sum_pi_squared)
 
 
 def _prefill(model: Any, ids: torch.Tensor, attn: torch.Tensor, repeats: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
@@ -461,6 +479,8 @@ def concat_rollouts(batches: Sequence[RolloutBatch], pad_token_id: int) -> Rollo
         torch.cat([rpad(b.rollout_log_prob, T, 0) for b in batches]),
         rollout_entropy=None if any(b.rollout_entropy is None for b in batches) else
         torch.cat([rpad(b.rollout_entropy, T, 0) for b in batches]),
+        rollout_sum_pi_squared=None if any(b.rollout_sum_pi_squared is None for b in batches) else
+        torch.cat([rpad(b.rollout_sum_pi_squared, T, 0) for b in batches]),
         response_attention_mask=None if all(b.response_attention_mask is None for b in batches) else
         torch.cat([rpad(b.attended_mask, T, 0) for b in batches]),
         episode_stats=None if any(b.episode_stats is None for b in batches) else

@@ -266,12 +266,18 @@ class Trainer:
 
     def _pi_stats(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The current weights' log pi of the sampled tokens and sum_v pi(v)^2 at every response
-        position, ``(N, T)`` float32 on CPU each, from one no-grad pass of the full log-softmax at the
-        sampling temperature, in micro-batches (sharded over ranks): what verl's optimal token
-        baselines read (``old_log_probs``, ``sum_pi_squared``; docs/design/objectives.md §1)."""
+        position, ``(N, T)`` float32 on CPU each: what verl's optimal token baselines read
+        (``old_log_probs``, ``sum_pi_squared``; docs/design/objectives.md §1). When the sampler
+        ran these weights in this precision (:attr:`sampler_is_learner`) they are the sampler's own
+        numbers, recorded during generation (equal up to float rounding, no pass); else one no-grad
+        pass of the full log-softmax at the sampling temperature, in micro-batches (sharded over
+        ranks)."""
         from echotrain.runtime.rollout import response_log_softmax
 
         cfg = self.cfg
+        if (self.sampler_is_learner and batch.rollout_log_prob is not None
+                and batch.rollout_sum_pi_squared is not None):
+            return batch.rollout_log_prob, batch.rollout_sum_pi_squared
 
         def forward(model: Any, mb: RolloutBatch, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
             if self.utilisation is not None:
@@ -368,7 +374,8 @@ class Trainer:
 
         # 3. advantages (one scalar per response broadcast over its tokens, or per token for the
         # token-level estimators; remax's baselines were rolled out with the responses)
-        # (the optimal token baselines read pi and sum_v pi(v)^2 of the current weights: one no-grad pass)
+        # (the optimal token baselines read pi and sum_v pi(v)^2 of the current weights: the sampler's
+        # numbers when it ran them, else one no-grad pass)
         pi_stats = self._pi_stats(batch) if cfg.adv_estimator in ADV_NEEDS_PI_STATS else (None, None)
         data.advantages, data.seq_advantages = compute_token_advantages(
             data.rewards, batch.group_index, data.response_mask, adv_estimator=cfg.adv_estimator,

@@ -325,7 +325,9 @@ class TrainConfig:
                                        "reuse_on_policy_log_probs is off (several processes, SAM, clip_cov / kl_cov, "
                                        "a rollout_correction) and under autocast (bfloat16 rounds the cached decode "
                                        "and the packed update apart by ~1e-2), staleness or async_rollouts. Ours; "
-                                       "verl's bypass mode does this for every row.", group="update")
+                                       "verl's bypass mode does this for every row. Under the same conditions the "
+                                       "optimal token baselines read the sampler's log pi and sum_v pi(v)^2 instead of "
+                                       "their own no-grad pass.", group="update")
     log_prob_prepass: str = _f("forward", "How losses whose step statistics read the current log-probs (ECHO's batch "
                                "ratio R) get them for an off-policy mini-batch: forward = a no-grad forward of "
                                "each micro-batch first (memory of one micro-batch); retain = the with-grad forwards "

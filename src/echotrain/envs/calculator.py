@@ -8,17 +8,28 @@ its result comes back as ``<tool_response>7750</tool_response>``. On a chat mode
 SmolLM2-135M-Instruct on a reasoning-gym task) the tool's schema is described in the system
 message (SmolLM2's ChatML template has no tools section) and the result comes back as a ``tool``
 turn.
+
+A 135M chat model never calls a tool it has only read about (SmolLM2-135M-Instruct on
+``rg:basic_arithmetic``: 0 calls in 32 samples), so ``env_options.demonstrate=true`` turns each
+worked example already in a chat prompt (a user message followed by an assistant answer, such as
+reasoning-gym's one-shot exchange) into a worked tool use: before the example's answer, an
+assistant turn calling :func:`calculator` on the longest arithmetic expression of the question and
+the ``tool`` turn with its result. Examples whose question holds no expression the calculator
+evaluates stay as they are. Our choice (a documented flag, off by default): a prompt-side
+warm-up of the call format, in place of supervised warm-up on tool-use traces.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
+import re
 from typing import Any
 
 from echotrain.envs.base import ToolEnvironment, register_env
 
-__all__ = ["CalculatorEnv", "calculator"]
+__all__ = ["CalculatorEnv", "calculator", "demonstrate_calls", "find_expression"]
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
@@ -53,6 +64,53 @@ def calculator(expression: str) -> str:
     return str(value)
 
 
+#: runs of characters an arithmetic expression is made of (digits, operators, parentheses, spaces)
+_EXPR_RUN = re.compile(r"[-+*/%().\d\s]+")
+
+
+def find_expression(text: str) -> tuple[str, str] | None:
+    """The longest run of ``text`` that :func:`calculator` evaluates and that holds an operator,
+    with its value: ``("717 + -55 * -709", "756...")``; None when there is none.
+
+    Args:
+        text: any string (e.g. a user question, "Calculate 3 + 4 * 2.").
+
+    Returns:
+        ``(expression, result)`` strings (the expression stripped of spaces and trailing dots at
+        its ends), or None.
+    """
+    best: tuple[str, str] | None = None
+    for m in _EXPR_RUN.finditer(text):
+        expr = m.group(0).strip().rstrip(".").strip()
+        if not re.search(r"\d\s*[-+*/%]", expr) or (best is not None and len(expr) <= len(best[0])):
+            continue
+        try:
+            best = (expr, calculator(expr))
+        except (ValueError, SyntaxError, ZeroDivisionError, TypeError):
+            continue
+    return best
+
+
+def demonstrate_calls(messages: list[dict[str, str]], name: str = "calculator") -> list[dict[str, str]]:
+    """``messages`` with every worked example (a ``user`` message directly followed by an
+    ``assistant`` one) given a tool use before its answer: an ``assistant`` turn
+    ``<tool_call>{"name": name, "arguments": {"expression": ...}}</tool_call>`` on the question's
+    longest evaluable expression (:func:`find_expression`) and a ``tool`` turn with its result.
+    The last message and examples without an expression are kept as they are. A new list; the
+    input is not modified."""
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        nxt = messages[i + 1] if i + 1 < len(messages) else None
+        out.append(dict(m))
+        if m.get("role") == "user" and nxt is not None and nxt.get("role") == "assistant":
+            found = find_expression(str(m.get("content", "")))
+            if found is not None:
+                call = json.dumps({"name": name, "arguments": {"expression": found[0]}})
+                out += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                        {"role": "tool", "content": found[1]}]
+    return out
+
+
 @register_env("calculator", for_testbed=True)
 class CalculatorEnv(ToolEnvironment):
     """:class:`~echotrain.envs.base.ToolEnvironment` with the :func:`calculator` tool.
@@ -60,7 +118,20 @@ class CalculatorEnv(ToolEnvironment):
     Args:
         timeout_s: each call's wall-clock limit (seconds).
         max_output_chars: the most characters of a result.
+        demonstrate: turn the worked examples of a chat prompt into worked tool uses
+            (:func:`demonstrate_calls`; module docstring). Plain-string prompts (the testbed) are
+            left as they are.
     """
 
-    def __init__(self, timeout_s: float = 5.0, max_output_chars: int = 200, **kwargs: Any):
+    def __init__(self, timeout_s: float = 5.0, max_output_chars: int = 200, demonstrate: bool = False,
+                 **kwargs: Any):
+        if not isinstance(demonstrate, bool):
+            raise ValueError(f"env_options.demonstrate must be true or false, got {demonstrate!r}")
         super().__init__([calculator], timeout_s=timeout_s, max_output_chars=max_output_chars, **kwargs)
+        self.demonstrate = demonstrate
+
+    def reset(self, example: Any) -> list[dict[str, str]] | str:
+        """The prompt of :meth:`ToolEnvironment.reset`, with its worked examples turned into
+        worked tool uses when ``demonstrate``."""
+        prompt = super().reset(example)
+        return demonstrate_calls(prompt) if self.demonstrate and not isinstance(prompt, str) else prompt

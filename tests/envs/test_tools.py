@@ -139,7 +139,7 @@ def test_python_tool_runs_code():
 def test_env_registry_and_bad_options():
     make = get_env_factory("calculator", timeout_s=1.0)
     assert make() is not make()  # one instance per episode
-    with pytest.raises(ValueError, match="env='nope' is unknown; valid: \\['calculator', 'feedback', 'python', 'tools', 'trl'\\]"):
+    with pytest.raises(ValueError, match="env='nope' is unknown; valid: \\['calculator', 'feedback', 'python', 'tools', 'trl', 'verifiers'\\]"):
         get_env_factory("nope")
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         get_env_factory("calculator", timeout_s=0)

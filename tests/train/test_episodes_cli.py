@@ -66,14 +66,34 @@ def test_tools_key_takes_plain_callables(monkeypatch, tmp_path):
     assert "episode/tool_calls" in read_jsonl(run / "metrics.jsonl")[0]
 
 
+def test_verifiers_env_on_the_testbed(monkeypatch, tmp_path):
+    """``env=verifiers``: an async verifiers-style environment imported from the working directory
+    answers every model turn (its reply reads the episode's state); episodes of 2 turns, the
+    reply in the samples."""
+    (tmp_path / "vf_retry.py").write_text(
+        "class Retry:\n"
+        "    async def env_response(self, messages, state):\n"
+        "        return [{'role': 'user', 'content': f\"turn {state['turn']}: again\"}]\n\n"
+        "def load_environment():\n    return Retry()\n")
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "r"
+    assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", "env=verifiers", "env_options.env=vf_retry:load_environment",
+               "max_turns=2", "steps=1", "save_every=0", f"output_dir={run}") == 0
+    rec = read_jsonl(run / "metrics.jsonl")[0]
+    assert set(EPISODE_METRICS) <= set(rec) and rec["episode/tool_errors"] == 0
+    assert rec["episode/turns"] == 2 and rec["episode/env_token_frac"] > 0
+    assert "turn 1: again\n" in read_jsonl(run / "samples.jsonl")[0]["completion"]
+
+
 @pytest.mark.parametrize("over, message", [
-    (["env=nope"], "env='nope' is not valid; valid: calculator, feedback, python, tools, trl"),
+    (["env=nope"], "env='nope' is not valid; valid: calculator, feedback, python, tools, trl, verifiers"),
     (["env=calculator", "async_rollouts=true"], "async_rollouts=True: true is not supported with env"),
     (["env_options.timeout_s=1"], "env_options={'timeout_s': 1}: is set but env is not"),
     (["env=calculator", "env_options.timeout_s=0"], "env='calculator': timeout_s must be > 0 seconds, got 0"),
     (["env=calculator", "max_turns=0"], "max_turns=0: must be >= 1"),
     (["env=calculator", "env_options.demonstrate=maybe"], "env_options.demonstrate must be true or false, got 'maybe'"),
     (["tools=[nowhere:fn]"], "env='tools': cannot import 'nowhere' for 'nowhere:fn'"),
+    (["env=verifiers", "env_options.env=nowhere:fn"], "env='verifiers': cannot import 'nowhere' for 'nowhere:fn'"),
     (["env=calculator", "tools=[x:y]"], "tools=['x:y']: takes env=tools (or no env), not env='calculator'"),
     (["env=calculator", "overlong_buffer_len=2"], "overlong_buffer_len=2: DAPO's overlong penalty"),
     (["env=calculator", "adv_estimator=remax"], "adv_estimator='remax': 'remax' rolls out one greedy single-turn"),

@@ -42,7 +42,7 @@ class EnvReply:
         reward: per-turn shaping (0.0 = none), summed over the episode.
         tool_calls: tool calls in the turn (malformed ones included).
         tool_errors: calls that failed (malformed, unknown tool, bad arguments, raised, timed
-            out, too much output).
+            out, too much output); ``env=verifiers``: 1 when the environment raised.
     """
 
     messages: list[dict[str, str]] = field(default_factory=list)

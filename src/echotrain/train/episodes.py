@@ -33,7 +33,7 @@ EPISODE_METRICS: dict[str, Metric] = {m.name: m for m in (
     declare_metric("episode/tool_errors", reduce="step", unit="calls per episode", when=_WHEN, panel="Episodes",
                    label="tool errors per episode",
                    help="failed tool calls per episode: malformed, unknown tool, bad arguments, raised, timed out, "
-                        "too much output (mean)"),
+                        "too much output; an env=verifiers environment that raised (mean)"),
     declare_metric("episode/env_tokens", reduce="step", unit="tokens per episode", when=_WHEN,
                    help="environment tokens per episode (response_mask 0 inside the trajectory) (mean)"),
     declare_metric("episode/model_tokens", reduce="step", unit="tokens per episode", when=_WHEN,

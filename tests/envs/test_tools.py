@@ -224,3 +224,64 @@ def test_trl_environment_factory_objects():
     assert final.done and final.reward == 1.0  # get_reward() at the final answer
     with pytest.raises(ValueError, match="env=trl needs env_options.factory"):
         get_env_factory("trl")
+
+
+class Shouter:
+    """A second TRL-style environment: one tool, no reward."""
+
+    def reset(self, **row):
+        return None
+
+    def shout(self, text: str) -> str:
+        """Upper-case a text.
+
+        Args:
+            text: what to shout.
+        """
+        return text.upper()
+
+
+class NoReset:
+    def tool(self, x: int) -> int:
+        """Identity.
+
+        Args:
+            x: anything.
+        """
+        return x
+
+
+def test_trl_several_environments_are_selected_per_example():
+    """TRL's ``environment_factory={name: factory}``: each example's ``environment`` field picks
+    its environment; only that one's tools are described and callable."""
+    from echotrain.tasks import Example
+
+    make = get_env_factory("trl", factory={"count": Counter, "shout": Shouter})
+
+    def example(env_name):
+        return Example(messages=[{"role": "user", "content": "Go"}], question="Go", answer="5", task="t", index=3,
+                       metadata={} if env_name is None else {"environment": env_name})
+
+    env = make()
+    prompt = env.reset(example("shout"))
+    assert '"name": "shout"' in prompt[0]["content"] and '"name": "increment"' not in prompt[0]["content"]
+    assert prompt[-1]["content"] == "Go"  # Shouter.reset returns None: nothing appended
+    reply = env.step('<tool_call>{"name": "shout", "arguments": {"text": "hi"}}</tool_call>')
+    assert reply.messages == [{"role": "tool", "content": "HI"}] and reply.tool_errors == 0
+    wrong = env.step('<tool_call>{"name": "increment", "arguments": {"step": 1}}</tool_call>')
+    assert wrong.tool_errors == 1  # the other environment's tool is not this episode's
+    assert env.step("done").done and env.step("done").reward == 0.0  # no get_reward: no shaping
+
+    env = make()  # a fresh episode of the other environment, with its reward
+    prompt = env.reset(example("count"))
+    assert '"name": "increment"' in prompt[0]["content"] and prompt[-1]["content"] == "Go (start from 0)"
+    env.step('<tool_call>{"name": "increment", "arguments": {"step": 5}}</tool_call>')
+    assert env.step("<answer>5</answer>").reward == 1.0
+    for bad in (None, "nope"):
+        with pytest.raises(ValueError, match=f"example 3 of task 't' has environment={bad!r}; .*"
+                                             r"one of \['count', 'shout'\]"):
+            make().reset(example(bad))
+    with pytest.raises(ValueError, match="env_options.factory.broken: NoReset has no reset method"):
+        get_env_factory("trl", factory={"count": Counter, "broken": NoReset})
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        get_env_factory("trl", factory={"count": Counter}, timeout_s=0)

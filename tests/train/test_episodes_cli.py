@@ -66,6 +66,74 @@ def test_tools_key_takes_plain_callables(monkeypatch, tmp_path):
     assert "episode/tool_calls" in read_jsonl(run / "metrics.jsonl")[0]
 
 
+ROUTED_TASK = """
+from echotrain.tasks.base import register_task
+from echotrain.tasks.testbed_calc import CalcTestbedTask
+
+
+class Routed(CalcTestbedTask):
+    def __getitem__(self, index):
+        ex = super().__getitem__(index)
+        ex.metadata["environment"] = "count" if int(ex.question[3]) % 2 else "shout"
+        return ex
+
+
+@register_task("testbed-routed", for_testbed=True)
+def _routed(**options):
+    return Routed(**options)
+"""
+
+TRL_ENVS = """
+class Count:
+    def reset(self, **row):
+        self.n = 0
+
+    def increment(self, step: int) -> int:
+        \"\"\"Add to the counter.
+
+        Args:
+            step: how much.
+        \"\"\"
+        self.n += step
+        return self.n
+
+    def get_reward(self) -> float:
+        return 0.25
+
+
+class Shout:
+    def reset(self, **row):
+        return None
+
+    def shout(self, text: str) -> str:
+        \"\"\"Upper-case a text.
+
+        Args:
+            text: what.
+        \"\"\"
+        return text.upper()
+"""
+
+
+def test_trl_several_environments_through_the_cli(monkeypatch, tmp_path):
+    """TRL's ``environment_factory={name: factory}`` as ``env_options.factory.NAME=...``: a plugin
+    task whose examples carry an ``environment`` field (first operand odd: ``count``) routes each
+    episode to its environment (only ``Count`` has ``get_reward``: its episodes get 0.25
+    shaping, ``Shout``'s none)."""
+    (tmp_path / "routes.py").write_text(ROUTED_TASK)
+    (tmp_path / "trl_envs.py").write_text(TRL_ENVS)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "r"
+    assert cli(monkeypatch, "train", *TINY, "plugins=[./routes.py]", "task=testbed-routed", "env=trl",
+               "env_options.factory.count=trl_envs.py:Count", "env_options.factory.shout=trl_envs.py:Shout",
+               "max_turns=1", "steps=1", "save_every=0", "prompts_per_step=4", "log_samples=8", f"output_dir={run}") == 0
+    rec = read_jsonl(run / "metrics.jsonl")[0]
+    samples = read_jsonl(run / "samples.jsonl")
+    counted = [int(r["question"][3]) % 2 for r in samples]  # the episodes routed to Count
+    assert len(samples) == 8 and 0 < sum(counted) < 8, counted
+    assert rec["episode/shaping"] == pytest.approx(0.25 * sum(counted) / 8) and rec["episode/turns"] == 1
+
+
 def test_verifiers_env_on_the_testbed(monkeypatch, tmp_path):
     """``env=verifiers``: an async verifiers-style environment imported from the working directory
     answers every model turn (its reply reads the episode's state); episodes of 2 turns, the

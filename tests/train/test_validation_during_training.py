@@ -45,10 +45,11 @@ def test_sampled_evaluation_reports_avg_and_pass_at_n(run, tmp_path):
     assert recs[-1]["eval/pass@n"] == evals[-1]["eval/pass@n"]
 
 
-def test_early_stop_and_keep_best(run, tmp_path, monkeypatch):
-    # a scripted evaluation: 0.3 (step 0), 0.6, 0.5, 0.4 -> no new best at steps 2 and 3: stop after 3
-    values = iter([0.3, 0.6, 0.5, 0.4, 0.9])
+def script_evaluations(monkeypatch, accuracies):
+    """Make ``Trainer.evaluate`` log and return ``accuracies`` in turn (step 0 first)."""
     from echotrain.train import trainer as trainer_mod
+
+    values = iter(accuracies)
 
     def fake_evaluate(self, step):
         out = {"eval/accuracy": next(values), "eval/format_rate": 1.0}
@@ -56,6 +57,11 @@ def test_early_stop_and_keep_best(run, tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(trainer_mod.Trainer, "evaluate", fake_evaluate)
+
+
+def test_early_stop_and_keep_best(run, tmp_path, monkeypatch):
+    # a scripted evaluation: 0.3 (step 0), 0.6, 0.5, 0.4 -> no new best at steps 2 and 3: stop after 3
+    script_evaluations(monkeypatch, [0.3, 0.6, 0.5, 0.4, 0.9])
     trainer, recs = run("stop", steps=6, early_stop_patience=2, keep_best=True)
     assert [r["step"] for r in recs] == [1, 2, 3]
     d = tmp_path / "stop"
@@ -71,15 +77,7 @@ def test_early_stop_and_keep_best(run, tmp_path, monkeypatch):
 def test_the_step_0_evaluation_is_not_a_best_candidate(run, tmp_path, monkeypatch):
     """As best_metric's help says: the untrained policy's evaluation (0.9 here, the highest) is no
     candidate; the first best is step 1's 0.5, and patience counts from there."""
-    values = iter([0.9, 0.5, 0.4, 0.3, 0.2])
-    from echotrain.train import trainer as trainer_mod
-
-    def fake_evaluate(self, step):
-        out = {"eval/accuracy": next(values), "eval/format_rate": 1.0}
-        self.logger.log_eval({"step": step, **out, "eval/prompts": 4, "time/eval": 0.0})
-        return out
-
-    monkeypatch.setattr(trainer_mod.Trainer, "evaluate", fake_evaluate)
+    script_evaluations(monkeypatch, [0.9, 0.5, 0.4, 0.3, 0.2])
     _, recs = run("zero", steps=6, early_stop_patience=2, keep_best=True)
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert json.loads((tmp_path / "zero" / "best" / "best.json").read_text())["step"] == 1

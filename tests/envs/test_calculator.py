@@ -24,6 +24,8 @@ QUESTION = {"role": "user", "content": "Calculate ( -6 * 9 * -2 / 1 ) - 2 + 6."}
     ("What is 1 / 0 or 2 + 3?", ("2 + 3", "5")),            # 1 / 0 does not evaluate: skipped
     ("There are 12 apples.", None),                          # a number is no expression
     ("", None),
+    ("Compute " + "+".join(["1"] * 1500) + ".", None),      # past MAX_EXPRESSION_CHARS: skipped
+    ("Compute " + "(" * 210 + "1+1" + ")" * 210 + ".", None),  # nesting too deep for the parser: skipped, no crash
 ])
 def test_find_expression(text, expected):
     assert find_expression(text) == expected
@@ -54,3 +56,13 @@ def test_calculator_env_demonstrates_only_when_asked():
         Example(messages="4817+2933=", question="4817+2933=", answer="7750", task="testbed-calc", index=0)) == "4817+2933="
     with pytest.raises(ValueError, match="env_options.demonstrate must be true or false, got 'yes'"):
         CalculatorEnv(demonstrate="yes")
+
+
+def test_only_worked_examples_before_the_question_are_demonstrated():
+    """The question being asked (the last user message, even before an assistant prefill) never
+    gets a worked call with its answer; an example that already calls a tool is kept."""
+    prefill = {"role": "assistant", "content": "Let me think."}
+    out = demonstrate_calls([SYSTEM, QUESTION, prefill])
+    assert out == [SYSTEM, QUESTION, prefill]
+    called = {"role": "assistant", "content": '<tool_call>{"name": "calculator"}</tool_call>'}
+    assert demonstrate_calls([SYSTEM, SHOT_Q, called, QUESTION]) == [SYSTEM, SHOT_Q, called, QUESTION]

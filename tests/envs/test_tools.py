@@ -285,3 +285,30 @@ def test_trl_several_environments_are_selected_per_example():
         get_env_factory("trl", factory={"count": Counter, "broken": NoReset})
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         get_env_factory("trl", factory={"count": Counter}, timeout_s=0)
+
+
+def test_trl_environment_files_are_imported_once_and_examples_stay_intact(tmp_path, monkeypatch):
+    """A ``file.py:Class`` factory runs its file once per process (not once per episode); a
+    ``reset`` observation never edits the example's shared messages; an integer ``environment``
+    selects the factory of that name; an unknown one is a ConfigError (one line from the CLI)."""
+    from echotrain.errors import ConfigError
+    from echotrain.tasks import Example
+
+    (tmp_path / "counted_env.py").write_text(
+        "import builtins\nbuiltins.counted_env_runs = getattr(builtins, 'counted_env_runs', 0) + 1\n"
+        "class Hi:\n    def reset(self, **row):\n        return ' (hi)'\n"
+        "    def wave(self, n: int) -> int:\n        \"\"\"Wave.\n\n        Args:\n            n: times.\n        \"\"\"\n"
+        "        return n\n")
+    monkeypatch.chdir(tmp_path)
+    import builtins
+
+    make = get_env_factory("trl", factory={"1": "counted_env.py:Hi"}, describe_tools=False)
+    messages = [{"role": "user", "content": "Go"}]
+    ex = Example(messages=messages, question="Go", answer="1", task="t", index=0, metadata={"environment": 1})
+    prompts = [make().reset(ex) for _ in range(3)]
+    assert builtins.counted_env_runs == 1
+    assert all(p == [{"role": "user", "content": "Go (hi)"}] for p in prompts)
+    assert messages == [{"role": "user", "content": "Go"}]  # the example's own list untouched
+    ex.metadata["environment"] = 2
+    with pytest.raises(ConfigError, match="has environment=2"):
+        make().reset(ex)

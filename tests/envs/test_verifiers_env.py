@@ -141,3 +141,27 @@ def test_bad_env_options_are_refused_with_the_name(tmp_path, monkeypatch):
     assert env.step("1").messages == [{"role": "user", "content": "again"}]
     with pytest.raises(ValueError, match="'vf_kwargs_env.py:Echo' raised TypeError"):
         get_env_factory("verifiers", env="vf_kwargs_env.py:Echo")  # word missing
+
+
+class Editor:
+    """Edits the prompt and info it is handed (verifiers environments may)."""
+
+    def setup_state(self, state):
+        state["prompt"].insert(0, {"role": "system", "content": "Be brief."})
+        state["info"]["low"] = -1
+
+    def env_response(self, messages, state):
+        return []
+
+
+def test_the_episodes_of_one_example_do_not_share_its_prompt_or_metadata():
+    """The G episodes of an example share its ``Example``: ``setup_state`` editing ``state["prompt"]``
+    or ``state["info"]`` in place changes that episode's state only."""
+    ex = Example(messages=[{"role": "user", "content": "Q"}], question="Q", answer="1", task="t", index=0,
+                 metadata={"low": 1})
+    make = get_env_factory("verifiers", env=Editor)
+    envs = [make() for _ in range(3)]
+    prompts = [env.reset(ex) for env in envs]
+    assert ex.messages == [{"role": "user", "content": "Q"}] and ex.metadata == {"low": 1}
+    assert all(p == [{"role": "user", "content": "Q"}] for p in prompts)
+    assert [len(env.state["prompt"]) for env in envs] == [2, 2, 2] and envs[0].state["info"] == {"low": -1}

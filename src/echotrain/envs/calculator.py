@@ -1,5 +1,5 @@
 """The calculator environment (``env=calculator``): one tool, :func:`calculator`, that evaluates
-arithmetic exactly.
+arithmetic (exact on integers; `/` gives a float).
 
 On the byte-level testbed (``model=testbed task=testbed-calc``) prompts stay the bare
 ``4817+2933=`` (no tool description: the 427k-parameter policy reads no JSON schema); a call is
@@ -64,13 +64,18 @@ def calculator(expression: str) -> str:
     return str(value)
 
 
+#: the longest expression :func:`find_expression` tries (longer runs are skipped)
+MAX_EXPRESSION_CHARS = 500
+
 #: runs of characters an arithmetic expression is made of (digits, operators, parentheses, spaces)
 _EXPR_RUN = re.compile(r"[-+*/%().\d\s]+")
 
 
 def find_expression(text: str) -> tuple[str, str] | None:
     """The longest run of ``text`` that :func:`calculator` evaluates and that holds an operator,
-    with its value: ``("717 + -55 * -709", "756...")``; None when there is none.
+    with its value: ``("717 + -55 * -709", "39712")``; None when there is none. Runs longer than
+    :data:`MAX_EXPRESSION_CHARS` are skipped, and a run the calculator fails on for any reason
+    (syntax, division by zero, nesting too deep for the parser) is skipped.
 
     Args:
         text: any string (e.g. a user question, "Calculate 3 + 4 * 2.").
@@ -82,28 +87,32 @@ def find_expression(text: str) -> tuple[str, str] | None:
     best: tuple[str, str] | None = None
     for m in _EXPR_RUN.finditer(text):
         expr = m.group(0).strip().rstrip(".").strip()
-        if not re.search(r"\d\s*[-+*/%]", expr) or (best is not None and len(expr) <= len(best[0])):
+        if (not re.search(r"\d\s*[-+*/%]", expr) or len(expr) > MAX_EXPRESSION_CHARS
+                or (best is not None and len(expr) <= len(best[0]))):
             continue
         try:
             best = (expr, calculator(expr))
-        except (ValueError, SyntaxError, ZeroDivisionError, TypeError):
+        except Exception:  # (RecursionError included: a deeply nested or very long run)
             continue
     return best
 
 
 def demonstrate_calls(messages: list[dict[str, str]], name: str = "calculator") -> list[dict[str, str]]:
     """``messages`` with every worked example (a ``user`` message directly followed by an
-    ``assistant`` one) given a tool use before its answer: an ``assistant`` turn
+    ``assistant`` one, before the last ``user`` message: never the question being asked) given a
+    tool use before its answer: an ``assistant`` turn
     ``<tool_call>{"name": name, "arguments": {"expression": ...}}</tool_call>`` on the question's
     longest evaluable expression (:func:`find_expression`) and a ``tool`` turn with its result.
-    The last message and examples without an expression are kept as they are. A new list; the
-    input is not modified."""
+    Examples without an expression, or whose answer already calls a tool, are kept as they are.
+    A new list; the input is not modified."""
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
     out: list[dict[str, str]] = []
     for i, m in enumerate(messages):
         nxt = messages[i + 1] if i + 1 < len(messages) else None
         out.append(dict(m))
-        if m.get("role") == "user" and nxt is not None and nxt.get("role") == "assistant":
-            found = find_expression(str(m.get("content", "")))
+        if (i < last_user and m.get("role") == "user" and nxt is not None and nxt.get("role") == "assistant"
+                and isinstance(m.get("content"), str) and "<tool_call>" not in str(nxt.get("content", ""))):
+            found = find_expression(m["content"])
             if found is not None:
                 call = json.dumps({"name": name, "arguments": {"expression": found[0]}})
                 out += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},

@@ -19,7 +19,26 @@ from typing import Any, Callable, Sequence
 from echotrain.envs.base import EnvReply, ToolEnvironment, register_env
 from echotrain.envs.python_exec import python
 
-__all__ = ["FeedbackEnv", "PythonEnv", "ToolsEnv", "load_callable"]
+__all__ = ["FeedbackEnv", "PythonEnv", "ToolsEnv", "load_callable", "load_callable_once"]
+
+
+#: ``load_callable_once``'s callables by their spec (a ``.py`` file by its absolute path)
+_ONCE: dict[str, Callable[..., Any]] = {}
+
+
+def load_callable_once(spec: str) -> Callable[..., Any]:
+    """:func:`load_callable` of ``spec``, imported once per process: later calls (one per
+    episode) return the same object instead of executing a ``file.py`` again. The key is the
+    spec with a ``.py`` path made absolute (two working directories' ``my_env.py`` differ).
+
+    Raises:
+        ValueError: as :func:`load_callable`.
+    """
+    mod, _, attr = spec.partition(":")
+    key = f"{Path(mod).resolve()}:{attr}" if mod.endswith(".py") else spec
+    if key not in _ONCE:
+        _ONCE[key] = load_callable(spec)
+    return _ONCE[key]
 
 
 def load_callable(spec: str) -> Callable[..., Any]:

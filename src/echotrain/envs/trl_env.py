@@ -16,26 +16,30 @@ does (one instance per rollout). Its contract (``trl.GRPOTrainer``'s ``environme
 ``env_options.factory.NAME=module:Class`` once per environment. Each example then selects its
 environment by an ``environment`` field of its metadata (a column of a ``task=jsonl`` file, as
 TRL reads it from the dataset row); only that environment's methods are the episode's tools.
-Every class is built once per process when the options are checked (its ``reset`` and public
+Every class is imported and built once per process when the options are checked (its ``reset`` and public
 methods validated, as TRL probes one instance of each); the episode's instance is built at
 ``reset``. An example without the field, or naming no environment, is a ``ValueError`` naming
-the valid names (TRL raises too).
+the valid names (``ConfigError``: one line from the CLI; TRL raises too). The field is compared
+as text (``1`` from a JSONL column selects ``factory.1``).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any, Callable, Mapping
 
 from echotrain.envs.base import EnvReply, ToolEnvironment, register_env
-from echotrain.envs.library import load_callable
+from echotrain.envs.library import load_callable_once
+from echotrain.errors import ConfigError
 
 __all__ = ["TrlEnvironment"]
 
 
-#: ``id(factory)`` -> the tools of a probe instance, for the classes of a several-environments
-#: mapping already validated in this process
-_PROBED: dict[int, list[Callable[..., Any]]] = {}
+#: factory -> the tools of a probe instance, for the classes of a several-environments mapping
+#: already validated in this process (keyed by the object itself: a strong reference, so an id
+#: is never reused for another factory)
+_PROBED: dict[Callable[..., Any], list[Callable[..., Any]]] = {}
 
 
 def _methods(instance: Any) -> list[Callable[..., Any]]:
@@ -82,19 +86,19 @@ class TrlEnvironment(ToolEnvironment):
             raise ValueError("env=trl needs env_options.factory=module:Class (TRL's environment_factory)")
         self._options = kwargs
         if isinstance(factory, Mapping):  # several environments: the instance is built at reset
-            self.factories = {str(name): f if callable(f) else load_callable(f) for name, f in factory.items()}
+            self.factories = {str(name): f if callable(f) else load_callable_once(f) for name, f in factory.items()}
             for name, make in self.factories.items():
-                if id(make) not in _PROBED:
+                if make not in _PROBED:
                     try:
-                        _PROBED[id(make)] = _methods(make())
+                        _PROBED[make] = _methods(make())
                     except ValueError as e:
                         raise ValueError(f"env_options.factory.{name}: {e}") from None
             # (the options checked against a probe's tools; reset binds the example's own instance)
-            super().__init__(_PROBED[id(next(iter(self.factories.values())))], **kwargs)
+            super().__init__(_PROBED[next(iter(self.factories.values()))], **kwargs)
             self.instance, self._get_reward = None, None
             return
         self.factories = None
-        self._bind((factory if callable(factory) else load_callable(factory))())
+        self._bind((factory if callable(factory) else load_callable_once(factory))())
 
     def _bind(self, instance: Any) -> None:
         """Make ``instance``'s methods the tools."""
@@ -104,21 +108,22 @@ class TrlEnvironment(ToolEnvironment):
 
     def reset(self, example: Any) -> list[dict[str, str]] | str:
         """The example's prompt (tools described), with ``reset``'s string appended to the last user message."""
-        row = {"prompt": example.messages, "question": example.question, "answer": example.answer,
-               **dict(example.metadata)}
+        row = {"prompt": copy.deepcopy(example.messages), "question": example.question, "answer": example.answer,
+               **copy.deepcopy(dict(example.metadata))}
         if self.factories is not None:  # several environments: the example's own
             name = row.get("environment")
-            if name not in self.factories:
-                raise ValueError(f"example {example.index} of task {example.task!r} has environment={name!r}; with "
-                                 f"several env_options.factory entries each example needs an 'environment' field, "
-                                 f"one of {sorted(self.factories)}")
-            self._bind(self.factories[name]())
+            if name is None or str(name) not in self.factories:
+                raise ConfigError(f"example {example.index} of task {example.task!r} has environment={name!r}; with "
+                                  f"several env_options.factory entries each example needs an 'environment' field, "
+                                  f"one of {sorted(self.factories)}")
+            self._bind(self.factories[str(name)]())
         observation = self.instance.reset(**row)
         prompt = super().reset(example)
         if not observation:
             return prompt
         if isinstance(prompt, str):
             return prompt + str(observation)
+        prompt = [dict(m) for m in prompt]  # (never the example's own list: its G episodes share it)
         last = max(i for i, m in enumerate(prompt) if m["role"] == "user")
         prompt[last] = {**prompt[last], "content": prompt[last]["content"] + str(observation)}
         return prompt

@@ -47,6 +47,7 @@ Semantics here:
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import threading
 from pathlib import Path
@@ -162,7 +163,8 @@ class VerifiersEnvironment:
         """A fresh ``state`` for ``example`` (``setup_state`` applied); returns the example's prompt unchanged."""
         prompt = example.messages
         self.messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-        self.state = {"prompt": prompt, "answer": example.answer, "info": dict(example.metadata),
+        # (copies: the G episodes of an example share its messages and metadata, and setup_state may edit them)
+        self.state = {"prompt": copy.deepcopy(prompt), "answer": example.answer, "info": copy.deepcopy(dict(example.metadata)),
                       "task": example.task, "trajectory": [], "responses": [], "turn": 0}
         if hasattr(self.vf_env, "setup_state"):
             try:

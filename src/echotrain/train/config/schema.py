@@ -325,9 +325,11 @@ class TrainConfig:
                                        "reuse_on_policy_log_probs is off (several processes, SAM, clip_cov / kl_cov, "
                                        "a rollout_correction) and under autocast (bfloat16 rounds the cached decode "
                                        "and the packed update apart by ~1e-2), staleness or async_rollouts. Ours; "
-                                       "verl's bypass mode does this for every row. Under the same conditions the "
-                                       "optimal token baselines read the sampler's log pi and sum_v pi(v)^2 instead of "
-                                       "their own no-grad pass.", group="update")
+                                       "verl's bypass mode does this for every row. Also: whenever the sampler ran the "
+                                       "learner's weights in its precision (this flag on, synchronous, staleness=0, "
+                                       "float32, no autocast, no rollout_correction; with or without "
+                                       "reuse_on_policy_log_probs) the optimal token baselines read the sampler's log pi "
+                                       "and sum_v pi(v)^2 instead of their own no-grad pass.", group="update")
     log_prob_prepass: str = _f("forward", "How losses whose step statistics read the current log-probs (ECHO's batch "
                                "ratio R) get them for an off-policy mini-batch: forward = a no-grad forward of "
                                "each micro-batch first (memory of one micro-batch); retain = the with-grad forwards "

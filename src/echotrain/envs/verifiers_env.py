@@ -50,11 +50,10 @@ import asyncio
 import copy
 import inspect
 import threading
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from echotrain.envs.base import EnvReply, register_env
-from echotrain.envs.library import load_callable
+from echotrain.envs.library import load_callable_once
 
 __all__ = ["VerifiersEnvironment"]
 
@@ -86,13 +85,9 @@ _LOADED: dict[tuple[Any, str], tuple[Any, _Runner]] = {}
 
 def _load(env: str | Callable[..., Any], kwargs: dict[str, Any]) -> tuple[Any, _Runner]:
     """The shared object ``env(**kwargs)`` and its runner (loaded at the first call)."""
-    key: Any = env
-    if isinstance(env, str):  # a file spec by its absolute path: two runs' my_env.py differ
-        mod, _, attr = env.partition(":")
-        key = f"{Path(mod).resolve()}:{attr}" if mod.endswith(".py") else env
-    key = (key, repr(sorted(kwargs.items())))
+    make = load_callable_once(env) if isinstance(env, str) else env  # (a file spec imported once)
+    key = (make, repr(sorted(kwargs.items())))
     if key not in _LOADED:
-        make = load_callable(env) if isinstance(env, str) else env
         try:
             obj = make(**kwargs)
         except Exception as exc:

@@ -129,6 +129,9 @@ def test_episodes_benchmark_reports_both_throughputs():
                                         "--generations", "2", "--turns", "2", "--max-new-tokens", "8", "--reps", "1"])
     assert res["episodes"]["env_tokens"] > 0 and res["episodes"]["turns"] > 1
     assert res["ratio"] == pytest.approx(res["episodes"]["tokens_per_s"] / res["single-turn"]["tokens_per_s"])
+    assert res["ratio_no_cache"] == pytest.approx(res["episodes-no-cache"]["tokens_per_s"]
+                                                  / res["single-turn"]["tokens_per_s"])
+    assert res["episodes-no-cache"]["env_tokens"] > 0 and res["cache_kib_per_position"] is None  # testbed: no HF cache
 
 
 @pytest.mark.slow  # three echotrain processes, ~30 s on a loaded core

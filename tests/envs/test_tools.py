@@ -166,7 +166,7 @@ def test_failing_tools_in_an_episode_are_counted_and_the_episode_reaches_its_ans
     def fake(model, ids, attn, *, max_new_tokens, **kw):
         t = torch.tensor([tok.encode(turns[fake.turn])] * ids.shape[0])
         fake.turn += 1
-        return t, torch.zeros(t.shape), torch.zeros(t.shape)
+        return episodes_mod.Turn(t, torch.zeros(t.shape), torch.zeros(t.shape))
 
     fake.turn = 0
     monkeypatch.setattr(episodes_mod, "_sample", fake)

@@ -23,9 +23,9 @@ def _record_samples(monkeypatch) -> list[list[list[int]]]:
     real = episodes_mod._sample
 
     def spy(*args, **kwargs):
-        toks, lp, ent = real(*args, **kwargs)
-        calls.append(toks.tolist())
-        return toks, lp, ent
+        out = real(*args, **kwargs)
+        calls.append(out.tokens.tolist())
+        return out
 
     monkeypatch.setattr(episodes_mod, "_sample", spy)
     return calls
@@ -128,7 +128,7 @@ def test_decode_then_encode_drift_cannot_happen(monkeypatch):
         fake.turn += 1
         rows = [scripted[turn] + [tok.pad_token_id] * (8 - len(scripted[turn]))] * ids.shape[0]
         t = torch.tensor(rows)[:, :max_new_tokens]
-        return t, torch.zeros(t.shape), torch.zeros(t.shape)
+        return episodes_mod.Turn(t, torch.zeros(t.shape), torch.zeros(t.shape))
 
     fake.turn = 0
     monkeypatch.setattr(episodes_mod, "_sample", fake)
@@ -179,7 +179,7 @@ def _scripted_bytes(monkeypatch, turns: list[str]):
     def fake(model, ids, attn, *, max_new_tokens, **kw):
         t = torch.tensor([tok.encode(turns[fake.turn])] * ids.shape[0])[:, :max_new_tokens]
         fake.turn += 1
-        return t, torch.full(t.shape, -0.5), torch.zeros(t.shape)
+        return episodes_mod.Turn(t, torch.full(t.shape, -0.5), torch.zeros(t.shape))
 
     fake.turn = 0
     monkeypatch.setattr(episodes_mod, "_sample", fake)

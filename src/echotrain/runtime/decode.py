@@ -83,12 +83,18 @@ class Decoded:
         entropy: (N, T) float32 entropies (nats) of those distributions; 0 after EOS; or None.
         sum_pi_squared: (N, T) float32 ``sum_v pi(v)^2`` of those distributions; 0 after EOS;
             or None.
+        row_caches: with ``return_cache=True``, per row the
+            :data:`~echotrain.runtime.turn_cache.RowCache` of every id the model read for it (the
+            input's attended ids and the drawn tokens but the last), taken when the row finished;
+            None entries when the model's cache is not a plain one
+            (:func:`~echotrain.runtime.turn_cache.layers_of`); else None.
     """
 
     tokens: torch.Tensor
     log_prob: torch.Tensor | None
     entropy: torch.Tensor | None
     sum_pi_squared: torch.Tensor | None = None
+    row_caches: list | None = None
 
 
 def _warpers(temperature: float, top_k: int, top_p: float) -> Any:
@@ -108,7 +114,7 @@ def _warpers(temperature: float, top_k: int, top_p: float) -> Any:
 def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                   eos_token_ids: Sequence[int], pad_token_id: int, do_sample: bool = True, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, past_key_values: Any = None,
-                  record_log_prob: bool = True, sampler: str = "inverse_cdf") -> Decoded:
+                  record_log_prob: bool = True, sampler: str = "inverse_cdf", return_cache: bool = False) -> Decoded:
     """Decode up to ``max_new_tokens`` tokens for each row, dropping rows from the batch at EOS.
 
     Args:
@@ -121,9 +127,11 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
         pad_token_id: written after a row's EOS.
         do_sample: False = greedy (argmax); temperature / top_k / top_p are then unused.
         temperature, top_k, top_p: sampling parameters (top_k = 0 and top_p = 1 disable theirs).
-        past_key_values: optional cache of ``input_ids[:, :-1]`` for all N rows (the prefill of
-            :func:`~echotrain.runtime.rollout._prefill`); the loop then runs only the last prompt
-            token first.
+        past_key_values: optional cache of the first S < P columns of ``input_ids`` for all N
+            rows (S = P - 1 for the prefill of :func:`~echotrain.runtime.rollout._prefill`; the
+            episodes' kept turn caches, :mod:`~echotrain.runtime.turn_cache`, cover less); the
+            loop's first forward then runs only columns S.. (the attention mask covers all P).
+        return_cache: also return each row's cache when it finishes (``Decoded.row_caches``).
         record_log_prob: also return the sampler's log-probs, entropies and ``sum_v pi(v)^2``.
         sampler: one of :data:`SAMPLERS` (module docstring).
 
@@ -132,7 +140,8 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
 
     Raises:
         ValueError: ``max_new_tokens`` < 1, shapes of ``input_ids`` and ``attention_mask`` differ,
-            a sampling ``temperature`` <= 0, or an unknown ``sampler``.
+            a sampling ``temperature`` <= 0, an unknown ``sampler``, or a ``past_key_values`` that
+            covers all P columns (nothing left to run).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -154,13 +163,15 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     attn = attention_mask.long()
     pos = attn.cumsum(-1) - 1
     pos = pos.masked_fill(attn == 0, 1)
-    if past_key_values is None:
-        step_ids, step_pos = input_ids, pos
-    else:
-        step_ids, step_pos = input_ids[:, -1:], pos[:, -1:]
+    past = 0 if past_key_values is None else int(past_key_values.get_seq_length())
+    if past >= input_ids.shape[1]:
+        raise ValueError(f"past_key_values covers {past} columns of input_ids {tuple(input_ids.shape)}: "
+                         "at least the last column must be left to run")
+    step_ids, step_pos = input_ids[:, past:], pos[:, past:]
     next_pos = pos[:, -1:] + 1
     cache = past_key_values
     rows = torch.arange(N, device=device)  # the original row of each active row
+    row_caches: list | None = [None] * N if return_cache else None
     steps = 0
     for t in range(max_new_tokens):
         out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=cache,
@@ -188,7 +199,10 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
             sum_sq[rows.cpu(), t] = sum_pi_squared_of(lp)
         steps = t + 1
         alive = ~torch.isin(nxt, eos) if len(eos) else torch.ones_like(nxt, dtype=torch.bool)
-        if not bool(alive.any()) or steps == max_new_tokens:
+        last = not bool(alive.any()) or steps == max_new_tokens
+        if row_caches is not None and (last or not bool(alive.all())):
+            _take_row_caches(row_caches, cache, attn, rows, torch.ones_like(alive) if last else ~alive)
+        if last:
             break
         if not bool(alive.all()):
             keep = alive.nonzero().squeeze(1)
@@ -199,4 +213,16 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
         next_pos = next_pos + 1
     return Decoded(tokens=tokens[:, :steps], log_prob=None if log_prob is None else log_prob[:, :steps],
                    entropy=None if entropy is None else entropy[:, :steps],
-                   sum_pi_squared=None if sum_sq is None else sum_sq[:, :steps])
+                   sum_pi_squared=None if sum_sq is None else sum_sq[:, :steps], row_caches=row_caches)
+
+
+def _take_row_caches(out: list, cache: Any, attn: torch.Tensor, rows: torch.Tensor, finished: torch.Tensor) -> None:
+    """Store in ``out[rows[r]]`` the row cache of each active row r with ``finished[r]`` (the cache
+    holds, per active row, the columns of ``attn``; its attended ones are kept)."""
+    from echotrain.runtime.turn_cache import layers_of, row_cache
+
+    layers = layers_of(cache)
+    if layers is None:
+        return
+    for r in finished.nonzero().squeeze(1).tolist():
+        out[int(rows[r])] = row_cache(layers, r, attn[r])

@@ -21,8 +21,11 @@ of a :class:`~echotrain.runtime.rollout.RolloutBatch`:
 
 An episode ends at the environment's ``done`` (the final answer), after ``max_turns`` model
 turns, or when the trajectory would pass ``max_episode_tokens`` (model + environment ids after
-the prompt). Each turn re-encodes nothing: the whole trajectory's ids are run through the
-model's forward again (no KV cache kept between turns; docs/design/environments.md).
+the prompt). Each turn re-encodes nothing. With echotrain's decode loop each episode's KV cache
+is kept between turns (:mod:`~echotrain.runtime.turn_cache`): a turn prefills only the ids not yet
+in it (the last turn's end-of-turn token and the environment's ids); with ``kv_cache=False``, with
+``generate``, or with a cache that is not a plain one, the whole trajectory is run through the
+model again (docs/design/environments.md §3).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from echotrain.runtime.decode import sample_tokens
+from echotrain.runtime.packing import has_window_attention
 from echotrain.runtime.rollout import (RolloutBatch, RolloutLogProbRecorder, _supports_decode_loop, encode_prompts,
                                        eos_ids_of, render_prompts)
+from echotrain.runtime.turn_cache import RowCache, stack_row_caches
 
 __all__ = ["EPISODE_STATS", "EpisodeResult", "TurnRenderer", "run_episodes"]
 
@@ -115,17 +120,34 @@ class EpisodeResult:
     transcripts: list[list[dict[str, str]] | list[Any]]
 
 
+@dataclass
+class Turn:
+    """One model turn of the live episodes, from :func:`_sample`: ``tokens``, ``log_prob``,
+    ``entropy`` (n, T); ``row_caches`` (n) each row's cache after the turn (module
+    :mod:`~echotrain.runtime.turn_cache`), or None where none was kept."""
+
+    tokens: torch.Tensor
+    log_prob: torch.Tensor
+    entropy: torch.Tensor
+    row_caches: list[RowCache | None] | None = None
+
+
 def _sample(model: Any, ids: torch.Tensor, attn: torch.Tensor, *, max_new_tokens: int, eos: list[int], pad_id: int,
-            temperature: float, top_p: float, top_k: int, decode_loop: str, sampler: str
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One turn of every live episode: ``(tokens, log_prob, entropy)``, each (n, T)."""
+            temperature: float, top_p: float, top_k: int, decode_loop: str, sampler: str,
+            past: Any = None, keep_cache: bool = False) -> Turn:
+    """One turn of every live episode (n rows of ``ids``/``attn``, left-padded; ``past`` a cache of
+    their first columns, echotrain's decode loop only; ``keep_cache``: return each row's cache)."""
     device = next(model.parameters()).device
     ids, attn = ids.to(device), attn.to(device)
     with torch.inference_mode():
         if decode_loop == "echotrain" and _supports_decode_loop(model):
             dec = sample_tokens(model, ids, attn, max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=pad_id,
-                                do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, sampler=sampler)
-            return dec.tokens.cpu().clone(), dec.log_prob.cpu().clone(), dec.entropy.cpu().clone()
+                                do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, sampler=sampler,
+                                past_key_values=past, return_cache=keep_cache)
+            return Turn(dec.tokens.cpu().clone(), dec.log_prob.cpu().clone(), dec.entropy.cpu().clone(),
+                        dec.row_caches)
+        if past is not None:
+            raise ValueError("a kept turn cache needs echotrain's decode loop")
         recorder = RolloutLogProbRecorder(model, temperature)
         with recorder:
             out = model.generate(ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=True,
@@ -133,13 +155,25 @@ def _sample(model: Any, ids: torch.Tensor, attn: torch.Tensor, *, max_new_tokens
                                  top_p=top_p, top_k=top_k if top_k > 0 else None)
         new = out[:, ids.shape[1]:]
         lp = recorder.finish(new)
-        return new.cpu().clone(), lp.clone(), recorder.entropy(new).clone()
+        return Turn(new.cpu().clone(), lp.clone(), recorder.entropy(new).clone())
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, width) int64 ids and attention mask of ``seqs``, left-padded with ``pad_id``."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        if s:
+            ids[r, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            attn[r, width - len(s):] = 1
+    return ids, attn
 
 
 def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_generations: int,
                  make_env: Callable[[], Any], *, max_new_tokens: int, max_turns: int, max_episode_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, group_offset: int = 0,
-                 decode_loop: str = "echotrain", sampler: str = "inverse_cdf") -> EpisodeResult:
+                 decode_loop: str = "echotrain", sampler: str = "inverse_cdf", kv_cache: bool = True) -> EpisodeResult:
     """Play ``num_generations`` episodes of each example; the turns of live episodes batched.
 
     Args:
@@ -151,6 +185,9 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
         max_turns: the most model turns of an episode (>= 1).
         max_episode_tokens: the most ids after the prompt (model + environment), >= 1.
         temperature, top_p, top_k, decode_loop, sampler: as :func:`~echotrain.runtime.rollout.generate_rollouts`.
+        kv_cache: keep each episode's KV cache between turns and prefill only the new ids (echotrain's
+            decode loop and a plain cache; else ignored). The tokens drawn are those of the
+            uncached path up to float rounding (the same RNG draws; logits may round differently).
 
     Returns:
         :class:`EpisodeResult`. Sampling uses torch's global RNG (reproducible given its state).
@@ -188,25 +225,33 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
     truncated = torch.zeros(N, dtype=torch.bool)
     live = list(range(N))
     eos_set = set(eos)
+    # a column-counting attention window would see the padding between a kept cache and the new ids
+    keep = (kv_cache and decode_loop == "echotrain" and _supports_decode_loop(model)
+            and not has_window_attention(model))
+    kv: list[RowCache | None] = [None] * N  # episode i's cache: every trajectory id but the last
     was_training = model.training
     model.eval()
     try:
         for turn in range(max_turns):
             if not live:
                 break
-            seqs = [real[i] + resp[i] for i in live]
-            width = max(len(s) for s in seqs)
-            ids = torch.full((len(live), width), pad_id, dtype=torch.long)
-            attn = torch.zeros((len(live), width), dtype=torch.long)
-            for r, s in enumerate(seqs):
-                ids[r, width - len(s):] = torch.tensor(s, dtype=torch.long)
-                attn[r, width - len(s):] = 1
+            past = None
+            if keep and all(kv[i] is not None for i in live):  # prefill only what the caches lack
+                past, past_mask = stack_row_caches([kv[i] for i in live])
+                new_ids, new_mask = _left_pad([(real[i] + resp[i])[kv[i][0][0].shape[2]:] for i in live], pad_id)
+                ids = torch.cat([torch.full_like(past_mask, pad_id), new_ids], dim=1)
+                attn = torch.cat([past_mask, new_mask], dim=1)
+            else:
+                ids, attn = _left_pad([real[i] + resp[i] for i in live], pad_id)
             caps = [min(max_new_tokens, max_episode_tokens - len(resp[i])) for i in live]
-            toks, lp, ent = _sample(model, ids, attn, max_new_tokens=max(caps), eos=eos, pad_id=pad_id,
-                                    temperature=temperature, top_p=top_p, top_k=top_k, decode_loop=decode_loop,
-                                    sampler=sampler)
+            out = _sample(model, ids, attn, max_new_tokens=max(caps), eos=eos, pad_id=pad_id, temperature=temperature,
+                          top_p=top_p, top_k=top_k, decode_loop=decode_loop, sampler=sampler, past=past,
+                          keep_cache=keep and turn < max_turns - 1)
+            toks, lp, ent = out.tokens, out.log_prob, out.entropy
+            del past
             still = []
             for r, i in enumerate(live):
+                kv[i] = out.row_caches[r] if out.row_caches is not None else None
                 row = toks[r].tolist()[:caps[r]]
                 n = next((k + 1 for k, t in enumerate(row) if t in eos_set), len(row))
                 ended = n <= len(row) and n > 0 and row[n - 1] in eos_set
@@ -224,6 +269,9 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
                     stats[i, col["cut_by_tokens"]] = 1
                     truncated[i] = True
                     continue
+                if kv[i] is not None and kv[i][0][0].shape[2] != len(real[i]) + len(resp[i]) - 1:
+                    raise RuntimeError(f"episode {i}: its kept cache holds {kv[i][0][0].shape[2]} positions, its "
+                                       f"trajectory {len(real[i]) + len(resp[i])} ids (expected one fewer)")
                 reply = envs[i].step(text)
                 stats[i, col["tool_calls"]] += reply.tool_calls
                 stats[i, col["tool_errors"]] += reply.tool_errors
@@ -249,6 +297,8 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
                 ents[i] += [0.0] * len(env_ids)
                 stats[i, col["env_tokens"]] += len(env_ids)
                 still.append(i)
+            for i in set(live) - set(still):
+                kv[i] = None  # the episode ended: free its cache
             live = still
     finally:
         model.train(was_training)

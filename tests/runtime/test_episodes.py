@@ -227,3 +227,33 @@ def test_episode_ends_and_counts(monkeypatch, turns, kw, expect):
     assert float(b.response_mask.sum()) == expect["model_tokens"]
     assert float((b.attended_mask - b.response_mask).sum()) == expect["env_tokens"]
     assert b.rollout_log_prob[b.response_mask.bool()].eq(-0.5).all() and b.rollout_log_prob[~b.response_mask.bool()].eq(0).all()
+
+
+def test_evaluation_of_an_env_run_scores_the_final_turn_of_episodes(monkeypatch):
+    """evaluate(episodes=...) plays the environment's turns and scores each episode's last model
+    turn: a scripted policy that answers only after the feedback is right every time with the
+    environment, and never when its first turn is scored alone."""
+    from echotrain.models.byte_tokenizer import ByteTokenizer
+    from echotrain.tasks import get_task
+    from echotrain.train.evaluate import evaluate
+
+    tok = ByteTokenizer()
+
+    def fake(model, ids, attn, *, max_new_tokens, **kw):  # turn 1: "?"; after the feedback: the sum
+        rows = []
+        for r in range(ids.shape[0]):
+            text = tok.decode(ids[r][attn[r].bool()].tolist(), skip_special_tokens=True)
+            question = text.split("=")[0]
+            rows.append(tok.encode(f"{eval(question)}\n" if "again" in text else "?\n"))
+        width = max(len(r) for r in rows)
+        t = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])[:, :max_new_tokens]
+        return episodes_mod.Turn(t, torch.zeros(t.shape), torch.zeros(t.shape))
+
+    monkeypatch.setattr(episodes_mod, "_sample", fake)
+    model, task = torch.nn.Linear(1, 1), get_task("testbed")
+    episodes = dict(make_env=get_env_factory("feedback", message="again"), max_turns=2, max_episode_tokens=32)
+    res = evaluate(model, tok, task, num_prompts=6, n=1, max_new_tokens=8, temperature=0.0, episodes=episodes)
+    assert res["accuracy"] == 1.0 and res["truncated_frac"] == 0.0
+    one_turn = dict(episodes, max_turns=1)
+    assert evaluate(model, tok, task, num_prompts=6, n=1, max_new_tokens=8, temperature=0.0,
+                    episodes=one_turn)["accuracy"] == 0.0

@@ -20,12 +20,20 @@ TINY = ["model=testbed", "prompts_per_step=2", "num_generations=2", "max_new_tok
 
 
 def test_calculator_env_on_the_testbed(monkeypatch, tmp_path):
+    """One step with the calculator; the held-out evaluation (start and end) plays episodes too."""
+    from echotrain.runtime import episodes as episodes_mod
+
+    calls = []
+    real = episodes_mod.run_episodes
+    monkeypatch.setattr(episodes_mod, "run_episodes", lambda *a, **k: calls.append(k.get("do_sample")) or real(*a, **k))
     run = tmp_path / "r"
     assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", "env=calculator", "max_turns=2", "steps=1",
-               "save_every=0", f"output_dir={run}") == 0
+               "save_every=0", "eval_prompts=4", f"output_dir={run}") == 0
     rec = read_jsonl(run / "metrics.jsonl")[0]
     assert set(EPISODE_METRICS) <= set(rec)
     assert rec["episode/turns"] >= 1 and rec["episode/model_tokens"] > 0
+    assert [r["step"] for r in read_jsonl(run / "eval.jsonl")] == [0, 1]
+    assert calls.count(False) == 2  # the two greedy evaluations ran episodes (the step's rollouts sample)
 
 
 def test_feedback_episodes_resume_exactly(monkeypatch, tmp_path):

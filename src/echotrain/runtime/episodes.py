@@ -134,7 +134,7 @@ class Turn:
 
 def _sample(model: Any, ids: torch.Tensor, attn: torch.Tensor, *, max_new_tokens: int, eos: list[int], pad_id: int,
             temperature: float, top_p: float, top_k: int, decode_loop: str, sampler: str,
-            past: Any = None, keep_cache: bool = False) -> Turn:
+            past: Any = None, keep_cache: bool = False, do_sample: bool = True) -> Turn:
     """One turn of every live episode (n rows of ``ids``/``attn``, left-padded; ``past`` a cache of
     their first columns, echotrain's decode loop only; ``keep_cache``: return each row's cache)."""
     device = next(model.parameters()).device
@@ -142,17 +142,20 @@ def _sample(model: Any, ids: torch.Tensor, attn: torch.Tensor, *, max_new_tokens
     with torch.inference_mode():
         if decode_loop == "echotrain" and _supports_decode_loop(model):
             dec = sample_tokens(model, ids, attn, max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=pad_id,
-                                do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, sampler=sampler,
+                                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, sampler=sampler,
                                 past_key_values=past, return_cache=keep_cache)
             return Turn(dec.tokens.cpu().clone(), dec.log_prob.cpu().clone(), dec.entropy.cpu().clone(),
                         dec.row_caches)
         if past is not None:
             raise ValueError("a kept turn cache needs echotrain's decode loop")
-        recorder = RolloutLogProbRecorder(model, temperature)
+        recorder = RolloutLogProbRecorder(model, temperature if do_sample else 1.0)
+        sampling = (dict(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None) if do_sample
+                    else dict(temperature=None, top_p=None, top_k=None))
+        if not do_sample and not hasattr(model, "generation_config"):  # echotrain's own models: plain defaults
+            sampling = {}
         with recorder:
-            out = model.generate(ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=True,
-                                 pad_token_id=pad_id, eos_token_id=eos or None, use_cache=True, temperature=temperature,
-                                 top_p=top_p, top_k=top_k if top_k > 0 else None)
+            out = model.generate(ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                 pad_token_id=pad_id, eos_token_id=eos or None, use_cache=True, **sampling)
         new = out[:, ids.shape[1]:]
         lp = recorder.finish(new)
         return Turn(new.cpu().clone(), lp.clone(), recorder.entropy(new).clone())
@@ -173,7 +176,8 @@ def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_generations: int,
                  make_env: Callable[[], Any], *, max_new_tokens: int, max_turns: int, max_episode_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, group_offset: int = 0,
-                 decode_loop: str = "echotrain", sampler: str = "inverse_cdf", kv_cache: bool = True) -> EpisodeResult:
+                 decode_loop: str = "echotrain", sampler: str = "inverse_cdf", kv_cache: bool = True,
+                 do_sample: bool = True) -> EpisodeResult:
     """Play ``num_generations`` episodes of each example; the turns of live episodes batched.
 
     Args:
@@ -188,6 +192,7 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
         kv_cache: keep each episode's KV cache between turns and prefill only the new ids (echotrain's
             decode loop and a plain cache; else ignored). The tokens drawn are those of the
             uncached path up to float rounding (the same RNG draws; logits may round differently).
+        do_sample: False = greedy turns (evaluation); temperature / top_p / top_k then unused.
 
     Returns:
         :class:`EpisodeResult`. Sampling uses torch's global RNG (reproducible given its state).
@@ -246,7 +251,7 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
             caps = [min(max_new_tokens, max_episode_tokens - len(resp[i])) for i in live]
             out = _sample(model, ids, attn, max_new_tokens=max(caps), eos=eos, pad_id=pad_id, temperature=temperature,
                           top_p=top_p, top_k=top_k, decode_loop=decode_loop, sampler=sampler, past=past,
-                          keep_cache=keep and turn < max_turns - 1)
+                          keep_cache=keep and turn < max_turns - 1, do_sample=do_sample)
             toks, lp, ent = out.tokens, out.log_prob, out.entropy
             del past
             still = []

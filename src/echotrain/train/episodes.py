@@ -96,6 +96,11 @@ class EpisodeRollouts:
         cfg = self.cfg
         return cfg.max_episode_tokens or 2 * cfg.max_turns * cfg.max_new_tokens
 
+    def eval_settings(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`~echotrain.train.evaluate.evaluate`'s ``episodes``: the
+        held-out evaluation plays episodes with the run's environment, turn limit and budget."""
+        return dict(make_env=self.make_env, max_turns=self.cfg.max_turns, max_episode_tokens=self.budget())
+
     def run(self, examples: list[Any], mine: range, group_offset: int, draw: int) -> tuple[RolloutBatch, list[str]]:
         """Episodes of ``examples`` (this rank's groups ``mine``): the batch and the final turns' texts."""
         cfg = self.cfg

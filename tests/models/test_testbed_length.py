@@ -255,3 +255,31 @@ def test_docs_commands_show_the_shipped_policy_and_train_from_it(tmp_path, capsy
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and 1 <= rows[-1]["response_length/max"] <= 72 and 0 <= rows[-1]["eval/accuracy"] <= 1
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.pt"))  # never built
+
+
+def test_check_steps_scores_skips_and_guesses_wrong_and_repeats_right():
+    """check_steps=True: hand-made chains of 7+25+3+14 (sum 49)."""
+    from echotrain.tasks import Example
+    from echotrain.tasks.testbed_length import steps_are_clean
+
+    strict = LengthTestbedTask(size=4, check_steps=True)
+    loose = LengthTestbedTask(size=4)
+    ex = Example(messages="7+25+3+14=", question="7+25+3+14=", answer="49", task="testbed-length", index=0,
+                 metadata={"terms": [7, 25, 3, 14]})
+    cases = {"7+25=32;32+3=35;35+14=49;#49": 1.0,             # clean
+             "7+25=32;7+25=32;32+3=35;35+14=49;#49": 1.0,     # a line repeated: harmless
+             "7+25=32;32+3=35;32+3=35;35+14=49;#49 ": 1.0,
+             "7+25+3=35;35+14=49;#49": 0.0,                   # a skipped step
+             "7+25=32;#49": 0.0, "#49": 0.0,                  # guesses
+             "7+25=32;32+3=36;36+14=49;#49": 0.0,             # a wrong partial sum
+             "7+25=32;32+3=35;35+14=49;#48": 0.0,             # a clean chain, a wrong answer
+             "7+25=32;32+3=35;7+25=32;35+14=49;#49": 0.0}     # not in order
+    for text, want in cases.items():
+        assert strict.score(text, ex) == want, text
+        assert loose.score(text, ex) == float(text.strip().endswith("#49")), text
+    assert steps_are_clean("3+4=7;#7", [3, 4]) and not steps_are_clean("3+4=7", [3, 4])
+    for kind, want in (("clean", 1.0), ("repeat", 1.0), ("skip", 0.0), ("guess", 0.0)):  # the warm-up's kinds
+        assert strict.score(make_trace([7, 25, 3, 14], kind, random.Random(1)), ex) == want, kind
+    assert strict.eval_task().check_steps and not loose.eval_task().check_steps
+    with pytest.raises(ValueError, match="check_steps must be true or false"):
+        LengthTestbedTask(check_steps="yes")

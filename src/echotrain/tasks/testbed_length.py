@@ -27,6 +27,13 @@ either way: ``skip`` merges two steps into one line (shorter, harder), ``repeat`
 twice (longer, no harm), ``guess`` stops after ``j`` of the ``n - 1`` steps and writes the sum
 at once (shortest; right only if the policy can guess it).
 
+``check_steps=True`` (a task option; docs/testbed.md, "Right and wrong within a group") scores
+the steps too: 1.0 only when the final answer is right **and** the lines before it are the clean
+chain, one term added per line in order with the right partial sums, a line written twice in a
+row counted once. A skipped step (two terms on one line) or a guess (``#`` before the last step)
+is then wrong even with the right sum, a repeated line is not: wrong answers to one problem are
+shorter than right ones, the premise of Balanced Aggregation, on the same policy.
+
 Splits: a problem (its prompt) is held out when ``crc32(prompt) % 8 == 0``. ``split="train"``
 never yields a held-out problem (warm-up and RL prompts); ``split="test"`` yields distinct
 held-out problems; :meth:`LengthTestbedTask.eval_task` is 512 of them (the trainer's fixed
@@ -44,7 +51,7 @@ from echotrain.tasks.base import Example, register_task
 from echotrain.tasks.indexed import IndexedTask
 
 __all__ = ["LengthTestbedTask", "TRACE_KINDS", "WARMUP_MIX", "clean_length", "clean_trace", "is_heldout",
-           "make_trace", "parse_answer"]
+           "make_trace", "parse_answer", "steps_are_clean"]
 
 #: One problem in this many is held out (by a CRC32 of its prompt; stable across processes).
 HELDOUT_MODULUS = 8
@@ -123,6 +130,22 @@ def parse_answer(completion: str) -> str | None:
     return m.group(1) if m else None
 
 
+def steps_are_clean(completion: str, terms: list[int]) -> bool:
+    """Whether the lines before the last ``#`` of ``completion`` are the clean chain of ``terms``
+    (:func:`clean_trace`'s lines: ``partial+term=partial'`` for every term after the first, in order),
+    a line repeated right after itself counted once. A skipped step (``7+25+3=35;``), a guess (``#``
+    before the last step) or a wrong partial sum is not; the final answer is not checked here."""
+    at = completion.rfind("#")
+    if at < 0:
+        return False
+    lines = [line.strip() for line in completion[:at].split(";")]
+    if lines and lines[-1] == "":
+        lines.pop()  # the ";" that closes the last line
+    distinct = [line for i, line in enumerate(lines) if i == 0 or line != lines[i - 1]]
+    want = clean_trace(terms).split("#")[0].split(";")[:-1]
+    return distinct == want
+
+
 class LengthTestbedTask(IndexedTask):
     """Sums of ``min_terms``-``max_terms`` terms of 1-``max_digits`` digits, scored on the final answer.
 
@@ -133,6 +156,7 @@ class LengthTestbedTask(IndexedTask):
         seed: generator seed (Python ``random.Random``).
         min_terms, max_terms: range of the number of terms (2 <= min <= max <= 8 by default).
         max_digits: digits per term drawn uniformly in ``[1, max_digits]`` (1 or 2... up to 4).
+        check_steps: score the steps too (:func:`steps_are_clean`; module docstring).
 
     Raises:
         ValueError: unknown ``split``, ``size`` < 1, bad term or digit ranges, or more test
@@ -143,7 +167,7 @@ class LengthTestbedTask(IndexedTask):
     answer_format = "hash-integer"  # ``#<int>`` at the end (outside base.ANSWER_FORMATS on purpose)
 
     def __init__(self, split: str = "train", size: int = 10_000, seed: int = 0, min_terms: int = 2,
-                 max_terms: int = 8, max_digits: int = 2):
+                 max_terms: int = 8, max_digits: int = 2, check_steps: bool = False):
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is unknown; valid: {list(SPLITS)}")
         for name, v in (("size", size), ("min_terms", min_terms), ("max_terms", max_terms),
@@ -154,6 +178,9 @@ class LengthTestbedTask(IndexedTask):
             raise ValueError(f"need 2 <= min_terms <= max_terms, got min_terms={min_terms}, max_terms={max_terms}")
         if max_digits > 4:
             raise ValueError(f"max_digits must be <= 4, got {max_digits}")
+        if not isinstance(check_steps, bool):
+            raise ValueError(f"check_steps must be true or false, got {check_steps!r}")
+        self.check_steps = check_steps
         self.name, self.split, self.size, self.seed = "testbed-length", split, size, seed
         self.min_terms, self.max_terms, self.max_digits = min_terms, max_terms, max_digits
         rng = random.Random(f"testbed-length/{seed}")
@@ -186,7 +213,7 @@ class LengthTestbedTask(IndexedTask):
     def eval_task(self) -> "LengthTestbedTask":
         """The held-out split (512 distinct problems, same seed and ranges), for fixed evaluations."""
         return LengthTestbedTask(split="test", size=512, seed=self.seed, min_terms=self.min_terms,
-                                 max_terms=self.max_terms, max_digits=self.max_digits)
+                                 max_terms=self.max_terms, max_digits=self.max_digits, check_steps=self.check_steps)
 
     def warmup_target(self, example: Example, rng: random.Random) -> str:
         """A supervised target for ``example``: a trace of a kind drawn from :data:`WARMUP_MIX`."""
@@ -198,16 +225,21 @@ class LengthTestbedTask(IndexedTask):
         return parse_answer(completion)
 
     def score(self, completion: str, example: Example) -> float:
-        """1.0 if the final answer equals the sum, else 0.0 (the steps are not checked)."""
+        """1.0 if the final answer equals the sum (and, with ``check_steps``, the steps are the
+        clean chain: :func:`steps_are_clean`), else 0.0."""
         answer = self.extract(completion)
-        return 1.0 if answer is not None and int(answer) == int(example.answer) else 0.0
+        if answer is None or int(answer) != int(example.answer):
+            return 0.0
+        return 1.0 if not self.check_steps or steps_are_clean(completion, example.metadata["terms"]) else 0.0
 
     def __repr__(self) -> str:
         return (f"LengthTestbedTask(split={self.split!r}, size={self.size}, seed={self.seed}, "
-                f"min_terms={self.min_terms}, max_terms={self.max_terms}, max_digits={self.max_digits})")
+                f"min_terms={self.min_terms}, max_terms={self.max_terms}, max_digits={self.max_digits}, "
+                f"check_steps={self.check_steps})")
 
 
 @register_task("testbed-length")
 def _testbed_length(**options: Any) -> LengthTestbedTask:
-    """The length testbed task (``split``, ``size``, ``seed``, ``min_terms``, ``max_terms``, ``max_digits``)."""
+    """The length testbed task (``split``, ``size``, ``seed``, ``min_terms``, ``max_terms``, ``max_digits``,
+    ``check_steps``)."""
     return LengthTestbedTask(**options)

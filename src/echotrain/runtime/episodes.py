@@ -38,7 +38,7 @@ import torch
 from echotrain.runtime.decode import sample_tokens
 from echotrain.runtime.packing import has_window_attention
 from echotrain.runtime.rollout import (RolloutBatch, RolloutLogProbRecorder, _supports_decode_loop, encode_prompts,
-                                       eos_ids_of, render_prompts)
+                                       eos_ids_of, left_pad, render_prompts)
 from echotrain.runtime.turn_cache import RowCache, stack_row_caches
 
 __all__ = ["EPISODE_STATS", "EpisodeResult", "TurnRenderer", "run_episodes"]
@@ -161,18 +161,6 @@ def _sample(model: Any, ids: torch.Tensor, attn: torch.Tensor, *, max_new_tokens
         return Turn(new.cpu().clone(), lp.clone(), recorder.entropy(new).clone())
 
 
-def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, width) int64 ids and attention mask of ``seqs``, left-padded with ``pad_id``."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, s in enumerate(seqs):
-        if s:
-            ids[r, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            attn[r, width - len(s):] = 1
-    return ids, attn
-
-
 def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_generations: int,
                  make_env: Callable[[], Any], *, max_new_tokens: int, max_turns: int, max_episode_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, group_offset: int = 0,
@@ -243,11 +231,11 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
             past = None
             if keep and all(kv[i] is not None for i in live):  # prefill only what the caches lack
                 past, past_mask = stack_row_caches([kv[i] for i in live])
-                new_ids, new_mask = _left_pad([(real[i] + resp[i])[kv[i][0][0].shape[2]:] for i in live], pad_id)
+                new_ids, new_mask = left_pad([(real[i] + resp[i])[kv[i][0][0].shape[2]:] for i in live], pad_id)
                 ids = torch.cat([torch.full_like(past_mask, pad_id), new_ids], dim=1)
                 attn = torch.cat([past_mask, new_mask], dim=1)
             else:
-                ids, attn = _left_pad([real[i] + resp[i] for i in live], pad_id)
+                ids, attn = left_pad([real[i] + resp[i] for i in live], pad_id)
             caps = [min(max_new_tokens, max_episode_tokens - len(resp[i])) for i in live]
             out = _sample(model, ids, attn, max_new_tokens=max(caps), eos=eos, pad_id=pad_id, temperature=temperature,
                           top_p=top_p, top_k=top_k, decode_loop=decode_loop, sampler=sampler, past=past,

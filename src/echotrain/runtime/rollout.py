@@ -279,12 +279,17 @@ def encode_prompts(tokenizer: Any, texts: Sequence[str], pad_token_id: int | Non
     pad = pad_token_id if pad_token_id is not None else tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return left_pad(rows, int(pad))
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, attention_mask)`` (n, max(1, longest)) int64 of token-id ``rows``, left-padded with ``pad_id``."""
     width = max(1, max(len(r) for r in rows))
-    ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        if len(r):
+            ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
             attn[i, width - len(r):] = 1
     return ids, attn
 

@@ -220,3 +220,27 @@ def test_group_rng_episodes_do_not_depend_on_the_split():
     assert whole.group_index.tolist() == [0, 0, 1, 1, 2, 2] and alone.group_index.tolist() == [2, 2]
     other, _ = er.run(ex[2:], range(2, 3), 0, draw=6)
     assert not torch.equal(other.response_ids, alone.response_ids) or other.response_ids.shape != alone.response_ids.shape
+
+
+def test_eval_of_an_env_run_plays_its_episodes(monkeypatch, tmp_path, capsys):
+    """``echotrain eval --model RUN`` of a run trained with env=calculator evaluates as the run did:
+    episodes with its environment, turns and budget (said in the first line); the same model
+    evaluated by name gets single completions."""
+    from echotrain.runtime import episodes as episodes_mod
+
+    run = tmp_path / "r"
+    assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", "env=calculator", "max_turns=2", "steps=1",
+               "save_every=0", "save_final_model=true", f"output_dir={run}") == 0
+    capsys.readouterr()
+    calls = []
+    real = episodes_mod.run_episodes
+    monkeypatch.setattr(episodes_mod, "run_episodes", lambda *a, **k: calls.append(k) or real(*a, **k))
+    assert cli(monkeypatch, "eval", "--model", str(run), "--prompts", "2", "--threads", "1", "--json") == 0
+    captured = capsys.readouterr()
+    assert "episodes with the run's environment (env=calculator, max_turns=2, max_episode_tokens=24)" in captured.err
+    assert len(calls) == 1 and calls[0]["max_turns"] == 2 and calls[0]["max_episode_tokens"] == 24
+    assert 0 <= json.loads(captured.out)["accuracy"] <= 1
+    calls.clear()
+    assert cli(monkeypatch, "eval", "--model", "testbed", "--task", "testbed-calc", "--prompts", "2", "--threads", "1",
+               "--max-new-tokens", "4", "--json") == 0
+    assert calls == [] and "episodes" not in capsys.readouterr().err

@@ -342,7 +342,7 @@ def run_eval(args: argparse.Namespace) -> int:
     with autocast(model, resolve_for(model, args.autocast)):
         res = evaluate(model, tok, plan.task, num_prompts=args.prompts, n=args.n, ks=ks,
                        max_new_tokens=plan.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                       keep_samples=max(3, args.show or 0), **plan.generation)
+                       keep_samples=max(3, args.show or 0), episodes=plan.episodes, **plan.generation)
     res["seconds"] = time.perf_counter() - t0
     samples = res.pop("samples", [])
     show = args.show if args.show is not None else (3 if res["accuracy"] == 0 else 0)
@@ -375,6 +375,9 @@ class EvalPlan:
     max_new_tokens: int
     generation: dict[str, str]  #: ``decode_loop`` and ``sampler`` for :func:`echotrain.train.evaluate.evaluate`
     note: str  #: the first line of the command's output: what was taken from the run or the model; "" if nothing
+    #: a run with ``env``: :func:`echotrain.train.evaluate.evaluate`'s ``episodes`` (the run's environment,
+    #: turns and budget); None: single completions
+    episodes: dict[str, Any] | None = None
 
 
 def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any], max_new_tokens: int | None,
@@ -388,7 +391,9 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
     unless ``options`` are given, with the run's ``max_new_tokens``; a testbed policy name
     (``testbed``, ``testbed-length``) on its own task, held out the same way; any other model on
     ``default``. ``decode_loop`` / ``sampler`` (None = not given) default to the run's
-    (:func:`echotrain.runtime.loading.generation_settings`).
+    (:func:`echotrain.runtime.loading.generation_settings`). A run trained with ``env`` (or
+    ``tools``) is evaluated as it evaluated itself: each sample an episode with its environment,
+    ``max_turns`` and episode budget (:func:`echotrain.train.episodes.episodes_of_run`).
 
     Raises:
         ConfigError: the model and the task do not fit (names both), an unknown task, a bad
@@ -442,7 +447,19 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
     if note:
         note.append("--task, --task-option, --max-new-tokens, --decode-loop, --sampler set them" if run is not None
                     else "--task sets another")
+    episodes = None
+    if run is not None:
+        from echotrain.train.episodes import episodes_of_run
+
+        try:
+            episodes = episodes_of_run(run_cfg, max_new_tokens)
+        except (ValueError, TypeError, KeyError, ImportError) as exc:
+            raise ConfigError(f"{model_label}: the run's environment env={run_cfg.get('env')!r} cannot be built "
+                              f"here: {exc}") from None
+        if episodes is not None:
+            note.insert(0, f"episodes with the run's environment (env={run_cfg.get('env') or 'tools'}, "
+                           f"max_turns={episodes['max_turns']}, max_episode_tokens={episodes['max_episode_tokens']})")
     return EvalPlan(task=built, task_name=name, task_options=opts, held_out=held_out, max_new_tokens=max_new_tokens,
-                    generation=generation, note="; ".join(note))
+                    generation=generation, note="; ".join(note), episodes=episodes)
 
 

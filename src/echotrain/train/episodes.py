@@ -21,7 +21,8 @@ from echotrain.metrics import Metric, declare_metric
 from echotrain.runtime.episodes import EPISODE_STATS, run_episodes
 from echotrain.runtime.rollout import RolloutBatch, concat_rollouts, group_seed
 
-__all__ = ["EPISODE_METRICS", "EpisodeRollouts", "episode_metrics", "env_factory_of"]
+__all__ = ["EPISODE_METRICS", "EpisodeRollouts", "episode_budget", "episode_metrics", "env_factory_of",
+           "episodes_of_run"]
 
 _WHEN = "env is set (multi-turn episodes)"
 #: The ``episode/*`` metrics (every step of a run with ``env``), declared in the metric schema.
@@ -77,6 +78,32 @@ def env_factory_of(cfg: Any) -> Any:
     return get_env_factory(cfg.env or "tools", **options)
 
 
+def episode_budget(max_episode_tokens: int, max_turns: int, max_new_tokens: int) -> int:
+    """The ids an episode may hold after its prompt: ``max_episode_tokens``, or ``2 * max_turns *
+    max_new_tokens`` when it is 0 (model turns and as many environment tokens)."""
+    return int(max_episode_tokens) or 2 * int(max_turns) * int(max_new_tokens)
+
+
+def episodes_of_run(run_cfg: dict[str, Any], max_new_tokens: int) -> dict[str, Any] | None:
+    """The ``episodes`` of :func:`~echotrain.train.evaluate.evaluate` for a finished run's
+    ``config.yaml`` values (``echotrain eval`` of a run directory evaluates as the run did): its
+    environment, ``max_turns`` and episode budget; None when the run had no ``env`` / ``tools``.
+
+    Raises:
+        ValueError / TypeError: the run's environment cannot be built here (an unknown env, a
+            plugin that is not importable).
+    """
+    from types import SimpleNamespace
+
+    if not (run_cfg.get("env") or run_cfg.get("tools")):
+        return None
+    cfg = SimpleNamespace(env=run_cfg.get("env"), env_options=run_cfg.get("env_options") or {},
+                          tools=run_cfg.get("tools") or [])
+    max_turns = int(run_cfg.get("max_turns") or 4)
+    return dict(make_env=env_factory_of(cfg), max_turns=max_turns,
+                max_episode_tokens=episode_budget(run_cfg.get("max_episode_tokens") or 0, max_turns, max_new_tokens))
+
+
 class EpisodeRollouts:
     """Plays one round's episodes for the :class:`~echotrain.train.collect.Collector`.
 
@@ -94,7 +121,7 @@ class EpisodeRollouts:
         """``max_episode_tokens``, or ``max_turns * max_new_tokens * 2`` when 0 (model turns and as
         many environment tokens)."""
         cfg = self.cfg
-        return cfg.max_episode_tokens or 2 * cfg.max_turns * cfg.max_new_tokens
+        return episode_budget(cfg.max_episode_tokens, cfg.max_turns, cfg.max_new_tokens)
 
     def eval_settings(self) -> dict[str, Any]:
         """The keyword arguments of :func:`~echotrain.train.evaluate.evaluate`'s ``episodes``: the

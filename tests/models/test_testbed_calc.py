@@ -129,3 +129,18 @@ def test_docs_commands_train_from_the_shipped_calc_policy(tmp_path, capsys, monk
     assert row["step"] == 1 and 0 <= row["eval/accuracy"] <= 1
     assert ("episode/tool_calls" in row) is tool
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.pt"))  # never built
+
+
+def test_the_held_out_tenth_is_not_tied_to_the_answer():
+    """Every last digit of the answer, for both operators, in both splits at about a tenth each
+    (a hash of the answer's digits would hold out only some)."""
+    from collections import Counter
+
+    for split in ("train", "test"):
+        task = CalcTestbedTask(size=4000, seed=0, split=split)
+        for op in "+-":
+            digits = Counter(abs(int(e.answer)) % 10 for e in task if op in e.question[1:])
+            total = sum(digits.values())
+            assert set(digits) == set(range(10)) and all(0.06 < n / total < 0.14 for n in digits.values()), (split, op)
+    held = sum(_held_out(a, "+", b) for a in range(1000, 1100) for b in range(2000, 2100))
+    assert 0.08 < held / 10_000 < 0.12

@@ -161,3 +161,60 @@ def test_a_sliding_window_model_runs_the_trajectory_again(policy):
                               share_prefix=False)
     m = b.response_mask.bool()
     torch.testing.assert_close(lp[m], b.rollout_log_prob[m], rtol=0, atol=1e-4)
+
+
+def test_kept_caches_are_freed_once_stacked_or_ended(policy, monkeypatch):
+    """When a turn runs, no row cache of the turn before is alive: the live episodes' were copied
+    into the stacked cache and dropped, the ended episodes' dropped (weak references)."""
+    import gc
+    import weakref
+
+    from echotrain.runtime import episodes as episodes_mod
+
+    model, tok = policy
+    refs: list[list] = []
+    dead_at_call: list[bool] = []
+    real = episodes_mod._sample
+
+    def spy(*args, **kwargs):
+        gc.collect()
+        if refs:
+            dead_at_call.append(all(r() is None for r in refs[-1]))
+        out = real(*args, **kwargs)
+        refs.append([weakref.ref(c[0][0]) for c in (out.row_caches or []) if c is not None])
+        return out
+
+    monkeypatch.setattr(episodes_mod, "_sample", spy)
+    b = _play(model, tok, kv_cache=True)
+    assert int(b.episode_stats[:, 0].max()) == 3 and len(refs[0]) == 6  # every row's cache was taken at turn 1
+    assert dead_at_call == [True, True]
+
+
+@pytest.mark.parametrize("which", ["decode_loop", "generate", "testbed"])
+def test_greedy_episodes_do_not_depend_on_the_seed(policy, which):
+    """do_sample=False (evaluation): echotrain's decode loop, transformers' generate and the
+    testbed's own generate all decode greedily (the same episodes under two seeds)."""
+    if which == "testbed":
+        from echotrain.models import load_policy
+        from echotrain.tasks import get_task
+
+        model, tok = load_policy("testbed-calc")
+        examples, env = get_task("testbed-calc").sample(3, 0), get_env_factory("calculator")
+        kw = dict(max_new_tokens=96, max_turns=2, max_episode_tokens=256)
+    else:
+        model, tok = policy
+        examples, env = _examples(), get_env_factory("feedback", message="check it")
+        kw = dict(max_new_tokens=10, max_turns=3, max_episode_tokens=120,
+                  decode_loop="generate" if which == "generate" else "echotrain")
+    runs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        runs.append(run_episodes(model, tok, examples, 2, env, do_sample=False, **kw).batch)
+    assert torch.equal(runs[0].response_ids, runs[1].response_ids)
+    assert torch.equal(runs[0].response_ids[0::2], runs[0].response_ids[1::2])  # a group's episodes agree
+    torch.manual_seed(0)
+    sampled = run_episodes(model, tok, examples, 2, env, do_sample=True, **kw).batch
+    torch.manual_seed(1)
+    again = run_episodes(model, tok, examples, 2, env, do_sample=True, **kw).batch
+    assert sampled.response_ids.shape != again.response_ids.shape or not torch.equal(sampled.response_ids,
+                                                                                       again.response_ids)

@@ -234,6 +234,8 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
                 new_ids, new_mask = left_pad([(real[i] + resp[i])[kv[i][0][0].shape[2]:] for i in live], pad_id)
                 ids = torch.cat([torch.full_like(past_mask, pad_id), new_ids], dim=1)
                 attn = torch.cat([past_mask, new_mask], dim=1)
+                for i in live:
+                    kv[i] = None  # copied into ``past``: free the row caches before the turn runs
             else:
                 ids, attn = left_pad([real[i] + resp[i] for i in live], pad_id)
             caps = [min(max_new_tokens, max_episode_tokens - len(resp[i])) for i in live]
@@ -241,10 +243,11 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
                           top_p=top_p, top_k=top_k, decode_loop=decode_loop, sampler=sampler, past=past,
                           keep_cache=keep and turn < max_turns - 1, do_sample=do_sample)
             toks, lp, ent = out.tokens, out.log_prob, out.entropy
-            del past
+            row_caches, out.row_caches = out.row_caches, None  # kv holds the only references from here
+            del past, out
             still = []
             for r, i in enumerate(live):
-                kv[i] = out.row_caches[r] if out.row_caches is not None else None
+                kv[i] = row_caches[r] if row_caches is not None else None
                 row = toks[r].tolist()[:caps[r]]
                 n = next((k + 1 for k, t in enumerate(row) if t in eos_set), len(row))
                 ended = n <= len(row) and n > 0 and row[n - 1] in eos_set
@@ -292,6 +295,7 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
                 still.append(i)
             for i in set(live) - set(still):
                 kv[i] = None  # the episode ended: free its cache
+            del row_caches
             live = still
     finally:
         model.train(was_training)

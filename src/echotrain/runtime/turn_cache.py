@@ -16,7 +16,7 @@ cache holds exactly those, in order, so a key cached at position p is read again
 Only plain caches (every layer a full-length key/value pair: transformers' ``DynamicCache`` of
 ``DynamicLayer`` s) are kept; :func:`layers_of` returns None for anything else (sliding-window,
 quantised, offloaded, recurrent caches) and the episode falls back to running the trajectory
-again (``run_episodes`` logs the reason once).
+again (the reasons are listed in docs/design/environments.md §3).
 """
 
 from __future__ import annotations

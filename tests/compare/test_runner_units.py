@@ -115,3 +115,30 @@ def test_source_commit_is_the_checkout_head():
     head = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
     assert runner.source_commit().split("+")[0] == head and len(head) == 12
+
+
+def test_a_refused_command_leaves_the_running_studys_plan_alone(tmp_path, capsys):
+    """``echotrain compare`` on a comparison another driver is running exits 2 before writing its
+    plan: the running study's compare.yaml (here: all arms, no dropped claim) is not replaced by the
+    refused command's (an arm selection that drops claims)."""
+    from pathlib import Path
+
+    from echotrain.cli import main
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "compare" / "staleness_k4.yaml"
+    out = tmp_path / "cmp"
+    assert main(["compare", str(config), f"output_dir={out}", "--dry-run"]) == 0
+    plan = (out / "compare.yaml").read_text()
+    assert "dropped_verdicts" not in plan
+    held = runner.lock_comparison(out)
+    try:
+        for extra in ([], ["--dry-run"]):
+            assert main(["compare", str(config), f"output_dir={out}", "arms=echo,cispo", "baseline=echo[staleness=0]",
+                         *extra]) == 2
+            assert "being run by another echotrain compare" in capsys.readouterr().err
+            assert (out / "compare.yaml").read_text() == plan
+    finally:
+        held.close()
+    assert main(["compare", str(config), f"output_dir={out}", "arms=echo,cispo", "baseline=echo[staleness=0]",
+                 "--dry-run"]) == 0
+    assert "dropped_verdicts" in (out / "compare.yaml").read_text()  # free again: the selection's plan

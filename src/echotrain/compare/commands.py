@@ -166,7 +166,8 @@ def run_compare(args: argparse.Namespace) -> int:
         return 0
 
     from echotrain.compare.config import expand_cells, load_spec
-    from echotrain.compare.runner import CellBusy, ComparisonBusy, cell_status, check_cell_config, run_cells, write_plan
+    from echotrain.compare.runner import (CellBusy, ComparisonBusy, cell_status, check_cell_config, lock_comparison,
+                                          run_cells, write_plan)
 
     try:
         spec = load_spec(args.config, args.rest)
@@ -196,6 +197,11 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"echotrain compare: {dropped_claims_line(spec)}", file=sys.stderr)
     spec.raw["command"] = " ".join(["echotrain compare", args.config, *args.rest] +
                                    ([f"--threads {args.threads}"] if args.threads != 1 else []))
+    try:  # before the plan is written: a refused command must not rewrite a running study's compare.yaml
+        lock = lock_comparison(spec.output_dir)
+    except ComparisonBusy as exc:
+        print(f"echotrain compare: error: {exc}", file=sys.stderr)
+        return 2
     write_plan(spec, cells)
     if args.dry_run:
         for i, c in enumerate(cells):
@@ -207,7 +213,7 @@ def run_compare(args: argparse.Namespace) -> int:
     todo = [cells[args.cell]] if args.cell is not None else cells
     try:
         outcomes = run_cells(spec, todo, jobs=args.jobs, nice=args.nice,
-                             log=lambda m: print(m, file=sys.stderr, flush=True))
+                             log=lambda m: print(m, file=sys.stderr, flush=True), lock=lock)
     except KeyboardInterrupt:
         print("echotrain compare: interrupted; re-run the same command to resume", file=sys.stderr)
         return 130

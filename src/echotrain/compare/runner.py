@@ -259,11 +259,14 @@ def lock_comparison(output_dir: Path):
 
 
 def run_cells(spec: CompareSpec, cells: Sequence[Cell], jobs: int = 1, nice: int = 0,
-              log=print) -> dict[str, str]:
+              log=print, lock: Any = None) -> dict[str, str]:
     """Run the cells that are not done, ``jobs`` at a time; returns ``{cell name: outcome}``
     (``done before``, ``ok``, ``failed (exit N, see train.log)``). Every cell is checked before
     any starts. Call it from a thread that outlives the cells (the parent-death signal follows the
     thread that started them).
+
+    ``lock``: the comparison's lock when the caller took it already (:func:`lock_comparison`;
+    ``echotrain compare`` takes it before writing the plan), else it is taken here.
 
     Raises:
         ComparisonBusy: another local driver is running this comparison.
@@ -271,7 +274,7 @@ def run_cells(spec: CompareSpec, cells: Sequence[Cell], jobs: int = 1, nice: int
     """
     if jobs < 1:
         raise ValueError(f"jobs={jobs!r} must be >= 1")
-    _lock = lock_comparison(spec.output_dir)  # noqa: F841 - held until return
+    _lock = lock if lock is not None else lock_comparison(spec.output_dir)  # noqa: F841 - held until return
     outcomes: dict[str, str] = {}
     queue: list[tuple[Cell, str]] = []
     for c in cells:  # before any cell is prepared or started

@@ -13,7 +13,6 @@ import torch
 from echotrain.envs import get_env_factory
 from echotrain.models import testbed as tb
 from echotrain.models.byte_tokenizer import ByteTokenizer
-from echotrain.runtime import episodes as episodes_mod
 from echotrain.runtime.episodes import EPISODE_STATS, run_episodes
 from echotrain.tasks import get_task
 from echotrain.tasks.testbed_calc import TOOL_SHARE, CalcTestbedTask, _held_out, tool_trace
@@ -64,18 +63,11 @@ def test_warm_up_sequences_are_the_episodes_rl_plays(monkeypatch):
     """A policy that writes the trace's trained segments as its turns, in the calculator
     environment, produces exactly the warm-up's sequence (prompt, call, the environment's reply as
     the episode runtime renders it, answer): the warm-up teaches the format RL samples in."""
-    tok = ByteTokenizer()
+    from tests.runtime.test_episodes import _scripted_bytes
+
     example = CalcTestbedTask(size=1, seed=4, split="train")[0]
     segs = tool_trace(example.question.rstrip("="), example.answer)
-    turns = [segs[0][0], segs[2][0] + "\n"]
-
-    def fake(model, ids, attn, *, max_new_tokens, **kw):
-        t = torch.tensor([tok.encode(turns[fake.turn])] * ids.shape[0])
-        fake.turn += 1
-        return episodes_mod.Turn(t, torch.zeros(t.shape), torch.zeros(t.shape))
-
-    fake.turn = 0
-    monkeypatch.setattr(episodes_mod, "_sample", fake)
+    tok = _scripted_bytes(monkeypatch, [segs[0][0], segs[2][0] + "\n"])  # the trace's trained segments as turns
     res = run_episodes(torch.nn.Linear(1, 1), tok, [example], 1, get_env_factory("calculator"), max_new_tokens=96,
                        max_turns=2, max_episode_tokens=256)
     b = res.batch

@@ -39,7 +39,7 @@ from echotrain.runtime.decode import sample_tokens
 from echotrain.runtime.packing import has_window_attention
 from echotrain.runtime.rollout import (RolloutBatch, RolloutLogProbRecorder, _supports_decode_loop, encode_prompts,
                                        eos_ids_of, left_pad, render_prompts)
-from echotrain.runtime.turn_cache import RowCache, stack_row_caches
+from echotrain.runtime.turn_cache import RowCache, cached_length, stack_row_caches
 
 __all__ = ["EPISODE_STATS", "EpisodeResult", "TurnRenderer", "run_episodes"]
 
@@ -231,7 +231,7 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
             past = None
             if keep and all(kv[i] is not None for i in live):  # prefill only what the caches lack
                 past, past_mask = stack_row_caches([kv[i] for i in live])
-                new_ids, new_mask = left_pad([(real[i] + resp[i])[kv[i][0][0].shape[2]:] for i in live], pad_id)
+                new_ids, new_mask = left_pad([(real[i] + resp[i])[cached_length(kv[i]):] for i in live], pad_id)
                 ids = torch.cat([torch.full_like(past_mask, pad_id), new_ids], dim=1)
                 attn = torch.cat([past_mask, new_mask], dim=1)
                 for i in live:
@@ -265,8 +265,8 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
                     stats[i, col["cut_by_tokens"]] = 1
                     truncated[i] = True
                     continue
-                if kv[i] is not None and kv[i][0][0].shape[2] != len(real[i]) + len(resp[i]) - 1:
-                    raise RuntimeError(f"episode {i}: its kept cache holds {kv[i][0][0].shape[2]} positions, its "
+                if kv[i] is not None and cached_length(kv[i]) != len(real[i]) + len(resp[i]) - 1:
+                    raise RuntimeError(f"episode {i}: its kept cache holds {cached_length(kv[i])} positions, its "
                                        f"trajectory {len(real[i]) + len(resp[i])} ids (expected one fewer)")
                 reply = envs[i].step(text)
                 stats[i, col["tool_calls"]] += reply.tool_calls

@@ -25,11 +25,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["RowCache", "layers_of", "row_cache", "stack_row_caches"]
+__all__ = ["RowCache", "cached_length", "layers_of", "row_cache", "stack_row_caches"]
 
 #: One row's cache: per layer ``(keys, values)``, each (1, heads, L, head_dim), L = the row's
 #: attended positions in order.
 RowCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def cached_length(row: RowCache) -> int:
+    """The number of positions a :data:`RowCache` holds."""
+    return int(row[0][0].shape[2])
 
 
 def layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -75,7 +80,7 @@ def stack_row_caches(rows: list[RowCache]) -> tuple[Any, torch.Tensor]:
     n_layers = len(rows[0])
     if any(len(r) != n_layers for r in rows):
         raise ValueError("row caches have different numbers of layers")
-    lengths = [r[0][0].shape[2] for r in rows]
+    lengths = [cached_length(r) for r in rows]
     width = max(lengths)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, n in enumerate(lengths):

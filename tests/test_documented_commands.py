@@ -9,6 +9,7 @@ What "tiny" means per subcommand (appended to the command, so they win over its 
 every other key of the command is kept as written):
 
 - ``train``: 1 step of 2+ prompts x 2 samples x 4 tokens, a 2-prompt evaluation (every step: the one), one thread,
+  warm-up steps (``sft_steps``, where a command has them) of 2 demonstrations,
   ``output_dir`` in a temporary folder (``prompts_per_step`` at least the resolved
   ``num_mini_batches``, read with ``--print-config``).
 - ``eval``: 2 prompts of at most 4 new tokens, one thread (``runs/<run>``: a tiny testbed run; a
@@ -51,7 +52,7 @@ TINY_EVAL = ["--prompts", "2", "--max-new-tokens", "4", "--threads", "1"]
 def _tiny_train(prompts: int) -> list[str]:
     return [f"prompts_per_step={prompts}", "num_generations=2", "max_new_tokens=4", "micro_batch_size=8",
             "eval_prompts=2", "eval_every=1", "num_threads=1", "progress=false", "plots=false",
-            "save_final_model=false", "save_every=0", "log_samples=1"]
+            "save_final_model=false", "save_every=0", "log_samples=1", "sft_batch_size=2"]
 
 
 def _strip_env(line: str) -> str:

@@ -16,7 +16,9 @@ reasoning-gym's one-shot exchange) into a worked tool use: before the example's 
 assistant turn calling :func:`calculator` on the longest arithmetic expression of the question and
 the ``tool`` turn with its result. Examples whose question holds no expression the calculator
 evaluates stay as they are. Our choice (a documented flag, off by default): a prompt-side
-warm-up of the call format, in place of supervised warm-up on tool-use traces.
+warm-up of the call format. The supervised warm-up (``sft_steps``, echotrain.train.warmup) trains
+on :meth:`CalculatorEnv.demonstration`'s worked episodes instead: the call, the tool's reply, the
+answer.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 from echotrain.envs.base import ToolEnvironment, register_env
 
-__all__ = ["CalculatorEnv", "calculator", "demonstrate_calls", "find_expression"]
+__all__ = ["CalculatorEnv", "calculator", "demonstrate_calls", "find_expression", "worked_call"]
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
@@ -114,10 +116,18 @@ def demonstrate_calls(messages: list[dict[str, str]], name: str = "calculator") 
                 and isinstance(m.get("content"), str) and "<tool_call>" not in str(nxt.get("content", ""))):
             found = find_expression(m["content"])
             if found is not None:
-                call = json.dumps({"name": name, "arguments": {"expression": found[0]}})
-                out += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
-                        {"role": "tool", "content": found[1]}]
+                out += worked_call(found, name)
     return out
+
+
+def worked_call(found: tuple[str, str], name: str = "calculator", compact: bool = False) -> list[dict[str, str]]:
+    """The two turns of one worked calculator use: the ``assistant`` call
+    ``<tool_call>{"name": name, "arguments": {"expression": E}}</tool_call>`` and the ``tool``
+    turn with its result, for ``found = (E, result)`` (:func:`find_expression`); ``compact``: JSON
+    without spaces (the byte-level testbed's form, :func:`echotrain.tasks.testbed_calc.tool_trace`)."""
+    call = json.dumps({"name": name, "arguments": {"expression": found[0]}},
+                      separators=(",", ":") if compact else None)
+    return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"}, {"role": "tool", "content": found[1]}]
 
 
 @register_env("calculator", for_testbed=True)
@@ -144,3 +154,14 @@ class CalculatorEnv(ToolEnvironment):
         worked tool uses when ``demonstrate``."""
         prompt = super().reset(example)
         return demonstrate_calls(prompt) if self.demonstrate and not isinstance(prompt, str) else prompt
+
+    def demonstration(self, example: Any, answer: str) -> list[dict[str, str]] | None:
+        """A worked episode for the supervised warm-up (``sft_steps``; echotrain.train.warmup): the
+        call of :func:`calculator` on the question's longest evaluable expression
+        (:func:`find_expression`), its result as a ``tool`` turn, then ``answer`` (the task's
+        reference completion) as the final assistant turn; None when the question holds no
+        expression. Plain-string prompts (the testbed) get the compact JSON its warm-up taught."""
+        found = find_expression(example.question)
+        if found is None:
+            return None
+        return worked_call(found, compact=isinstance(example.messages, str)) + [{"role": "assistant", "content": answer}]

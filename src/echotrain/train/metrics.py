@@ -195,13 +195,16 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 def run_info(*, run_dir: str | os.PathLike, device: torch.device, device_reason: str = "", model_name: str, model: Any, task_name: str,
              task: Any, world_size: int, dist_backend: str, lora: bool, autocast: str = "off",
-             autocast_reason: str = "", roofline: dict[str, Any] | None = None) -> dict[str, Any]:
+             autocast_reason: str = "", roofline: dict[str, Any] | None = None,
+             warmup: dict[str, Any] | None = None) -> dict[str, Any]:
     """``run_info.json``'s content: what ``auto`` / ``0`` / empty config values resolved to in a
     run (device and ``device_reason``: why, from :func:`echotrain.runtime.device.resolve_device_why`;
     threads, model, task, autocast: 'bfloat16' or 'off', and ``autocast_reason``:
     why, from :func:`echotrain.runtime.precision.resolve_autocast_why`) and the library versions,
     for reproducing it; ``roofline``: the machine peaks the utilisation figures use and where they
-    came from, or why there are none (:func:`echotrain.train.utilisation.build_meter`)."""
+    came from, or why there are none (:func:`echotrain.train.utilisation.build_meter`); ``warmup``:
+    the supervised warm-up's record (sft_steps; :meth:`echotrain.train.warmup.WarmupResult.summary`),
+    left out when None."""
     import platform
 
     from echotrain.omp import omp_wait_in_force
@@ -210,7 +213,7 @@ def run_info(*, run_dir: str | os.PathLike, device: torch.device, device_reason:
 
     import echotrain
 
-    return {
+    info = {
         "run_dir": str(run_dir),
         "device": str(device),
         "device_reason": device_reason,
@@ -229,6 +232,9 @@ def run_info(*, run_dir: str | os.PathLike, device: torch.device, device_reason:
         "versions": {"echotrain": echotrain.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
     }
+    if warmup is not None:
+        info["warmup"] = warmup
+    return info
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

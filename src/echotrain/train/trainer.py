@@ -148,6 +148,12 @@ class Trainer:
         reward_fn = default_reward_fn(task, cfg.reward) if reward_fn is None else reward_fn
         #: the task's (or reward function's) step_metrics, or None (train/task_metrics.py)
         self.step_metrics = step_metrics_fn(task, reward_fn)
+        #: the supervised warm-up on the environment's demonstrations (sft_steps; train/warmup.py), or None.
+        #: A resumed run loads the warmed-up weights from its checkpoint, so the warm-up runs again only
+        #: to rebuild a KL reference (the warmed-up policy; deterministic given the seed)
+        self.warmup = None
+        if cfg.sft_steps and (not resume or (cfg.kl_coef > 0 and not is_lora(self.model))):
+            self.warmup = self._warm_up(task)
         #: on-policy distillation's teacher (train/distill.py), or None
         self.teacher = None
         if cfg.teacher:
@@ -204,9 +210,34 @@ class Trainer:
                 task=self.task, world_size=self.dist.world_size, dist_backend=self.dist.backend,
                 lora=is_lora(self.model),
                 autocast=setting_name(self.autocast_dtype), autocast_reason=self.autocast_reason,
-                roofline=roofline_info))
+                roofline=roofline_info, warmup=self._warmup_record()))
             self.logger = MetricsLogger(self.run_dir, report_to=cfg.report_to, project=cfg.wandb_project,
                                         config=cfg.to_dict(), start_step=self.start_step)
+
+    def _warm_up(self, task: Any) -> Any:
+        """Run the supervised warm-up (sft_steps) on the policy in place; its result."""
+        from echotrain.train.episodes import env_factory_of
+        from echotrain.train.warmup import sft_warmup
+
+        cfg = self.cfg
+        result = sft_warmup(self.model, self.tokenizer, task, env_factory_of(cfg), steps=cfg.sft_steps,
+                            batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, seed=cfg.seed,
+                            micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                            autocast_dtype=self.autocast_dtype)
+        if self.dist.is_main:
+            print(f"echotrain: warm-up: {result.steps} supervised steps on {result.examples} demonstrations of "
+                  f"env={cfg.env} (cross-entropy {result.losses[0]:.3f} -> {result.losses[-1]:.3f} nats a target token, "
+                  f"{result.seconds:.0f} s)", file=sys.stderr)
+        return result
+
+    def _warmup_record(self) -> dict[str, Any] | None:
+        """run_info.json's ``warmup``: the warm-up's summary, a note when a resumed run took the
+        warmed-up weights from its checkpoint, None without sft_steps."""
+        if self.warmup is not None:
+            return self.warmup.summary()
+        if self.cfg.sft_steps:
+            return {"steps": self.cfg.sft_steps, "note": "resumed: the warmed-up weights came from the checkpoint"}
+        return None
 
     def _async_rollouts(self, tokenizer: Any, reward_fn: Any, pad_id: int) -> Any:
         """The :class:`~echotrain.train.async_rollouts.AsyncRollouts` of this run, the threads split

@@ -199,8 +199,12 @@ def _check_env(cfg: TrainConfig, need: Any) -> None:
     env = cfg.env or ("tools" if cfg.tools else None)
     need(cfg.max_turns >= 1, "max_turns", "must be >= 1")
     need(cfg.max_episode_tokens >= 0, "max_episode_tokens", "must be >= 0 (0 = 2 x max_turns x max_new_tokens)")
+    need(cfg.sft_steps >= 0, "sft_steps", "must be >= 0 (0 = no warm-up)")
+    need(cfg.sft_batch_size >= 1, "sft_batch_size", "must be >= 1")
+    need(cfg.sft_lr > 0, "sft_lr", "must be > 0")
     if not env:
         need(not cfg.env_options, "env_options", "is set but env is not: name the environment (env=<name>)")
+        need(not cfg.sft_steps, "sft_steps", "warms up on an environment's demonstrations: set env=<name> too")
         return
     from echotrain.envs import ENVIRONMENTS, env_names
     from echotrain.rl.advantages import ADV_NEEDS_BASELINE
@@ -227,9 +231,12 @@ def _check_env(cfg: TrainConfig, need: Any) -> None:
     from echotrain.train.episodes import env_factory_of
 
     try:
-        env_factory_of(cfg)
+        make_env = env_factory_of(cfg)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"env={env!r}: {exc}") from None
+    need(not cfg.sft_steps or callable(getattr(make_env(), "demonstration", None)), "sft_steps",
+         f"env={env!r} demonstrates no worked episode to warm up on (no demonstration(example, answer) method; "
+         "docs/design/environments.md): use sft_steps=0")
 
 
 def _check_learning_signal(cfg: TrainConfig) -> None:

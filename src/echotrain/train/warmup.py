@@ -1,0 +1,228 @@
+"""Supervised warm-up on an environment's demonstrations before RL (``sft_steps``).
+
+A small chat model does not call a tool it has only read about (SmolLM2-135M-Instruct with the
+calculator: 0 calls in 32 episodes; docs/design/environments.md), so RL on tool episodes gets no
+signal. The usual recipe is supervised fine-tuning on tool-use traces first, then RL (TRL's
+``SFTTrainer`` then ``GRPOTrainer``; verl's SFT trainer then PPO). ``sft_steps=N`` runs that first
+phase inside the run: N optimizer steps of next-token cross-entropy on worked episodes that the
+environment demonstrates (:meth:`demonstration`), then RL starts from the warmed-up weights, with
+a fresh RL optimizer, and the KL reference (when ``kl_coef`` > 0) is the warmed-up policy.
+
+Each demonstration is encoded **exactly as an episode's trajectory**
+(:mod:`echotrain.runtime.episodes`): the prompt as the rollouts encode it, each model turn's text
+tokenised with its end-of-turn token appended, each environment reply as the
+:class:`~echotrain.runtime.episodes.TurnRenderer` delta the episodes insert; only the model turns
+are targets (the environment's tokens are inputs with label -100, as ``response_mask`` 0 leaves
+them out of the RL loss). A demonstration whose final answer the task does not score 1 is dropped.
+
+The demonstration contract (optional, an environment without it cannot warm up):
+``env.demonstration(example, answer) -> list[{"role": "assistant" | "tool" | "user", "content"}] |
+None``: the turns after ``env.reset(example)``'s prompt, ending with an assistant turn; ``answer``
+is the task's reference completion (:func:`reference_completion`); None skips the example.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from echotrain.runtime.episodes import TurnRenderer
+from echotrain.runtime.precision import autocast
+from echotrain.runtime.rollout import encode_prompts, eos_ids_of, render_prompts
+
+__all__ = ["WarmupResult", "demonstration_rows", "reference_completion", "sft_warmup"]
+
+#: added to the run's seed for the warm-up's example draw and order (the RL prompt stream is untouched)
+WARMUP_SEED_OFFSET = 7919
+
+
+def reference_completion(task: Any, example: Any) -> str:
+    """The completion that states ``example``'s gold answer in ``task``'s answer format: the task's
+    own ``reference_completion(example)`` when it has one, else ``<answer>A</answer>`` (answer
+    format ``tag``), ``\\boxed{A}`` (``boxed``) or the bare answer (a task's own format, e.g. the
+    testbeds')."""
+    own = getattr(task, "reference_completion", None)
+    if callable(own):
+        return own(example)
+    fmt = getattr(task, "answer_format", None)
+    if fmt == "tag":
+        return f"<answer>{example.answer}</answer>"
+    if fmt == "boxed":
+        return f"\\boxed{{{example.answer}}}"
+    return str(example.answer)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    enc = tokenizer(text, add_special_tokens=False, return_tensors=None)
+    return [int(i) for i in (enc["input_ids"] if hasattr(enc, "keys") else enc)]
+
+
+def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence[Any], make_env: Callable[[], Any]
+                       ) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """The worked episodes of ``examples`` as training rows (module docstring).
+
+    Args:
+        model, tokenizer: the policy (its end-of-turn ids: :func:`~echotrain.runtime.rollout.eos_ids_of`).
+        task: the task (its scorer checks each demonstration's final turn).
+        examples: task examples.
+        make_env: a zero-argument factory of fresh environments with a ``demonstration`` method.
+
+    Returns:
+        ``(rows, dropped)``: rows ``(ids, labels)`` (equal-length int lists; labels -100 on the
+        prompt and the environment's ids), and the number of examples without a demonstration
+        or whose demonstration the task scores below 1.
+
+    Raises:
+        ValueError: the environment has no ``demonstration`` method, or a demonstration that does
+            not end with an assistant turn.
+    """
+    eos = eos_ids_of(model, tokenizer)
+    if not eos:
+        raise ValueError("the policy has no end-of-turn (eos) token id: a demonstration's turns cannot end")
+    rows, dropped = [], 0
+    for ex in examples:
+        env = make_env()
+        if not callable(getattr(env, "demonstration", None)):
+            raise ValueError(f"sft_steps: the environment {type(env).__name__} has no demonstration(example, answer) "
+                             "method to warm up on (docs/design/environments.md)")
+        prompt = env.reset(ex)
+        turns = env.demonstration(ex, reference_completion(task, ex))
+        if not turns:
+            dropped += 1
+            continue
+        if turns[-1].get("role") != "assistant":
+            raise ValueError(f"{type(env).__name__}.demonstration must end with an assistant turn, "
+                             f"got {turns[-1].get('role')!r}")
+        if task.score(turns[-1]["content"], ex) < 1.0:
+            dropped += 1
+            continue
+        chat = not isinstance(prompt, str)
+        renderer = TurnRenderer(tokenizer, chat, tokenizer.convert_ids_to_tokens(eos[0]) if chat else None)
+        ids_p, mask_p = encode_prompts(tokenizer, render_prompts(tokenizer, [prompt]))
+        ids = ids_p[0][mask_p[0].bool()].tolist()
+        labels = [-100] * len(ids)
+        history: Any = list(prompt) if chat else prompt
+        pending: list[dict[str, str]] = []
+        for turn in turns:
+            if turn["role"] != "assistant":
+                pending.append(dict(turn))
+                continue
+            if pending:  # the environment's reply to the last model turn, as the episodes insert it
+                env_ids = renderer.delta(history, pending)
+                ids += env_ids
+                labels += [-100] * len(env_ids)
+                if chat:
+                    history = history + pending
+                pending = []
+            model_ids = _encode(tokenizer, turn["content"]) + [eos[0]]
+            ids += model_ids
+            labels += model_ids
+            if chat:
+                history = history + [{"role": "assistant", "content": turn["content"]}]
+        rows.append((ids, labels))
+    return rows, dropped
+
+
+@dataclass
+class WarmupResult:
+    """What :func:`sft_warmup` did: ``steps`` optimizer steps over ``examples`` demonstrations
+    (``dropped`` examples had none), per-step mean cross-entropy ``losses`` (nats per target
+    token), ``target_tokens`` per step on average, ``seconds`` of wall time."""
+
+    steps: int
+    examples: int
+    dropped: int
+    losses: list[float]
+    target_tokens: float
+    seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        """The run_info.json record."""
+        return {"steps": self.steps, "examples": self.examples, "dropped": self.dropped,
+                "loss_first": self.losses[0] if self.losses else None,
+                "loss_last": self.losses[-1] if self.losses else None,
+                "target_tokens_per_step": self.target_tokens, "seconds": round(self.seconds, 1)}
+
+
+def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any], *, steps: int, batch_size: int,
+               lr: float, seed: int, micro_batch_size: int, max_grad_norm: float = 1.0,
+               autocast_dtype: torch.dtype | None = None) -> WarmupResult:
+    """``steps`` AdamW steps of cross-entropy on demonstrations (module docstring), in place.
+
+    Args:
+        model: the policy (trained in place; left in train mode).
+        tokenizer, task, make_env: as :func:`demonstration_rows`; ``steps * batch_size`` examples are
+            drawn with ``task.sample(n, seed + WARMUP_SEED_OFFSET)``.
+        steps: optimizer steps (>= 1).
+        batch_size: demonstrations per step (>= 1); a step's loss is the mean over its target
+            tokens (micro-batches of ``micro_batch_size`` rows accumulate the token sum).
+        lr: AdamW's constant learning rate (weight decay 0); the optimizer is discarded afterwards.
+        seed: the run's seed.
+        max_grad_norm: clip the gradient norm before each step (0 = off).
+        autocast_dtype: the run's forward precision (None = the parameters' dtype).
+
+    Returns:
+        :class:`WarmupResult`.
+
+    Raises:
+        ValueError: ``steps``, ``batch_size`` or ``micro_batch_size`` < 1, ``lr`` not > 0, no
+            example with a demonstration, or a loss that is not finite.
+    """
+    for name, v in (("sft_steps", steps), ("sft_batch_size", batch_size), ("micro_batch_size", micro_batch_size)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if not lr > 0:
+        raise ValueError(f"sft_lr must be > 0, got {lr}")
+    t0 = time.perf_counter()
+    examples = task.sample(steps * batch_size, seed + WARMUP_SEED_OFFSET)
+    rows, dropped = demonstration_rows(model, tokenizer, task, examples, make_env)
+    if not rows:
+        raise ValueError(f"sft_steps: none of {len(examples)} examples has a demonstration the task scores 1 "
+                         "(the environment finds nothing to demonstrate on this task)")
+    order = list(range(len(rows)))
+    random.Random(seed + WARMUP_SEED_OFFSET).shuffle(order)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    model.train()
+    losses, targets = [], 0
+    for step in range(steps):
+        pick = [rows[order[(step * batch_size + k) % len(order)]] for k in range(batch_size)]
+        n_target = sum(sum(t != -100 for t in lab[1:]) for _, lab in pick)
+        total = 0.0
+        opt.zero_grad(set_to_none=True)
+        for start in range(0, len(pick), micro_batch_size):
+            chunk = pick[start: start + micro_batch_size]
+            width = max(len(ids) for ids, _ in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            lab = torch.full((len(chunk), width), -100, dtype=torch.long)
+            attn = torch.zeros(len(chunk), width, dtype=torch.long)
+            for i, (r_ids, r_lab) in enumerate(chunk):  # right-padded: positions start at 0 in every row
+                ids[i, : len(r_ids)] = torch.tensor(r_ids)
+                lab[i, : len(r_lab)] = torch.tensor(r_lab)
+                attn[i, : len(r_ids)] = 1
+            ids, lab, attn = ids.to(device), lab.to(device), attn.to(device)
+            with autocast(model, autocast_dtype):
+                logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                     lab[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+            (loss / n_target).backward()
+            total += float(loss.detach())
+        mean = total / n_target
+        if not math.isfinite(mean):
+            raise ValueError(f"sft_steps: the warm-up loss at step {step + 1} is {mean} (lower sft_lr)")
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        losses.append(mean)
+        targets += n_target
+    opt.zero_grad(set_to_none=True)
+    del opt
+    return WarmupResult(steps=steps, examples=len(rows), dropped=dropped, losses=losses, target_tokens=targets / steps,
+                        seconds=time.perf_counter() - t0)

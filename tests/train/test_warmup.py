@@ -1,0 +1,198 @@
+"""The supervised warm-up on an environment's demonstrations (``sft_steps``, train/warmup.py): rows
+encoded exactly as episodes, the loss a token mean exact under micro-batching, the CLI, resume."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from echotrain.envs.calculator import CalculatorEnv
+from echotrain.envs.base import EnvReply
+from echotrain.runtime.checkpoints import latest_checkpoint
+from echotrain.train.metrics import read_jsonl
+from echotrain.train.warmup import demonstration_rows, reference_completion, sft_warmup
+from tests.train.test_episodes_cli import TINY
+from tests.train.test_staleness import cli, strip
+
+
+class SayEnv:
+    """A chat environment in the tiny tokenizer's alphabet: one demonstrated exchange
+    (``call d`` -> tool ``ok d`` -> the answer)."""
+
+    def reset(self, example):
+        return [{"role": "system", "content": "be brief"}] + list(example.messages)
+
+    def step(self, completion: str) -> EnvReply:
+        return EnvReply(done=True)
+
+    def demonstration(self, example, answer):
+        return [{"role": "assistant", "content": f"call {example.answer}"},
+                {"role": "tool", "content": f"ok {example.answer}"},
+                {"role": "assistant", "content": answer}]
+
+
+def test_reference_completion_by_answer_format(digit_task):
+    ex = digit_task[3]
+    assert reference_completion(digit_task, ex) == "<answer>3</answer>"
+
+    class Boxed:
+        answer_format = "boxed"
+
+    class Own:
+        answer_format = "integer"
+
+        def reference_completion(self, example):
+            return f"= {example.answer}"
+
+    assert reference_completion(Boxed(), ex) == "\\boxed{3}"
+    assert reference_completion(Own(), ex) == "= 3"
+    assert reference_completion(type("Bare", (), {"answer_format": "integer"})(), ex) == "3"
+
+
+def test_chat_rows_are_the_episode_trajectory(tiny_model, tiny_tokenizer, digit_task):
+    """Prompt (generation prompt included) | model turn + EOS | the environment's delta | answer +
+    EOS; with a char-level tokenizer that is the template's rendering of the whole conversation up
+    to the last EOS, and the targets are exactly the model turns' characters and EOS ids."""
+    ex = digit_task[7]
+    (ids, labels), = demonstration_rows(tiny_model, tiny_tokenizer, digit_task, [ex], SayEnv)[0]
+    convo = SayEnv().reset(ex) + SayEnv().demonstration(ex, "<answer>7</answer>")
+    text = tiny_tokenizer.apply_chat_template(convo, tokenize=False)
+    want = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == want  # ends with the last assistant turn's EOS (</s>), as an episode's last turn
+    targets = [t for t, lab in zip(ids, labels) if lab != -100]
+    assert all(lab in (-100, t) for t, lab in zip(ids, labels))  # a target is the id at its own position
+    def chars(seq):
+        return "".join(tiny_tokenizer.convert_ids_to_tokens(seq))
+
+    assert chars(targets) == "call 7</s><answer>7</answer></s>"
+    # the environment's "ok 7" and the prompt are inputs only
+    assert "tool:ok 7</s>" in chars(ids) and "ok" not in chars(targets)
+    first = next(i for i, lab in enumerate(labels) if lab != -100)
+    assert chars(ids[:first]).endswith("<s>assistant:")
+
+
+def test_a_demonstration_the_task_does_not_score_is_dropped(tiny_model, tiny_tokenizer, digit_task):
+    class Wrong(SayEnv):
+        def demonstration(self, example, answer):
+            return [{"role": "assistant", "content": "x"}]  # contains no digit: scores 0
+
+    class Nothing(SayEnv):
+        def demonstration(self, example, answer):
+            return None
+
+    for env in (Wrong, Nothing):
+        rows, dropped = demonstration_rows(tiny_model, tiny_tokenizer, digit_task, [digit_task[1]], env)
+        assert rows == [] and dropped == 1
+    with pytest.raises(ValueError, match="none of 2 examples has a demonstration the task scores 1"):
+        sft_warmup(tiny_model, tiny_tokenizer, digit_task, Nothing, steps=1, batch_size=2, lr=1e-3, seed=0,
+                   micro_batch_size=2)
+
+    class Bare:
+        def reset(self, example):
+            return example.messages
+
+    with pytest.raises(ValueError, match="has no demonstration"):
+        demonstration_rows(tiny_model, tiny_tokenizer, digit_task, [digit_task[1]], Bare)
+
+
+def test_step_loss_is_the_token_mean_over_the_batch_and_micro_batches_agree(make_tiny_model, tiny_tokenizer,
+                                                                           digit_task):
+    """losses[0] = HF's cross-entropy of the whole batch (mean over every target token of every
+    row) before the step; micro-batches of 1 give the same loss and the same weights as one of 4."""
+    results = {}
+    for mbs in (4, 1):
+        model = make_tiny_model(tiny_tokenizer)
+        if mbs == 4:  # the reference: the first step's 4 rows, as sft_warmup draws them
+            examples = digit_task.sample(12, 0 + 7919)  # steps x batch_size drawn, shuffled, 4 a step
+            every, _ = demonstration_rows(model, tiny_tokenizer, digit_task, examples, SayEnv)
+            order = list(range(12))
+            random.Random(7919).shuffle(order)
+            rows = [every[i] for i in order[:4]]
+            width = max(len(r[0]) for r in rows)
+            ids = torch.tensor([r[0] + [0] * (width - len(r[0])) for r in rows])
+            lab = torch.tensor([r[1] + [-100] * (width - len(r[1])) for r in rows])
+            attn = torch.tensor([[1] * len(r[0]) + [0] * (width - len(r[0])) for r in rows])
+            with torch.no_grad():
+                want = float(model(input_ids=ids, attention_mask=attn, labels=lab).loss)
+        res = sft_warmup(model, tiny_tokenizer, digit_task, SayEnv, steps=3, batch_size=4, lr=1e-2, seed=0,
+                         micro_batch_size=mbs, max_grad_norm=0.0)
+        results[mbs] = (res, torch.cat([p.detach().flatten() for p in model.parameters()]))
+    (a, wa), (b, wb) = results[4], results[1]
+    assert a.losses[0] == pytest.approx(want, rel=1e-5)
+    assert a.losses == pytest.approx(b.losses, rel=1e-5) and torch.allclose(wa, wb, atol=1e-5)
+    assert a.losses[-1] < a.losses[0] - 0.1  # it learns (lr 1e-2 on the tiny model)
+    assert a.examples == 12 and a.dropped == 0
+
+
+def test_testbed_rows_are_the_shipped_warmups_bytes():
+    """On the calculator testbed a demonstration is byte for byte the worked tool use its shipped
+    weights were warmed up on (tasks/testbed_calc.py: tool_trace), targets included: the weights
+    predict it (low loss)."""
+    from echotrain.models import load_policy
+    from echotrain.models.testbed import _encode_examples
+    from echotrain.tasks import get_task
+    from echotrain.tasks.testbed_calc import tool_trace
+
+    model, tok = load_policy("testbed-calc", dtype=torch.float32, device="cpu")
+    task = get_task("testbed-calc", split="train")
+    examples = task.sample(3, 0)
+    rows, dropped = demonstration_rows(model, tok, task, examples, CalculatorEnv)
+    assert dropped == 0
+    for (ids, labels), ex in zip(rows, examples):
+        ref_ids, ref_lab = _encode_examples([(ex.messages, tool_trace(ex.question.rstrip("="), ex.answer))], tok)
+        assert ids == ref_ids[0].tolist() and labels == ref_lab[0].tolist()
+    res = sft_warmup(model, tok, task, CalculatorEnv, steps=1, batch_size=8, lr=1e-6, seed=0, micro_batch_size=8)
+    assert res.losses[0] < 0.2
+
+
+def test_cli_warm_up_then_rl_and_resume_rebuilds_the_kl_reference(monkeypatch, tmp_path, capsys):
+    """``sft_steps`` through the CLI on the calculator testbed: the warm-up's record in run_info.json
+    and its line; with a KL reference (the warmed-up policy) a run resumed from step 1's checkpoint
+    ends where the uninterrupted one does."""
+    (tmp_path / "parity.py").write_text("def reward(completion, example):\n    return float(len(completion) % 2)\n")
+    monkeypatch.chdir(tmp_path)  # a reward that varies within groups: the updates are not zero
+    args = [*TINY, "model=testbed-calc", "task=testbed-calc", "env=calculator", "max_turns=2", "max_new_tokens=40",
+            "sft_steps=2", "sft_batch_size=4", "sft_lr=1e-4", "kl_coef=0.1", "save_every=1", "keep_last=3",
+            "num_generations=4", "lr=1e-3", "temperature=1.5", "reward=parity:reward"]
+    full = tmp_path / "full"
+    assert cli(monkeypatch, "train", *args, "steps=2", f"output_dir={full}") == 0
+    assert "warm-up: 2 supervised steps on 8 demonstrations of env=calculator" in capsys.readouterr().err
+    info = json.loads((full / "run_info.json").read_text())["warmup"]
+    assert info["steps"] == 2 and info["examples"] == 8 and 0 < info["loss_first"] < 0.2  # the policy knows the format
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    latest_checkpoint(part).unlink()
+    assert cli(monkeypatch, "train", "--resume", str(part)) == 0
+    a, b = read_jsonl(full / "metrics.jsonl"), read_jsonl(part / "metrics.jsonl")
+    assert strip(a) == strip(b)
+    # the reference is the warmed-up policy: step 1's one update starts at it (KL exactly 0), step 2 has moved
+    assert a[0]["kl/ref"] == pytest.approx(0.0, abs=1e-7) and a[1]["kl/ref"] > 1e-6
+    assert all(r["grad_norm"] > 0 for r in a)
+    assert json.loads((part / "run_info.json").read_text())["warmup"]["steps"] == 2
+
+
+def test_resume_without_a_reference_does_not_warm_up_again(monkeypatch, tmp_path, capsys):
+    args = [*TINY, "model=testbed-calc", "task=testbed-calc", "env=calculator", "max_turns=2", "max_new_tokens=40",
+            "sft_steps=1", "sft_batch_size=2", "save_every=1", "steps=1"]
+    run = tmp_path / "r"
+    assert cli(monkeypatch, "train", *args, f"output_dir={run}") == 0
+    capsys.readouterr()
+    assert cli(monkeypatch, "train", "--resume", str(run), "steps=2") == 0
+    assert "warm-up" not in capsys.readouterr().err
+    assert "checkpoint" in json.loads((run / "run_info.json").read_text())["warmup"]["note"]
+
+
+@pytest.mark.parametrize("over, message", [
+    (["sft_steps=2"], "sft_steps=2: warms up on an environment's demonstrations: set env=<name> too"),
+    (["env=feedback", "sft_steps=2"], "env='feedback' demonstrates no worked episode to warm up on"),
+    (["env=calculator", "sft_steps=-1"], "sft_steps=-1: must be >= 0"),
+    (["env=calculator", "sft_steps=1", "sft_lr=0"], "sft_lr=0.0: must be > 0"),
+    (["env=calculator", "sft_steps=1", "sft_batch_size=0"], "sft_batch_size=0: must be >= 1"),
+])
+def test_bad_warmup_settings_exit_2_with_one_line(monkeypatch, tmp_path, capsys, over, message):
+    assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", *over, "steps=1", f"output_dir={tmp_path / 'r'}") == 2
+    assert message in capsys.readouterr().err

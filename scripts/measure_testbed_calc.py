@@ -9,7 +9,9 @@ policy ``--model`` (default ``testbed-calc``), greedy and sampled (T = 1, ``--sa
 - accuracy **alone**: single completions, as a run without ``env`` trains and evaluates (a tool
   call then is a wrong answer);
 - in the episodes: the share that called the tool, failed calls per call, the share of the
-  sampled groups (``--samples`` episodes of one problem) with both right and wrong answers.
+  sampled groups (``--samples`` episodes of one problem) with both right and wrong answers, and in
+  those groups the right-minus-wrong length in model tokens (Balanced Aggregation's premise: mean
+  and SD over the mixed groups; the pooled gap over all episodes beside it).
 
 Usage::
 
@@ -65,6 +67,16 @@ def main() -> None:
             _, info = RewardFunction(task)(res.final_texts, [e for e in examples for _ in range(n)])
             correct = torch.as_tensor(info["correct"], dtype=torch.float32).view(-1, n)
             out["sampled_mixed_groups"] = float(((correct.sum(1) > 0) & (correct.sum(1) < n)).float().mean())
+            # Balanced Aggregation's premise: right and wrong answers to one problem differ in length
+            # (model tokens of the episode; the environment's tokens are not trained)
+            length = col["model_tokens"].view(-1, n)
+            gaps = [float(length[g][correct[g] > 0].mean() - length[g][correct[g] == 0].mean())
+                    for g in range(len(correct)) if 0 < correct[g].sum() < n]
+            gap = torch.tensor(gaps)
+            out["sampled_within_group_gap_mean"] = float(gap.mean()) if gaps else None
+            out["sampled_within_group_gap_sd"] = float(gap.std()) if len(gaps) > 1 else None
+            out["sampled_within_group_gap_groups"] = len(gaps)
+            out["sampled_pooled_gap"] = float(length[correct > 0].mean() - length[correct == 0].mean())
     report(out, args.json)
 
 

@@ -9,7 +9,8 @@ What "tiny" means per subcommand (appended to the command, so they win over its 
 every other key of the command is kept as written):
 
 - ``train``: 1 step of 2+ prompts x 2 samples x 4 tokens, a 2-prompt evaluation (every step: the one), one thread,
-  warm-up steps (``sft_steps``, where a command has them) of 2 demonstrations,
+  warm-up steps (``sft_steps``, where a command has them) of 2 demonstrations (and then the
+  command's own ``max_new_tokens``: a demonstration longer than a turn is left out),
   ``output_dir`` in a temporary folder (``prompts_per_step`` at least the resolved
   ``num_mini_batches``, read with ``--print-config``).
 - ``eval``: 2 prompts of at most 4 new tokens, one thread (``runs/<run>``: a tiny testbed run; a
@@ -181,9 +182,13 @@ def tiny_argv(argv: list[str], out: Path, run: Path | None, capsys) -> list[str]
         base = _without(argv, "output_dir")
         rc, text = _main([*base, "--print-config"], capsys)
         assert rc == 0, text
-        mini = int(yaml.safe_load(text)["num_mini_batches"])
+        resolved = yaml.safe_load(text)
+        mini = int(resolved["num_mini_batches"])
         base = [f"teacher={run}" if a == "teacher=runs/<run>" else a for a in base]  # a distillation's teacher
-        return [*base, "steps=1", *_tiny_train(max(2, mini)), f"output_dir={out}"]
+        tiny = _tiny_train(max(2, mini))
+        if resolved.get("sft_steps"):  # the warm-up leaves out demonstrations a 4-token turn cannot hold
+            tiny = [a for a in tiny if not a.startswith("max_new_tokens=")]
+        return [*base, "steps=1", *tiny, f"output_dir={out}"]
     if argv[0] == "eval":
         return [str(run) if a == "runs/<run>" else a for a in argv] + TINY_EVAL
     if argv[:2] == ["compare", "select"]:  # a screening report: per-seed numbers of every arm

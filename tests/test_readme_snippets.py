@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from echotrain import cli
 
@@ -116,6 +117,10 @@ def _run_echotrain(cmd: str, model_dir: Path, capsys) -> tuple[int, str]:
         given = {a.split("=", 1)[0] for a in argv if "=" in a}
         resumed = "--resume" in argv
         extra = {"model": str(model_dir), **TINY_TRAIN}
+        config = argv[argv.index("--config") + 1] if "--config" in argv else None
+        if config and (yaml.safe_load(Path(config).read_text()) or {}).get("sft_steps"):
+            # the char-level model's demonstrations are ~150 ids a turn; one that a turn cannot hold is left out
+            extra["max_new_tokens"] = "200"
         argv += [f"{k}={v}" for k, v in extra.items() if k not in given and not (resumed and k == "steps")]
     elif argv[0] == "eval":
         argv += ["--model", str(model_dir)] * ("--model" not in argv) + TINY_EVAL

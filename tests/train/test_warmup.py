@@ -85,8 +85,8 @@ def test_a_demonstration_the_task_does_not_score_is_dropped(tiny_model, tiny_tok
             return None
 
     for env in (Wrong, Nothing):
-        rows, dropped = demonstration_rows(tiny_model, tiny_tokenizer, digit_task, [digit_task[1]], env)
-        assert rows == [] and dropped == 1
+        rows, dropped, too_long = demonstration_rows(tiny_model, tiny_tokenizer, digit_task, [digit_task[1]], env)
+        assert rows == [] and dropped == 1 and too_long == 0
     with pytest.raises(ValueError, match="none of 2 examples has a demonstration the task scores 1"):
         sft_warmup(tiny_model, tiny_tokenizer, digit_task, Nothing, steps=1, batch_size=2, lr=1e-3, seed=0,
                    micro_batch_size=2)
@@ -108,7 +108,7 @@ def test_step_loss_is_the_token_mean_over_the_batch_and_micro_batches_agree(make
         model = make_tiny_model(tiny_tokenizer)
         if mbs == 4:  # the reference: the first step's 4 rows, as sft_warmup draws them
             examples = digit_task.sample(12, 0 + 7919)  # steps x batch_size drawn, shuffled, 4 a step
-            every, _ = demonstration_rows(model, tiny_tokenizer, digit_task, examples, SayEnv)
+            every = demonstration_rows(model, tiny_tokenizer, digit_task, examples, SayEnv)[0]
             order = list(range(12))
             random.Random(7919).shuffle(order)
             rows = [every[i] for i in order[:4]]
@@ -140,8 +140,8 @@ def test_testbed_rows_are_the_shipped_warmups_bytes():
     model, tok = load_policy("testbed-calc", dtype=torch.float32, device="cpu")
     task = get_task("testbed-calc", split="train")
     examples = task.sample(3, 0)
-    rows, dropped = demonstration_rows(model, tok, task, examples, CalculatorEnv)
-    assert dropped == 0
+    rows, dropped, too_long = demonstration_rows(model, tok, task, examples, CalculatorEnv)
+    assert dropped == 0 and too_long == 0
     for (ids, labels), ex in zip(rows, examples):
         ref_ids, ref_lab = _encode_examples([(ex.messages, tool_trace(ex.question.rstrip("="), ex.answer))], tok)
         assert ids == ref_ids[0].tolist() and labels == ref_lab[0].tolist()
@@ -155,14 +155,15 @@ def test_cli_warm_up_then_rl_and_resume_rebuilds_the_kl_reference(monkeypatch, t
     ends where the uninterrupted one does."""
     (tmp_path / "parity.py").write_text("def reward(completion, example):\n    return float(len(completion) % 2)\n")
     monkeypatch.chdir(tmp_path)  # a reward that varies within groups: the updates are not zero
-    args = [*TINY, "model=testbed-calc", "task=testbed-calc", "env=calculator", "max_turns=2", "max_new_tokens=40",
+    args = [*TINY, "model=testbed-calc", "task=testbed-calc", "env=calculator", "max_turns=2", "max_new_tokens=96",
             "sft_steps=2", "sft_batch_size=4", "sft_lr=1e-4", "kl_coef=0.1", "save_every=1", "keep_last=3",
             "num_generations=4", "lr=1e-3", "temperature=1.5", "reward=parity:reward"]
     full = tmp_path / "full"
     assert cli(monkeypatch, "train", *args, "steps=2", f"output_dir={full}") == 0
     assert "warm-up: 2 supervised steps on 8 demonstrations of env=calculator" in capsys.readouterr().err
     info = json.loads((full / "run_info.json").read_text())["warmup"]
-    assert info["steps"] == 2 and info["examples"] == 8 and 0 < info["loss_first"] < 0.2  # the policy knows the format
+    assert info["steps"] == 2 and info["examples"] == 8 and info["too_long"] == 0
+    assert 0 < info["loss_first"] < 0.2  # the policy knows the format
     part = tmp_path / "part"
     shutil.copytree(full, part)
     latest_checkpoint(part).unlink()
@@ -172,11 +173,11 @@ def test_cli_warm_up_then_rl_and_resume_rebuilds_the_kl_reference(monkeypatch, t
     # the reference is the warmed-up policy: step 1's one update starts at it (KL exactly 0), step 2 has moved
     assert a[0]["kl/ref"] == pytest.approx(0.0, abs=1e-7) and a[1]["kl/ref"] > 1e-6
     assert all(r["grad_norm"] > 0 for r in a)
-    assert json.loads((part / "run_info.json").read_text())["warmup"]["steps"] == 2
+    assert json.loads((part / "run_info.json").read_text())["warmup"]["loss_first"] == info["loss_first"]
 
 
 def test_resume_without_a_reference_does_not_warm_up_again(monkeypatch, tmp_path, capsys):
-    args = [*TINY, "model=testbed-calc", "task=testbed-calc", "env=calculator", "max_turns=2", "max_new_tokens=40",
+    args = [*TINY, "model=testbed-calc", "task=testbed-calc", "env=calculator", "max_turns=2", "max_new_tokens=96",
             "sft_steps=1", "sft_batch_size=2", "save_every=1", "steps=1"]
     run = tmp_path / "r"
     assert cli(monkeypatch, "train", *args, f"output_dir={run}") == 0
@@ -196,3 +197,74 @@ def test_resume_without_a_reference_does_not_warm_up_again(monkeypatch, tmp_path
 def test_bad_warmup_settings_exit_2_with_one_line(monkeypatch, tmp_path, capsys, over, message):
     assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", *over, "steps=1", f"output_dir={tmp_path / 'r'}") == 2
     assert message in capsys.readouterr().err
+
+
+def test_two_steps_equal_a_hand_written_loop(make_tiny_model, tiny_tokenizer, digit_task):
+    """sft_warmup's weights after 2 steps = AdamW (weight decay 0) on the step's shuffled rows, the
+    gradient of the token-mean cross-entropy clipped to norm 0.05 (active), zeroed every step."""
+    model, ref = make_tiny_model(tiny_tokenizer), make_tiny_model(tiny_tokenizer)
+    rows = demonstration_rows(ref, tiny_tokenizer, digit_task, digit_task.sample(6, 7919), SayEnv)[0]
+    order = list(range(6))
+    random.Random(7919).shuffle(order)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    norms = []
+    for step in range(2):
+        pick = [rows[i] for i in order[3 * step: 3 * step + 3]]
+        width = max(len(r[0]) for r in pick)
+        ids = torch.tensor([r[0] + [0] * (width - len(r[0])) for r in pick])
+        lab = torch.tensor([r[1] + [-100] * (width - len(r[1])) for r in pick])
+        attn = torch.tensor([[1] * len(r[0]) + [0] * (width - len(r[0])) for r in pick])
+        opt.zero_grad()
+        ref(input_ids=ids, attention_mask=attn, labels=lab).loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.05)))
+        opt.step()
+    assert min(norms) > 0.05  # the clip acted
+    model.eval()
+    sft_warmup(model, tiny_tokenizer, digit_task, SayEnv, steps=2, batch_size=3, lr=1e-2, seed=0, micro_batch_size=2,
+               max_grad_norm=0.05)
+    assert not model.training  # left in the mode it came in (the trainer's policy runs in eval mode)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_demonstrations_longer_than_an_episode_are_left_out(tiny_model, tiny_tokenizer, digit_task):
+    ex = [digit_task[1], digit_task[2]]
+    # "call 1" + EOS = 7 ids, "<answer>1</answer>" + EOS = 19: a turn of 18 tokens cannot hold the answer
+    assert demonstration_rows(tiny_model, tiny_tokenizer, digit_task, ex, SayEnv, max_new_tokens=19)[2] == 0
+    rows, dropped, too_long = demonstration_rows(tiny_model, tiny_tokenizer, digit_task, ex, SayEnv, max_new_tokens=18)
+    assert rows == [] and dropped == 0 and too_long == 2
+    assert demonstration_rows(tiny_model, tiny_tokenizer, digit_task, ex, SayEnv, max_turns=1)[2] == 2
+    full = demonstration_rows(tiny_model, tiny_tokenizer, digit_task, ex[:1], SayEnv)[0][0]
+    after_prompt = len(full[0]) - next(i for i, lab in enumerate(full[1]) if lab != -100)
+    for budget, left_out in ((after_prompt, 0), (after_prompt - 1, 1)):
+        assert demonstration_rows(tiny_model, tiny_tokenizer, digit_task, ex[:1], SayEnv,
+                                  max_episode_tokens=budget)[2] == left_out
+    with pytest.raises(ValueError, match="1 too long for max_new_tokens=5"):
+        sft_warmup(tiny_model, tiny_tokenizer, digit_task, SayEnv, steps=1, batch_size=1, lr=1e-3, seed=0,
+                   micro_batch_size=1, max_new_tokens=5)
+
+    class ToolFirst(SayEnv):
+        def demonstration(self, example, answer):
+            return [{"role": "tool", "content": "ok"}, {"role": "assistant", "content": answer}]
+
+    with pytest.raises(ValueError, match="must start and end with an assistant turn"):
+        demonstration_rows(tiny_model, tiny_tokenizer, digit_task, ex, ToolFirst)
+
+
+def test_the_trainer_passes_the_run_settings(monkeypatch, tmp_path):
+    """The trainer hands sft_warmup its settings and the episode limits, and keeps its policy in
+    eval mode after the warm-up."""
+    import echotrain.train.warmup as warmup
+
+    seen = {}
+    real = warmup.sft_warmup
+    monkeypatch.setattr(warmup, "sft_warmup", lambda *a, **k: seen.update(k) or real(*a, **k))
+    run = tmp_path / "r"
+    assert cli(monkeypatch, "train", *TINY, "model=testbed-calc", "task=testbed-calc", "env=calculator", "max_turns=2",
+               "max_new_tokens=90", "max_episode_tokens=300", "sft_steps=1", "sft_batch_size=3", "sft_lr=3e-6",
+               "max_grad_norm=0.37", "micro_batch_size=2", "seed=5", "steps=1", "save_every=0",
+               f"output_dir={run}") == 0
+    assert {k: seen[k] for k in ("steps", "batch_size", "lr", "seed", "micro_batch_size", "max_grad_norm",
+                                 "max_new_tokens", "max_turns", "max_episode_tokens", "autocast_dtype")} == {
+        "steps": 1, "batch_size": 3, "lr": 3e-6, "seed": 5, "micro_batch_size": 2, "max_grad_norm": 0.37,
+        "max_new_tokens": 90, "max_turns": 2, "max_episode_tokens": 300, "autocast_dtype": None}

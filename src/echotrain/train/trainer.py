@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import os
 import sys
 import time
@@ -216,18 +217,22 @@ class Trainer:
 
     def _warm_up(self, task: Any) -> Any:
         """Run the supervised warm-up (sft_steps) on the policy in place; its result."""
-        from echotrain.train.episodes import env_factory_of
+        from echotrain.train.episodes import env_factory_of, episode_budget
         from echotrain.train.warmup import sft_warmup
 
         cfg = self.cfg
         result = sft_warmup(self.model, self.tokenizer, task, env_factory_of(cfg), steps=cfg.sft_steps,
                             batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, seed=cfg.seed,
                             micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                            autocast_dtype=self.autocast_dtype)
+                            autocast_dtype=self.autocast_dtype, max_new_tokens=cfg.max_new_tokens,
+                            max_turns=cfg.max_turns,
+                            max_episode_tokens=episode_budget(cfg.max_episode_tokens, cfg.max_turns, cfg.max_new_tokens))
+        self.dist.broadcast_params(self.model)  # ranks warmed up alike; non-deterministic kernels may differ
         if self.dist.is_main:
+            left_out = f"; {result.too_long} left out, longer than an episode allows" if result.too_long else ""
             print(f"echotrain: warm-up: {result.steps} supervised steps on {result.examples} demonstrations of "
-                  f"env={cfg.env} (cross-entropy {result.losses[0]:.3f} -> {result.losses[-1]:.3f} nats a target token, "
-                  f"{result.seconds:.0f} s)", file=sys.stderr)
+                  f"env={cfg.env}{left_out} (cross-entropy {result.losses[0]:.3f} -> {result.losses[-1]:.3f} nats a "
+                  f"target token, {result.seconds:.0f} s)", file=sys.stderr)
         return result
 
     def _warmup_record(self) -> dict[str, Any] | None:
@@ -235,8 +240,13 @@ class Trainer:
         warmed-up weights from its checkpoint, None without sft_steps."""
         if self.warmup is not None:
             return self.warmup.summary()
-        if self.cfg.sft_steps:
-            return {"steps": self.cfg.sft_steps, "note": "resumed: the warmed-up weights came from the checkpoint"}
+        if self.cfg.sft_steps:  # resumed: the first run's record, if it wrote one
+            try:
+                before = json.loads((self.run_dir / "run_info.json").read_text()).get("warmup") or {}
+            except (OSError, ValueError):
+                before = {}
+            return {**before, "steps": self.cfg.sft_steps,
+                    "note": "resumed: the warmed-up weights came from the checkpoint"}
         return None
 
     def _async_rollouts(self, tokenizer: Any, reward_fn: Any, pad_id: int) -> Any:

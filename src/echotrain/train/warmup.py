@@ -6,19 +6,24 @@ signal. The usual recipe is supervised fine-tuning on tool-use traces first, the
 ``SFTTrainer`` then ``GRPOTrainer``; verl's SFT trainer then PPO). ``sft_steps=N`` runs that first
 phase inside the run: N optimizer steps of next-token cross-entropy on worked episodes that the
 environment demonstrates (:meth:`demonstration`), then RL starts from the warmed-up weights, with
-a fresh RL optimizer, and the KL reference (when ``kl_coef`` > 0) is the warmed-up policy.
+a fresh RL optimizer, and the KL reference (when ``kl_coef`` > 0) is the warmed-up policy (with
+LoRA the reference stays the base model: the adapters switched off). Under data parallelism every
+rank runs the same warm-up and rank 0's weights are then broadcast.
 
 Each demonstration is encoded **exactly as an episode's trajectory**
 (:mod:`echotrain.runtime.episodes`): the prompt as the rollouts encode it, each model turn's text
 tokenised with its end-of-turn token appended, each environment reply as the
 :class:`~echotrain.runtime.episodes.TurnRenderer` delta the episodes insert; only the model turns
 are targets (the environment's tokens are inputs with label -100, as ``response_mask`` 0 leaves
-them out of the RL loss). A demonstration whose final answer the task does not score 1 is dropped.
+them out of the RL loss). A demonstration whose final answer the task does not score 1 is dropped,
+and so is one an episode of the run could not hold (a model turn longer than ``max_new_tokens``
+with its end-of-turn id, more than ``max_turns`` model turns, more ids after the prompt than the
+episode budget): the warm-up teaches only episodes the rollouts can produce.
 
 The demonstration contract (optional, an environment without it cannot warm up):
 ``env.demonstration(example, answer) -> list[{"role": "assistant" | "tool" | "user", "content"}] |
-None``: the turns after ``env.reset(example)``'s prompt, ending with an assistant turn; ``answer``
-is the task's reference completion (:func:`reference_completion`); None skips the example.
+None``: the turns after ``env.reset(example)``'s prompt, starting and ending with an assistant turn;
+``answer`` is the task's reference completion (:func:`reference_completion`); None skips the example.
 """
 
 from __future__ import annotations
@@ -62,8 +67,9 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return [int(i) for i in (enc["input_ids"] if hasattr(enc, "keys") else enc)]
 
 
-def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence[Any], make_env: Callable[[], Any]
-                       ) -> tuple[list[tuple[list[int], list[int]]], int]:
+def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence[Any], make_env: Callable[[], Any],
+                       *, max_new_tokens: int | None = None, max_turns: int | None = None,
+                       max_episode_tokens: int | None = None) -> tuple[list[tuple[list[int], list[int]]], int, int]:
     """The worked episodes of ``examples`` as training rows (module docstring).
 
     Args:
@@ -71,20 +77,22 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
         task: the task (its scorer checks each demonstration's final turn).
         examples: task examples.
         make_env: a zero-argument factory of fresh environments with a ``demonstration`` method.
+        max_new_tokens, max_turns, max_episode_tokens: the run's episode limits (None = no limit):
+            a demonstration an episode could not hold is left out.
 
     Returns:
-        ``(rows, dropped)``: rows ``(ids, labels)`` (equal-length int lists; labels -100 on the
-        prompt and the environment's ids), and the number of examples without a demonstration
-        or whose demonstration the task scores below 1.
+        ``(rows, dropped, too_long)``: rows ``(ids, labels)`` (equal-length int lists; labels -100
+        on the prompt and the environment's ids); the number of examples without a demonstration
+        or whose demonstration the task scores below 1; the number beyond the episode limits.
 
     Raises:
         ValueError: the environment has no ``demonstration`` method, or a demonstration that does
-            not end with an assistant turn.
+            not start and end with an assistant turn.
     """
     eos = eos_ids_of(model, tokenizer)
     if not eos:
         raise ValueError("the policy has no end-of-turn (eos) token id: a demonstration's turns cannot end")
-    rows, dropped = [], 0
+    rows, dropped, too_long = [], 0, 0
     for ex in examples:
         env = make_env()
         if not callable(getattr(env, "demonstration", None)):
@@ -95,9 +103,9 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
         if not turns:
             dropped += 1
             continue
-        if turns[-1].get("role") != "assistant":
-            raise ValueError(f"{type(env).__name__}.demonstration must end with an assistant turn, "
-                             f"got {turns[-1].get('role')!r}")
+        if turns[0].get("role") != "assistant" or turns[-1].get("role") != "assistant":
+            raise ValueError(f"{type(env).__name__}.demonstration must start and end with an assistant turn, "
+                             f"got {turns[0].get('role')!r} ... {turns[-1].get('role')!r}")
         if task.score(turns[-1]["content"], ex) < 1.0:
             dropped += 1
             continue
@@ -108,6 +116,7 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
         labels = [-100] * len(ids)
         history: Any = list(prompt) if chat else prompt
         pending: list[dict[str, str]] = []
+        longest_turn, model_turns, prompt_len = 0, 0, len(ids)
         for turn in turns:
             if turn["role"] != "assistant":
                 pending.append(dict(turn))
@@ -122,28 +131,36 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
             model_ids = _encode(tokenizer, turn["content"]) + [eos[0]]
             ids += model_ids
             labels += model_ids
+            longest_turn, model_turns = max(longest_turn, len(model_ids)), model_turns + 1
             if chat:
                 history = history + [{"role": "assistant", "content": turn["content"]}]
+        if ((max_new_tokens is not None and longest_turn > max_new_tokens)
+                or (max_turns is not None and model_turns > max_turns)
+                or (max_episode_tokens is not None and len(ids) - prompt_len > max_episode_tokens)):
+            too_long += 1
+            continue
         rows.append((ids, labels))
-    return rows, dropped
+    return rows, dropped, too_long
 
 
 @dataclass
 class WarmupResult:
     """What :func:`sft_warmup` did: ``steps`` optimizer steps over ``examples`` demonstrations
-    (``dropped`` examples had none), per-step mean cross-entropy ``losses`` (nats per target
-    token), ``target_tokens`` per step on average, ``seconds`` of wall time."""
+    (``dropped`` examples had none the task scores 1, ``too_long`` were beyond the episode
+    limits), per-step mean cross-entropy ``losses`` (nats per target token), ``target_tokens``
+    per step on average, ``seconds`` of wall time."""
 
     steps: int
     examples: int
     dropped: int
+    too_long: int
     losses: list[float]
     target_tokens: float
     seconds: float
 
     def summary(self) -> dict[str, Any]:
         """The run_info.json record."""
-        return {"steps": self.steps, "examples": self.examples, "dropped": self.dropped,
+        return {"steps": self.steps, "examples": self.examples, "dropped": self.dropped, "too_long": self.too_long,
                 "loss_first": self.losses[0] if self.losses else None,
                 "loss_last": self.losses[-1] if self.losses else None,
                 "target_tokens_per_step": self.target_tokens, "seconds": round(self.seconds, 1)}
@@ -151,11 +168,12 @@ class WarmupResult:
 
 def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any], *, steps: int, batch_size: int,
                lr: float, seed: int, micro_batch_size: int, max_grad_norm: float = 1.0,
-               autocast_dtype: torch.dtype | None = None) -> WarmupResult:
+               autocast_dtype: torch.dtype | None = None, max_new_tokens: int | None = None,
+               max_turns: int | None = None, max_episode_tokens: int | None = None) -> WarmupResult:
     """``steps`` AdamW steps of cross-entropy on demonstrations (module docstring), in place.
 
     Args:
-        model: the policy (trained in place; left in train mode).
+        model: the policy (trained in place, in train mode; left in the mode it came in).
         tokenizer, task, make_env: as :func:`demonstration_rows`; ``steps * batch_size`` examples are
             drawn with ``task.sample(n, seed + WARMUP_SEED_OFFSET)``.
         steps: optimizer steps (>= 1).
@@ -165,6 +183,8 @@ def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any
         seed: the run's seed.
         max_grad_norm: clip the gradient norm before each step (0 = off).
         autocast_dtype: the run's forward precision (None = the parameters' dtype).
+        max_new_tokens, max_turns, max_episode_tokens: the run's episode limits
+            (:func:`demonstration_rows`).
 
     Returns:
         :class:`WarmupResult`.
@@ -180,16 +200,20 @@ def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any
         raise ValueError(f"sft_lr must be > 0, got {lr}")
     t0 = time.perf_counter()
     examples = task.sample(steps * batch_size, seed + WARMUP_SEED_OFFSET)
-    rows, dropped = demonstration_rows(model, tokenizer, task, examples, make_env)
+    rows, dropped, too_long = demonstration_rows(model, tokenizer, task, examples, make_env,
+                                                 max_new_tokens=max_new_tokens, max_turns=max_turns,
+                                                 max_episode_tokens=max_episode_tokens)
     if not rows:
         raise ValueError(f"sft_steps: none of {len(examples)} examples has a demonstration the task scores 1 "
-                         "(the environment finds nothing to demonstrate on this task)")
+                         f"within the episode limits ({dropped} without one, {too_long} too long for max_new_tokens="
+                         f"{max_new_tokens}, max_turns={max_turns}, max_episode_tokens={max_episode_tokens})")
     order = list(range(len(rows)))
     random.Random(seed + WARMUP_SEED_OFFSET).shuffle(order)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    was_training = model.training
     model.train()
     losses, targets = [], 0
     for step in range(steps):
@@ -224,5 +248,6 @@ def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any
         targets += n_target
     opt.zero_grad(set_to_none=True)
     del opt
-    return WarmupResult(steps=steps, examples=len(rows), dropped=dropped, losses=losses, target_tokens=targets / steps,
-                        seconds=time.perf_counter() - t0)
+    model.train(was_training)  # the trainer's policy runs in eval mode (train/features.py)
+    return WarmupResult(steps=steps, examples=len(rows), dropped=dropped, too_long=too_long, losses=losses,
+                        target_tokens=targets / steps, seconds=time.perf_counter() - t0)

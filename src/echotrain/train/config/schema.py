@@ -200,9 +200,10 @@ class TrainConfig:
     sft_steps: int = _f(0, "Supervised warm-up before RL (our flag, echotrain.train.warmup): this many AdamW steps of "
                         "cross-entropy on the environment's worked episodes (its demonstration method; the calculator: "
                         "the call, the tool's reply as an input, the answer), encoded exactly as the episodes' "
-                        "trajectories, then RL from the warmed-up weights (fresh optimizer; the KL reference is the "
-                        "warmed-up policy). SFT-then-RL in one run, for a chat model that does not call a tool it "
-                        "has only read about (SmolLM2-135M: 3 steps take it from 0 to ~0.4 calls an episode). "
+                        "trajectories (one longer than an episode of the run allows is left out), then RL from the "
+                        "warmed-up weights (fresh optimizer; the KL reference is the warmed-up policy, with LoRA the "
+                        "base model). SFT-then-RL in one run, for a chat model that does not call a tool it "
+                        "has only read about (SmolLM2-135M: 3 steps of 8 take it from 0 to ~0.8 calls an episode). "
                         "0 = none.", group="environment")
     sft_batch_size: int = _f(8, "Demonstrations per warm-up step (sft_steps).", group="environment")
     sft_lr: float = _f(5e-5, "The warm-up's constant learning rate (sft_steps; AdamW, no weight decay).",

@@ -99,7 +99,8 @@ SELECTIONS = {"testbed": "grpo,echo", "smollm": "grpo,echo", "balanced_testbed":
               "staleness_length_gspo": "grpo_nokl,echo,gspo", "staleness_length_gspo_claim5": "gspo",
               "staleness_dose": "grpo_nokl,echo", "distill_testbed": "rl,distill", "echo_grpo_pilot": "grpo_nokl",
               "echo_grpo_trust": "grpo_nokl", "staleness_k1": "grpo_nokl",
-              "staleness_k4": "grpo_nokl,decoupled_tis", "calc_tool": "tool_grpo,tool_echo"}
+              "staleness_k4": "grpo_nokl,decoupled_tis", "calc_tool": "tool_grpo,tool_echo",
+              "balanced_calc": "token_mean,balanced", "lr_fair_pilot": "echo_k8", "lr_fair": "cispo_k8,echo_k8"}
 
 
 def test_every_shipped_config_is_covered():

@@ -41,7 +41,7 @@ from echotrain.runtime.rollout import (RolloutBatch, RolloutLogProbRecorder, _su
                                        eos_ids_of, left_pad, render_prompts)
 from echotrain.runtime.turn_cache import RowCache, cached_length, stack_row_caches
 
-__all__ = ["EPISODE_STATS", "EpisodeResult", "TurnRenderer", "run_episodes"]
+__all__ = ["EPISODE_STATS", "EpisodeResult", "TurnRenderer", "encode_text", "run_episodes"]
 
 #: Columns of ``RolloutBatch.episode_stats``: model turns, tool calls, failed tool calls,
 #: environment tokens, model tokens, cut by the token budget (0/1), cut by max_turns (0/1), the
@@ -50,6 +50,14 @@ EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "env_tokens", "model_toke
                  "cut_by_turns", "shaping")
 
 _DUMMY = "\u2063echotrain-turn\u2063"
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` on its own (no special tokens added): how a turn's text becomes ids
+    between the ids already in a trajectory."""
+    enc = tokenizer(text, add_special_tokens=False, return_tensors=None)
+    ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
+    return [int(i) for i in ids]
 
 
 class TurnRenderer:
@@ -76,11 +84,6 @@ class TurnRenderer:
     def __init__(self, tokenizer: Any, chat: bool, eos_text: str | None):
         self.tokenizer, self.chat, self.eos_text = tokenizer, chat, eos_text
 
-    def _encode(self, text: str) -> list[int]:
-        enc = self.tokenizer(text, add_special_tokens=False, return_tensors=None)
-        ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
-        return [int(i) for i in ids]
-
     def delta_text(self, history: list[dict[str, str]] | str, env_messages: list[dict[str, str]]) -> str:
         """The text of the environment's turn (see the class docstring)."""
         if not self.chat:
@@ -101,7 +104,7 @@ class TurnRenderer:
 
     def delta(self, history: list[dict[str, str]] | str, env_messages: list[dict[str, str]]) -> list[int]:
         """Token ids of :meth:`delta_text`."""
-        return self._encode(self.delta_text(history, env_messages))
+        return encode_text(self.tokenizer, self.delta_text(history, env_messages))
 
 
 @dataclass

@@ -153,7 +153,8 @@ class Trainer:
         #: A resumed run loads the warmed-up weights from its checkpoint, so the warm-up runs again only
         #: to rebuild a KL reference (the warmed-up policy; deterministic given the seed)
         self.warmup = None
-        if cfg.sft_steps and (not resume or (cfg.kl_coef > 0 and not is_lora(self.model))):
+        needs_reference = cfg.kl_coef > 0 and not is_lora(self.model)  # LoRA: the reference is the model with adapters off
+        if cfg.sft_steps and (not resume or needs_reference):
             self.warmup = self._warm_up(task)
         #: on-policy distillation's teacher (train/distill.py), or None
         self.teacher = None
@@ -162,7 +163,7 @@ class Trainer:
 
             self.teacher = Teacher(cfg, self.model, self.tokenizer, self.device, self.autocast_dtype)
         self.ref_model = None
-        if cfg.kl_coef > 0 and not is_lora(self.model):  # LoRA: the reference is the model with adapters off
+        if needs_reference:
             self.ref_model = copy.deepcopy(self.model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from echotrain.runtime.episodes import TurnRenderer
+from echotrain.runtime.episodes import TurnRenderer, encode_text
 from echotrain.runtime.precision import autocast
 from echotrain.runtime.rollout import encode_prompts, eos_ids_of, render_prompts
 
@@ -60,11 +61,6 @@ def reference_completion(task: Any, example: Any) -> str:
     if fmt == "boxed":
         return f"\\boxed{{{example.answer}}}"
     return str(example.answer)
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    enc = tokenizer(text, add_special_tokens=False, return_tensors=None)
-    return [int(i) for i in (enc["input_ids"] if hasattr(enc, "keys") else enc)]
 
 
 def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence[Any], make_env: Callable[[], Any],
@@ -128,7 +124,7 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
                 if chat:
                     history = history + pending
                 pending = []
-            model_ids = _encode(tokenizer, turn["content"]) + [eos[0]]
+            model_ids = encode_text(tokenizer, turn["content"]) + [eos[0]]
             ids += model_ids
             labels += model_ids
             longest_turn, model_turns = max(longest_turn, len(model_ids)), model_turns + 1
@@ -223,15 +219,10 @@ def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any
         opt.zero_grad(set_to_none=True)
         for start in range(0, len(pick), micro_batch_size):
             chunk = pick[start: start + micro_batch_size]
-            width = max(len(ids) for ids, _ in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            lab = torch.full((len(chunk), width), -100, dtype=torch.long)
-            attn = torch.zeros(len(chunk), width, dtype=torch.long)
-            for i, (r_ids, r_lab) in enumerate(chunk):  # right-padded: positions start at 0 in every row
-                ids[i, : len(r_ids)] = torch.tensor(r_ids)
-                lab[i, : len(r_lab)] = torch.tensor(r_lab)
-                attn[i, : len(r_ids)] = 1
-            ids, lab, attn = ids.to(device), lab.to(device), attn.to(device)
+            # right-padded: positions start at 0 in every row
+            ids = pad_sequence([torch.tensor(r) for r, _ in chunk], batch_first=True, padding_value=pad).to(device)
+            lab = pad_sequence([torch.tensor(r) for _, r in chunk], batch_first=True, padding_value=-100).to(device)
+            attn = pad_sequence([torch.ones(len(r), dtype=torch.long) for r, _ in chunk], batch_first=True).to(device)
             with autocast(model, autocast_dtype):
                 logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),

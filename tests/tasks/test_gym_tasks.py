@@ -73,6 +73,18 @@ def test_auto_one_shot_comes_from_the_generator():
     assert user.startswith("Calculate") and assistant.startswith("<answer>") and assistant.endswith("</answer>")
 
 
+def test_one_shot_pair_from_yaml_is_a_list():
+    """``task_options.one_shot`` from a YAML config arrives as a list of two strings: same prompt as the tuple."""
+    pair = ("Calculate 47 + 38.", "Start from 47, add 30 to get 77, then 8 to get 85.\n<answer>85</answer>")
+    from_list = get_task("default", one_shot=list(pair))
+    assert from_list.one_shot == pair
+    assert from_list[0].messages == get_task("default", one_shot=pair)[0].messages
+    assert from_list[0].messages[1:3] == [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    for bad in (["only one"], ["a", "b", "c"], [1, 2]):
+        with pytest.raises(ValueError, match="one_shot must be 'auto', None or a \\(user, assistant\\) pair of strings"):
+            get_task("default", one_shot=bad)
+
+
 def test_registry_errors():
     assert {"default", "basic_arithmetic", "gsm8k", "math500"} <= set(task_names())
     with pytest.raises(KeyError, match="valid names: .*default"):

@@ -61,7 +61,7 @@ class ReasoningGymTask(IndexedTask):
         system: system instruction (default asks for ``<answer>`` tags).
         one_shot: ``"auto"`` (one solved example from the same generator with another seed,
             answered as ``<answer>...</answer>``), ``None`` (no example), or a
-            ``(user, assistant)`` pair.
+            ``(user, assistant)`` pair of strings (a tuple, or a list of two as YAML and JSON give it).
         binary: if True (default), reward 1.0 only when the generator's score is 1.0, else 0.0;
             if False, the generator's own (possibly partial) score in [0, 1].
         **config: the generator's config fields (e.g. ``min_terms=2`` for basic_arithmetic).
@@ -81,7 +81,7 @@ class ReasoningGymTask(IndexedTask):
         size: int = 1000,
         seed: int = 0,
         system: str | None = DEFAULT_SYSTEM_PROMPT,
-        one_shot: str | tuple[str, str] | None = "auto",
+        one_shot: str | tuple[str, str] | list[str] | None = "auto",
         binary: bool = True,
         **config: Any,
     ):
@@ -107,10 +107,12 @@ class ReasoningGymTask(IndexedTask):
             shot_ds = reasoning_gym.create_dataset(dataset, size=1, seed=seed + _ONE_SHOT_SEED_OFFSET, **config)
             entry = shot_ds[0]
             self.one_shot: tuple[str, str] | None = (entry["question"], f"<answer>{entry['answer']}</answer>")
-        elif one_shot is None or (isinstance(one_shot, tuple) and len(one_shot) == 2):
-            self.one_shot = one_shot
+        elif one_shot is None:
+            self.one_shot = None
+        elif isinstance(one_shot, (tuple, list)) and len(one_shot) == 2 and all(isinstance(t, str) for t in one_shot):
+            self.one_shot = (one_shot[0], one_shot[1])  # a list from YAML / JSON / the command line is a pair too
         else:
-            raise ValueError(f"one_shot must be 'auto', None or a (user, assistant) pair, got {one_shot!r}")
+            raise ValueError(f"one_shot must be 'auto', None or a (user, assistant) pair of strings, got {one_shot!r}")
 
     def __getitem__(self, index: int) -> Example:
         self.check_index(index)

@@ -37,6 +37,17 @@ def test_decode_loop_benchmark_runs_and_compares_like_with_like():
     assert res["ratio"] == pytest.approx(res["echotrain_s"] / res["generate_s"])
 
 
+def test_decode_sampling_benchmark_draws_the_same_tokens_both_ways():
+    """The before/after A/B of the decode step's vocabulary work: both arms draw the same tokens from the same
+    RNG state, and the ratio is after / before of the medians."""
+    res = _load("bench_decode_sampling").main(["--rows", "16,3", "--vocab", "1000", "--reps", "2", "--threads", "1",
+                                               "--no-model"])
+    assert set(res) == {16, 3}
+    for row in res.values():
+        assert row["same_tokens"] is True
+        assert row["ratio"] == pytest.approx(row["after"] / row["before"])
+
+
 def test_packing_benchmark_runs_and_reports_ratios():
     """The A/B of the update layouts runs end to end (the testbed, which has no packed forward, so
     'packed' falls back to the KV-cache layout: same values); ratios are to the KV-cache layout and

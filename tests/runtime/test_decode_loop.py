@@ -7,11 +7,13 @@ towards EOS, so that rows finish at different steps and the loop really drops so
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from echotrain.runtime import rollout as R
-from echotrain.runtime.decode import inverse_cdf_sample, sample_tokens
+from echotrain.runtime.decode import CDF_BLOCK, distribution_stats, inverse_cdf_sample, sample_tokens
 
 TEXTS = ["abc", "hello world", "x", "12 34 56 7"]
 G = 4
@@ -309,3 +311,49 @@ def test_prefill_of_a_sliding_window_model_keeps_the_left_padded_layout(policy):
         got = sample_tokens(model, p_ids, p_attn, past_key_values=cache, **kw)
     assert torch.equal(got.tokens, ref.tokens)
     torch.testing.assert_close(got.log_prob, ref.log_prob, rtol=0, atol=1e-5)
+
+
+def _one_level_inverse_cdf(probs: torch.Tensor, u01: torch.Tensor) -> torch.Tensor:
+    """The reference inversion: one float64 cumulative sum over the whole row."""
+    cdf = probs.double().cumsum(-1)
+    return torch.searchsorted(cdf, u01 * cdf[:, -1:], right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+
+
+@pytest.mark.parametrize("V", [49_152, 3 * CDF_BLOCK + 37, 5])
+def test_inverse_cdf_sample_two_levels_equal_one_cumulative_sum(monkeypatch, V):
+    """The block search draws the token that one float64 cumulative sum over the row would for the same u
+    (64 rows, 30% of the entries 0, a vocabulary that is or is not a multiple of the block, or smaller than one)."""
+    g = torch.Generator().manual_seed(V)
+    probs = torch.rand(64, V, generator=g) ** 4
+    probs[torch.rand(64, V, generator=g) < 0.3] = 0.0
+    probs[:, 0] += 1e-3  # every row has some mass
+    for _ in range(5):
+        u01 = torch.rand(64, 1, dtype=torch.float64, generator=g)
+        monkeypatch.setattr(torch, "rand", lambda *a, u01=u01, **k: u01.clone())
+        got = inverse_cdf_sample(probs)
+        assert got.dtype == torch.int64 and got.shape == (64,)
+        assert torch.equal(got, _one_level_inverse_cdf(probs, u01))
+        assert bool((probs[torch.arange(64), got] > 0).all())
+
+
+def test_inverse_cdf_sample_never_lands_in_trailing_zero_blocks(monkeypatch):
+    """u that rounds up to the row's total (u = 1 - 2^-53) takes the last positive entry, even when whole
+    blocks of zeros follow it (the one-level search would have clamped to the row's last entry, a zero)."""
+    V = 4 * CDF_BLOCK + 10
+    probs = torch.zeros(3, V)
+    probs[0, : CDF_BLOCK + 3] = 1.0          # two blocks and a half of zeros after the last positive entry
+    probs[1, [5, 2 * CDF_BLOCK - 1]] = torch.tensor([1e-30, 1.0])
+    probs[2, V - 1] = 1.0
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((3, 1), 1 - 2**-53, dtype=torch.float64))
+    assert inverse_cdf_sample(probs).tolist() == [CDF_BLOCK + 2, 2 * CDF_BLOCK - 1, V - 1]
+
+
+def test_distribution_stats_closed_form():
+    """Entropy and sum of squared probabilities of known distributions: uniform over 4 (ln 4, 1/4), a point
+    mass (0, 1), and [0.5, 0.25, 0.25] (1.5 ln 2, 0.375), from their log-softmax; the log-probs of -inf of
+    the zero entries add 0 (0 log 0), not NaN."""
+    probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0]])
+    ent, sq = distribution_stats(torch.log_softmax(probs.log(), -1))
+    assert ent.dtype == sq.dtype == torch.float32 and ent.device.type == "cpu"
+    torch.testing.assert_close(ent, torch.tensor([math.log(4), 0.0, 1.5 * math.log(2)]))
+    torch.testing.assert_close(sq, torch.tensor([0.25, 1.0, 0.375]))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from echotrain.runtime.device import rng_devices
-from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS, entropy_of, sample_tokens, sum_pi_squared_of
+from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS, distribution_stats, sample_tokens
 from echotrain.runtime.packing import (accepts_keyword, common_prefix_len, distinct_prompts, has_window_attention,
                                        is_prefix_mask, packed_log_probs, real_prompts, supports_packed_forward)
 
@@ -119,8 +119,7 @@ class RolloutLogProbRecorder:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if self.prev is not None and ids is not None:
             self.cols.append(self.prev.gather(-1, ids[:, -1:].to(self.prev.device)).squeeze(-1).float().cpu())
-            self.ent_cols.append(self._entropy(self.prev))
-            self.sq_cols.append(sum_pi_squared_of(self.prev))
+            self._stats(self.prev)
 
     def _post(self, module: Any, args: tuple, kwargs: dict, out: Any) -> None:
         logits = out.logits[:, -1, :].float()
@@ -128,7 +127,10 @@ class RolloutLogProbRecorder:
             logits = logits / self.temperature
         self.prev = torch.log_softmax(logits, dim=-1)
 
-    _entropy = staticmethod(entropy_of)
+    def _stats(self, log_p: torch.Tensor) -> None:
+        ent, sq = distribution_stats(log_p)
+        self.ent_cols.append(ent)
+        self.sq_cols.append(sq)
 
     def __enter__(self) -> "RolloutLogProbRecorder":
         self._handles = [self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
@@ -150,8 +152,7 @@ class RolloutLogProbRecorder:
         if self.prev is not None and response_ids.shape[1] > len(self.cols):
             self.cols.append(self.prev.gather(-1, response_ids[:, len(self.cols):len(self.cols) + 1]
                                               .to(self.prev.device)).squeeze(-1).float().cpu())
-            self.ent_cols.append(self._entropy(self.prev))
-            self.sq_cols.append(sum_pi_squared_of(self.prev))
+            self._stats(self.prev)
         self.prev = None
         if len(self.cols) != response_ids.shape[1]:
             raise RuntimeError(f"recorded {len(self.cols)} sampled-token log-probs for {response_ids.shape[1]} response "

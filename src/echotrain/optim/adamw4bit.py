@@ -49,6 +49,21 @@ _TINY = torch.finfo(torch.float32).tiny
 _INDUCTOR_OPTIONS = {"realize_opcount_threshold": 30}
 
 
+def _compile_options(stochastic: bool) -> dict[str, Any] | None:
+    """Inductor options of the compiled update (``_INDUCTOR_OPTIONS`` for round-to-nearest m).
+
+    With ``ATEN_CPU_CAPABILITY`` set (kernels capped below the host's instruction set, e.g. to
+    measure AVX2 on an AVX-512 host), torch 2.13's FX graph cache reuses a graph compiled in a
+    process without the cap (and the reverse), and that graph computes a wrong update: after 3
+    steps on a (512, 1024) parameter 450,000 of its elements were off by up to 47 (a shared
+    ``/tmp/torchinductor_$USER``; docs/benchmarks.md, "AdamW with 4-bit states"). The cache is
+    then off for this compile: the update is compiled anew in each process (~15-35 s)."""
+    options = {} if stochastic else dict(_INDUCTOR_OPTIONS)
+    if os.environ.get("ATEN_CPU_CAPABILITY"):
+        options["fx_graph_cache"] = False
+    return options or None
+
+
 def _squeezed_shape(shape: torch.Size) -> tuple[int, ...]:
     return tuple(s for s in shape if s != 1)
 
@@ -502,7 +517,7 @@ class AdamW4bit(torch.optim.Optimizer):
                 self._compiled = {}
             stochastic = m_seed is not None
             if stochastic not in self._compiled:
-                fn, options = (_update_stochastic_, None) if stochastic else (_update_nearest_, _INDUCTOR_OPTIONS)
+                fn, options = (_update_stochastic_ if stochastic else _update_nearest_), _compile_options(stochastic)
                 self._compiled[stochastic] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
             try:  # (inside step's _compile_config: the raised recompile limit)
                 self._compiled[stochastic](*args, hp=hp, v_kind=kind, block_size=block_size, m_seed=m_seed)

@@ -5,7 +5,9 @@ async ones (``final_env_response`` ends the episode), failures counted, bad impo
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 
 import pytest
 
@@ -165,3 +167,40 @@ def test_the_episodes_of_one_example_do_not_share_its_prompt_or_metadata():
     assert ex.messages == [{"role": "user", "content": "Q"}] and ex.metadata == {"low": 1}
     assert all(p == [{"role": "user", "content": "Q"}] for p in prompts)
     assert [len(env.state["prompt"]) for env in envs] == [2, 2, 2] and envs[0].state["info"] == {"low": -1}
+
+
+class Hangs:
+    """``env_response`` hangs at the second turn in ``time.sleep`` (a plain method)."""
+
+    def env_response(self, messages, state):
+        if state["turn"] > 1:
+            time.sleep(30)
+        return [{"role": "user", "content": "go on"}]
+
+
+class HangsAsync:
+    """The same, ``async def``, awaiting."""
+
+    async def env_response(self, messages, state):
+        if state["turn"] > 1:
+            await asyncio.sleep(30)
+        return [{"role": "user", "content": "go on"}]
+
+
+@pytest.mark.parametrize("cls", [Hangs, HangsAsync], ids=["sync", "async"])
+def test_a_hanging_environment_ends_the_episode_at_its_timeout(cls):
+    """A method past ``timeout_s`` ends the episode as a counted error, within about the limit; the shared
+    object then plays the next episode normally (its event loop is not left stuck)."""
+    env = get_env_factory("verifiers", env=cls, timeout_s=0.3)()
+    env.reset(EX)
+    assert env.step("1") == EnvReply(messages=[{"role": "user", "content": "go on"}])
+    t = time.monotonic()
+    assert env.step("2") == EnvReply(done=True, tool_errors=1)
+    assert time.monotonic() - t < 5
+    assert "Timeout" in env.state["error"]
+    again = get_env_factory("verifiers", env=cls, timeout_s=0.3)()
+    again.reset(EX)
+    assert again.step("1") == EnvReply(messages=[{"role": "user", "content": "go on"}])
+    for bad in (0, -1, float("inf"), "5", True):
+        with pytest.raises(ValueError, match="env_options.timeout_s must be a positive number of seconds"):
+            get_env_factory("verifiers", env=cls, timeout_s=bad)()

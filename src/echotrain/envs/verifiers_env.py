@@ -31,7 +31,9 @@ Semantics here:
   messages are not shown to the model. Otherwise its messages (role and content as text) are the
   reply.
 * **Failures end the episode, counted**: an exception from ``setup_state``, ``is_completed`` or
-  ``env_response`` (or a reply or state of the wrong type) ends the episode at that turn (at the
+  ``env_response``, a call past ``env_options.timeout_s`` (default 30 s; plain methods interrupted
+  as reward calls are, ``async def`` ones cancelled), or a reply or state of the wrong type ends
+  the episode at that turn (at the
   first turn for ``setup_state``) with ``tool_errors=1`` (``episode/tool_errors``), the text in
   ``state["error"]`` as newer verifiers do; the run goes on (an environment in an unknown state
   is not asked again).
@@ -54,6 +56,7 @@ from typing import Any, Callable, Mapping
 
 from echotrain.envs.base import EnvReply, register_env
 from echotrain.envs.library import load_callable_once
+from echotrain.rewards.timeout import call_with_timeout
 
 __all__ = ["VerifiersEnvironment"]
 
@@ -65,10 +68,11 @@ class _Runner:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.lock = threading.Lock()
 
-    def __call__(self, value: Any) -> Any:
-        """``value`` itself, or its result when it is awaitable.
+    def __call__(self, value: Any, timeout_s: float | None = None) -> Any:
+        """``value`` itself, or its result when it is awaitable (cancelled after ``timeout_s`` seconds).
 
         Raises:
+            TimeoutError: the awaitable did not finish within ``timeout_s``.
             RuntimeError: awaited from a thread whose event loop is running.
         """
         if not inspect.isawaitable(value):
@@ -76,7 +80,7 @@ class _Runner:
         with self.lock:
             if self.loop is None:
                 self.loop = asyncio.new_event_loop()
-            return self.loop.run_until_complete(value)
+            return self.loop.run_until_complete(asyncio.wait_for(value, timeout_s))
 
 
 #: (env spec or callable, repr of kwargs) -> (the loaded object, its runner).
@@ -131,28 +135,45 @@ class VerifiersEnvironment:
     Args:
         env: ``module:load_environment`` (or ``file.py:function``, a class) or the callable itself.
         kwargs: keyword arguments of ``env`` (``env_options.kwargs.NAME=VALUE`` on the command line).
+        timeout_s: wall-clock limit of each call of the object's methods (seconds, default 30): a call
+            past it ends the episode as a counted failure (``episode/tool_errors``), as a tool that
+            hangs does; plain methods are interrupted as reward calls are
+            (:func:`echotrain.rewards.call_with_timeout`), ``async def`` ones cancelled.
         **dotted: ``kwargs.NAME`` options (how ``env_options.kwargs.NAME=VALUE`` arrives).
 
     Raises:
         ValueError: no ``env``, one that cannot be imported, that raises, or whose object has no
-            ``env_response``.
-        TypeError: an option other than ``env``, ``kwargs`` and ``kwargs.NAME``.
+            ``env_response``; a ``timeout_s`` that is not a positive number.
+        TypeError: an option other than ``env``, ``kwargs``, ``timeout_s`` and ``kwargs.NAME``.
     """
 
-    def __init__(self, env: str | Callable[..., Any] = "", kwargs: Mapping[str, Any] | None = None, **dotted: Any):
+    def __init__(self, env: str | Callable[..., Any] = "", kwargs: Mapping[str, Any] | None = None,
+                 timeout_s: float = 30.0, **dotted: Any):
         if not env:
             raise ValueError("env=verifiers needs env_options.env=module:load_environment (a verifiers-style environment)")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"env_options.timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
         bad = sorted(k for k in dotted if not k.startswith("kwargs."))
         if bad:
-            raise TypeError(f"unknown env_options {bad}; env=verifiers takes env and kwargs.NAME")
+            raise TypeError(f"unknown env_options {bad}; env=verifiers takes env, timeout_s and kwargs.NAME")
         kwargs = {**dict(kwargs or {}), **{k.split(".", 1)[1]: v for k, v in dotted.items()}}
         self.vf_env, self._run = _load(env, kwargs)
         self.state: dict[str, Any] = {}
         self.messages: list[dict[str, str]] = []
 
     def _call(self, name: str, *args: Any) -> Any:
-        """The object's method ``name`` called with ``args``, awaited when async."""
-        return self._run(getattr(self.vf_env, name)(*args))
+        """The object's method ``name`` called with ``args``, awaited when async, within ``timeout_s``.
+
+        Raises:
+            RewardTimeout: a plain method ran past ``timeout_s`` (interrupted, see
+                :func:`echotrain.rewards.call_with_timeout`).
+            TimeoutError: an ``async def`` method did not finish within ``timeout_s`` (cancelled).
+        """
+        fn = getattr(self.vf_env, name)
+        if inspect.iscoroutinefunction(fn):
+            return self._run(fn(*args), self.timeout_s)
+        return self._run(call_with_timeout(fn, *args, timeout_s=self.timeout_s), self.timeout_s)
 
     def reset(self, example: Any) -> list[dict[str, str]] | str:
         """A fresh ``state`` for ``example`` (``setup_state`` applied); returns the example's prompt unchanged."""
@@ -176,7 +197,7 @@ class VerifiersEnvironment:
         P = inspect.Parameter
         kinds = [p.kind for p in inspect.signature(fn).parameters.values()]
         old = kinds.count(P.POSITIONAL_ONLY) + kinds.count(P.POSITIONAL_OR_KEYWORD) >= 2 or P.VAR_POSITIONAL in kinds
-        return bool(self._run(fn(self.messages, self.state) if old else fn(self.state)))
+        return bool(self._call("is_completed", self.messages, self.state) if old else self._call("is_completed", self.state))
 
     def step(self, completion: str) -> EnvReply:
         """The environment's reply to the model turn ``completion``; done at the end or at a failure (counted)."""

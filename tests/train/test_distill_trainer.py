@@ -152,3 +152,29 @@ def test_packed_full_log_softmax_equals_the_plain_forward(tiny_tokenizer):
     lp, _ = forward_log_probs(model, p_ids, p_mask, r_ids, r_mask, temperature=0.7)
     gathered = torch.gather(outs[0], -1, r_ids.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(gathered * r_mask, lp.detach() * r_mask, atol=2e-6, rtol=1e-5)
+
+
+def test_gradient_checkpointing_covers_the_students_distillation_forward(run, teacher_dir, monkeypatch):
+    """Under gradient_checkpointing the student's full-distribution forward (distillation's update pass) is
+    recomputed in the backward like the update's own forward: each attention module of the policy runs twice
+    per micro-batch instead of once (on the code before, once); the update is the same."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    calls = {"n": 0}
+    forward = LlamaAttention.forward  # (not a checkpointed layer itself: patching it leaves the wrapper alone)
+
+    def counted(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self.q_proj.weight.requires_grad:
+            calls["n"] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaAttention, "forward", counted)
+    counts, params = {}, {}
+    for gc in (False, True):
+        calls["n"] = 0
+        trainer, _ = run(f"gc{gc}", teacher=teacher_dir, objective="distill", gradient_checkpointing=gc)
+        counts[gc], params[gc] = calls["n"], _params(trainer)
+    layers, micro_batches = len(trainer.model.model.layers), 2  # 16 rows in micro-batches of 8
+    assert counts[False] == layers * micro_batches and counts[True] == 2 * counts[False]  # the forward, then the recompute
+    for k in params[False]:
+        torch.testing.assert_close(params[True][k], params[False][k], atol=2e-6, rtol=1e-5)

@@ -14,6 +14,7 @@ The time and the bytes of its outputs are the step's ``time/teacher`` and ``memo
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -114,8 +115,14 @@ class Teacher:
 
     def student_log_softmax(self, model: Any, batch: RolloutBatch) -> torch.Tensor:
         """The policy's ``(b, T, V)`` float32 log-softmax at ``batch``'s response positions, with
-        grad when grad is enabled (the update's forward under distillation)."""
-        with autocast(model, self.autocast_dtype):
+        grad when grad is enabled (the update's forward under distillation), its activations
+        recomputed in the backward under ``gradient_checkpointing`` (as the update's own forward)."""
+        checkpointing = contextlib.nullcontext()
+        if self.cfg.gradient_checkpointing and torch.is_grad_enabled():
+            from echotrain.train.features import checkpointed_forward
+
+            checkpointing = checkpointed_forward(model)
+        with checkpointing, autocast(model, self.autocast_dtype):
             return response_log_softmax(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                         batch.attended_mask, temperature=self.cfg.temperature,
                                         pack=self.cfg.pack_responses, packed_attention=self.cfg.packed_attention)

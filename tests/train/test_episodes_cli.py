@@ -244,3 +244,44 @@ def test_eval_of_an_env_run_plays_its_episodes(monkeypatch, tmp_path, capsys):
     assert cli(monkeypatch, "eval", "--model", "testbed", "--task", "testbed-calc", "--prompts", "2", "--threads", "1",
                "--max-new-tokens", "4", "--json") == 0
     assert calls == [] and "episodes" not in capsys.readouterr().err
+
+
+def test_eval_env_flags_play_episodes_with_any_model(monkeypatch, tmp_path, capsys):
+    """``echotrain eval --env calculator`` plays episodes with a model given by name: the calculator testbed
+    answers held-out sums with the tool (greedy, 16 problems: some right) and none without it (--env none, the
+    documented start facts: 0 alone); a run's own env can be replaced by --env none, its max_turns by --max-turns."""
+    args = ["--model", "testbed-calc", "--prompts", "16", "--n", "1", "--temperature", "0", "--max-new-tokens", "96",
+            "--threads", "1", "--json"]
+    assert cli(monkeypatch, "eval", *args, "--env", "calculator", "--max-turns", "2") == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("echotrain eval: episodes with environment (env=calculator, max_turns=2, "
+                                   "max_episode_tokens=384)")
+    with_tool = json.loads(captured.out)
+    assert cli(monkeypatch, "eval", *args, "--env", "none") == 0
+    captured = capsys.readouterr()
+    alone = json.loads(captured.out)
+    assert "episodes" not in captured.err
+    assert with_tool["accuracy"] >= 2 / 16 and alone["accuracy"] == 0.0
+    run = tmp_path / "r"
+    assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", "env=calculator", "max_turns=2", "steps=1",
+               "save_every=0", "save_final_model=true", f"output_dir={run}") == 0
+    capsys.readouterr()
+    base = ["eval", "--model", str(run), "--prompts", "2", "--threads", "1", "--json"]
+    assert cli(monkeypatch, *base, "--max-turns", "3") == 0
+    assert "episodes with the run's environment (env=calculator, max_turns=3," in capsys.readouterr().err
+    assert cli(monkeypatch, *base, "--env", "none") == 0
+    assert "episodes" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--env-option", "timeout_s=1"], "--env-option and --max-turns need an environment: --env NAME"),
+    (["--max-turns", "2"], "--env-option and --max-turns need an environment"),
+    (["--env", "calculator", "--max-turns", "0"], "--max-turns must be >= 1, got 0"),
+    (["--env", "nope"], "--env 'nope' cannot be built here: "),
+    (["--env", "calculator", "--env-option", "bogus=1"], "--env 'calculator' cannot be built here: "),
+    (["--env", "calculator", "--env-option", "oops"], "--env-option 'oops' must be KEY=VALUE"),
+])
+def test_eval_env_flags_errors_exit_2_with_one_line(monkeypatch, capsys, flags, message):
+    assert cli(monkeypatch, "eval", "--model", "testbed-calc", "--prompts", "2", "--threads", "1", *flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

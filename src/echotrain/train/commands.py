@@ -223,6 +223,14 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
                         help="option for get_task, repeatable (e.g. --task-option seed=1 for questions other than "
                              "the training ones, which use seed 0); without --task, laid over the run's task_options "
                              "and the task is then built as given (no held-out split chosen)")
+    parser.add_argument("--env", default=None,
+                        help="play each sample as an episode with this environment (as train's env key, e.g. "
+                             "calculator; 'none' for single completions). Default: a run directory's own env, "
+                             "else none")
+    parser.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="option of --env (as train's env_options), repeatable")
+    parser.add_argument("--max-turns", type=int, default=None,
+                        help="model turns an episode may take with --env (default: the run's max_turns, else 4)")
     parser.add_argument("--plugins", action="append", default=[], metavar="MODULE|FILE.py",
                         help="import this module or .py file first (repeatable, or comma-separated), so the tasks "
                              "it registers are valid --task values (as train's plugins key)")
@@ -294,24 +302,27 @@ def run_eval(args: argparse.Namespace) -> int:
     if greedy:
         print(f"echotrain eval: error: {greedy}", file=sys.stderr)
         return 2
-    options: dict[str, Any] = {}
-    for item in args.task_option:
-        if "=" not in item:
-            print(f"echotrain eval: error: --task-option {item!r} must be KEY=VALUE", file=sys.stderr)
-            return 2
-        key, _, value = item.partition("=")
-        try:
-            options[key] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            print(f"echotrain eval: error: --task-option {item!r}: not a valid YAML value", file=sys.stderr)
-            return 2
+    parsed: dict[str, dict[str, Any]] = {"--task-option": {}, "--env-option": {}}
+    for flag, items in (("--task-option", args.task_option), ("--env-option", args.env_option)):
+        for item in items:
+            if "=" not in item:
+                print(f"echotrain eval: error: {flag} {item!r} must be KEY=VALUE", file=sys.stderr)
+                return 2
+            key, _, value = item.partition("=")
+            try:
+                parsed[flag][key] = yaml.safe_load(value)
+            except yaml.YAMLError:
+                print(f"echotrain eval: error: {flag} {item!r}: not a valid YAML value", file=sys.stderr)
+                return 2
+    options = parsed["--task-option"]
     from echotrain.runtime import preflight
 
     try:  # paths, device, threads and the task before the model is loaded
         preflight.check_threads(args.threads, key="--threads")
         preflight.check_device(args.device, key="--device")
         preflight.check_eval_model(args.model)
-        plan = plan_eval_task(args.model, args.task, options, args.max_new_tokens, args.decode_loop, args.sampler)
+        plan = plan_eval_task(args.model, args.task, options, args.max_new_tokens, args.decode_loop, args.sampler,
+                              env=args.env, env_options=parsed["--env-option"], max_turns=args.max_turns)
     except ConfigError as exc:
         if getattr(args, "debug", False):
             raise
@@ -381,7 +392,8 @@ class EvalPlan:
 
 
 def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any], max_new_tokens: int | None,
-                   decode_loop: str | None, sampler: str | None) -> EvalPlan:
+                   decode_loop: str | None, sampler: str | None, *, env: str | None = None,
+                   env_options: dict[str, Any] | None = None, max_turns: int | None = None) -> EvalPlan:
     """The task and generation settings of ``echotrain eval --model MODEL [--task TASK]``.
 
     Without ``task``: a run directory (or one of its checkpoints) is evaluated on the run's task and
@@ -393,11 +405,14 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
     ``default``. ``decode_loop`` / ``sampler`` (None = not given) default to the run's
     (:func:`echotrain.runtime.loading.generation_settings`). A run trained with ``env`` (or
     ``tools``) is evaluated as it evaluated itself: each sample an episode with its environment,
-    ``max_turns`` and episode budget (:func:`echotrain.train.episodes.episodes_of_run`).
+    ``max_turns`` and episode budget (:func:`echotrain.train.episodes.episodes_of_run`); ``env``
+    (``--env``) plays episodes with that environment instead (``env_options``, ``max_turns``: the
+    run's, else 4), ``"none"`` single completions.
 
     Raises:
         ConfigError: the model and the task do not fit (names both), an unknown task, a bad
-            option, an unreadable run ``config.yaml``.
+            option, an unreadable run ``config.yaml``, an environment that cannot be built,
+            ``env_options`` or ``max_turns`` without an environment, ``max_turns`` < 1.
     """
     from echotrain.runtime import preflight
     from echotrain.runtime.loading import generation_settings, read_run_config, run_dir_of
@@ -448,17 +463,30 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
         note.append("--task, --task-option, --max-new-tokens, --decode-loop, --sampler set them" if run is not None
                     else "--task sets another")
     episodes = None
-    if run is not None:
+    if max_turns is not None and max_turns < 1:
+        raise ConfigError(f"--max-turns must be >= 1, got {max_turns}")
+    if env is not None and env != "none":  # --env: this environment (the run's budget only if it is the run's)
+        env_cfg = {"env": env, "env_options": dict(env_options or {}), "max_turns": max_turns or run_cfg.get("max_turns"),
+                   "max_episode_tokens": run_cfg.get("max_episode_tokens") if run_cfg.get("env") == env else 0}
+        whose, label = "", f"--env {env!r}"
+    elif env is None and (run_cfg.get("env") or run_cfg.get("tools")):
+        env_cfg = {**run_cfg, **({"max_turns": max_turns} if max_turns else {})}
+        if env_options:
+            env_cfg["env_options"] = {**(run_cfg.get("env_options") or {}), **env_options}
+        whose, label = "the run's ", f"{model_label}: the run's environment env={run_cfg.get('env')!r}"
+    else:
+        env_cfg = None
+        if env_options or max_turns is not None:
+            raise ConfigError("--env-option and --max-turns need an environment: --env NAME (or a run trained with env)")
+    if env_cfg is not None:
         from echotrain.train.episodes import episodes_of_run
 
         try:
-            episodes = episodes_of_run(run_cfg, max_new_tokens)
+            episodes = episodes_of_run(env_cfg, max_new_tokens)
         except (ValueError, TypeError, KeyError, ImportError) as exc:
-            raise ConfigError(f"{model_label}: the run's environment env={run_cfg.get('env')!r} cannot be built "
-                              f"here: {exc}") from None
-        if episodes is not None:
-            note.insert(0, f"episodes with the run's environment (env={run_cfg.get('env') or 'tools'}, "
-                           f"max_turns={episodes['max_turns']}, max_episode_tokens={episodes['max_episode_tokens']})")
+            raise ConfigError(f"{label} cannot be built here: {exc}") from None
+        note.insert(0, f"episodes with {whose}environment (env={env_cfg.get('env') or 'tools'}, "
+                       f"max_turns={episodes['max_turns']}, max_episode_tokens={episodes['max_episode_tokens']})")
     return EvalPlan(task=built, task_name=name, task_options=opts, held_out=held_out, max_new_tokens=max_new_tokens,
                     generation=generation, note="; ".join(note), episodes=episodes)
 

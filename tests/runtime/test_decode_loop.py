@@ -336,24 +336,67 @@ def test_inverse_cdf_sample_two_levels_equal_one_cumulative_sum(monkeypatch, V):
         assert bool((probs[torch.arange(64), got] > 0).all())
 
 
-def test_inverse_cdf_sample_never_lands_in_trailing_zero_blocks(monkeypatch):
-    """u that rounds up to the row's total (u = 1 - 2^-53) takes the last positive entry, even when whole
-    blocks of zeros follow it (the one-level search would have clamped to the row's last entry, a zero)."""
+def test_inverse_cdf_sample_just_below_every_block_boundary_draws_a_positive_token(monkeypatch):
+    """u just below each block's cumulative mass: the block's own cumulative sum (another summation order than
+    the block sums') may end below u by rounding; the draw is then the block's last positive entry, never a
+    zero that follows it. Sparse rows (half the entries 0, many blocks ending in zeros), every boundary."""
+    g = torch.Generator().manual_seed(7)
+    V = 12 * CDF_BLOCK
+    probs = torch.rand(16, V, generator=g) ** 12
+    probs[torch.rand(16, V, generator=g) < 0.5] = 0.0
+    coarse = probs.view(16, 12, CDF_BLOCK).sum(-1, dtype=torch.float64).cumsum(-1)
+    for b in range(12):
+        u = torch.nextafter(coarse[:, b: b + 1], torch.zeros(1, dtype=torch.float64))
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: u / coarse[:, -1:])
+        got = inverse_cdf_sample(probs)
+        assert bool((probs[torch.arange(16), got] > 0).all()), b
+
+
+def test_inverse_cdf_sample_first_positive_token_and_the_top_of_the_row(monkeypatch):
+    """u = 0 with the mass in the third block only draws that block's first positive entry (the block search
+    is ``right=True``: a block of zero mass is passed over); u at the row's total (defensive: torch.rand < 1)
+    draws the last positive entry, never the zeros that follow it; ``_last_positive`` on plain rows."""
+    from echotrain.runtime.decode import _last_positive
+
     V = 4 * CDF_BLOCK + 10
-    probs = torch.zeros(3, V)
-    probs[0, : CDF_BLOCK + 3] = 1.0          # two blocks and a half of zeros after the last positive entry
-    probs[1, [5, 2 * CDF_BLOCK - 1]] = torch.tensor([1e-30, 1.0])
-    probs[2, V - 1] = 1.0
-    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((3, 1), 1 - 2**-53, dtype=torch.float64))
-    assert inverse_cdf_sample(probs).tolist() == [CDF_BLOCK + 2, 2 * CDF_BLOCK - 1, V - 1]
+    probs = torch.zeros(2, V)
+    probs[:, 2 * CDF_BLOCK + 5: 2 * CDF_BLOCK + 9] = 1.0
+    probs[1, CDF_BLOCK + 1] = 0.5
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(2, 1, dtype=torch.float64))
+    assert inverse_cdf_sample(probs).tolist() == [2 * CDF_BLOCK + 5, CDF_BLOCK + 1]
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(2, 1, dtype=torch.float64))
+    assert inverse_cdf_sample(probs).tolist() == [2 * CDF_BLOCK + 8, 2 * CDF_BLOCK + 8]
+    assert _last_positive(torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]])).tolist() == [1, 0, 3]
+
+
+def test_warpers_that_write_into_their_input_leave_the_recorded_log_probs_alone(policy, monkeypatch):
+    """The logits are copied for the warpers: a warper that halves the scores in place draws the same tokens
+    and records the same (unwarped) log-probs as one that returns a new tensor."""
+    from transformers import LogitsProcessorList
+
+    from echotrain.runtime import decode
+
+    model, tok = policy
+    ids, attn = R.encode_prompts(tok, ["hello world", "abc"], tok.pad_token_id)
+    out = []
+    for warper in (lambda i, s: s.div_(2.0), lambda i, s: s / 2.0):
+        monkeypatch.setattr(decode, "_warpers", lambda *a, w=warper: LogitsProcessorList([w]))
+        torch.manual_seed(3)
+        with torch.inference_mode():
+            out.append(sample_tokens(model, ids, attn, max_new_tokens=5, eos_token_ids=[], pad_token_id=tok.pad_token_id))
+    assert torch.equal(out[0].tokens, out[1].tokens)
+    torch.testing.assert_close(out[0].log_prob, out[1].log_prob, rtol=0, atol=0)
+    torch.testing.assert_close(out[0].entropy, out[1].entropy, rtol=0, atol=0)
 
 
 def test_distribution_stats_closed_form():
     """Entropy and sum of squared probabilities of known distributions: uniform over 4 (ln 4, 1/4), a point
     mass (0, 1), and [0.5, 0.25, 0.25] (1.5 ln 2, 0.375), from their log-softmax; the log-probs of -inf of
-    the zero entries add 0 (0 log 0), not NaN."""
+    the zero entries add 0 (0 log 0), not NaN; a NaN in a row stays NaN (a diverged policy is not hidden)."""
     probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0]])
     ent, sq = distribution_stats(torch.log_softmax(probs.log(), -1))
     assert ent.dtype == sq.dtype == torch.float32 and ent.device.type == "cpu"
     torch.testing.assert_close(ent, torch.tensor([math.log(4), 0.0, 1.5 * math.log(2)]))
     torch.testing.assert_close(sq, torch.tensor([0.25, 1.0, 0.375]))
+    ent, sq = distribution_stats(torch.tensor([[float("nan"), -1.0, -2.0], [-1.0, -1.0, -1.0]]))
+    assert math.isnan(ent[0]) and math.isnan(sq[0]) and not math.isnan(ent[1])

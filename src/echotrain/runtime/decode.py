@@ -54,7 +54,8 @@ CDF_BLOCK = 256
 
 
 def _last_positive(x: torch.Tensor) -> torch.Tensor:
-    """(...,) int64 index of the last entry > 0 along the last dim of ``x`` (0 when none is)."""
+    """(...,) int64 index of the last entry > 0 along the last dim of ``x`` (the last index when none
+    is: callers use it on rows or blocks with mass)."""
     return x.shape[-1] - 1 - (x.flip(-1) > 0).to(torch.int8).argmax(-1)
 
 
@@ -68,8 +69,10 @@ def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
     Two levels, so that no (N, V) float64 copy or sequential (N, V) cumulative sum is made: the
     float64 sums of blocks of :data:`CDF_BLOCK` entries and their cumulative sum pick the block
     that u falls in; a float64 cumulative sum of that block alone picks the token. The same
-    inversion as one cumulative sum over V, up to float64 rounding at a boundary (where either
-    level would overshoot by rounding, the last positive entry is taken)."""
+    inversion as one cumulative sum over V, up to float64 rounding at a boundary: where the
+    block's own cumulative sum ends below u by rounding, the block's last positive entry is taken
+    (and the row's, should u reach the row's total, which ``torch.rand`` < 1 keeps from
+    happening)."""
     N, V = probs.shape
     nb = -(-V // CDF_BLOCK)
     pad = nb * CDF_BLOCK - V
@@ -81,7 +84,7 @@ def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
         raise ValueError("probs: a row has a NaN/Inf entry or no positive probability (a diverged policy?)")
     u = torch.rand(N, 1, dtype=torch.float64, device=probs.device) * total
     j = torch.searchsorted(coarse, u, right=True).squeeze(1)
-    j = torch.where(j >= nb, _last_positive(sums), j)                                 # u rounded up to the total
+    j = torch.where(j >= nb, _last_positive(sums), j)                                 # u at the total (defensive)
     rows = torch.arange(N, device=probs.device)
     base = torch.where(j > 0, coarse[rows, (j - 1).clamp(min=0)], torch.zeros_like(total[:, 0]))
     block = blocks[rows, j].double()                                                   # (N, CDF_BLOCK)
@@ -94,9 +97,10 @@ def distribution_stats(log_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """The entropy -sum_v p log p (nats) and ``sum_v pi(v)^2`` (the collision probability, what
     verl's optimal token baselines read, docs/design/objectives.md §1) of each row of the (N, V)
     log-softmax ``log_p``, from one ``exp``: two (N,) float32 tensors on CPU. A token of log-prob
-    -inf (a masked vocabulary entry) adds 0 to the entropy (0 log 0 = 0), not NaN."""
+    -inf (a masked vocabulary entry) adds 0 to the entropy (0 log 0 = 0); a NaN stays NaN."""
     p = log_p.exp()
-    return -torch.nansum(p * log_p, -1).float().cpu(), (p * p).sum(-1).float().cpu()
+    finite_log_p = log_p.clamp(min=torch.finfo(log_p.dtype).min)  # -inf -> a finite value times p = 0
+    return -(p * finite_log_p).sum(-1).float().cpu(), (p * p).sum(-1).float().cpu()
 
 
 @dataclass

@@ -187,7 +187,19 @@ class HangsAsync:
         return [{"role": "user", "content": "go on"}]
 
 
-@pytest.mark.parametrize("cls", [Hangs, HangsAsync], ids=["sync", "async"])
+class HangsInIsCompleted:
+    """``is_completed`` (newer signature) hangs at the second turn."""
+
+    def is_completed(self, state):
+        if state["turn"] > 1:
+            time.sleep(30)
+        return False
+
+    def env_response(self, messages, state):
+        return [{"role": "user", "content": "go on"}]
+
+
+@pytest.mark.parametrize("cls", [Hangs, HangsAsync, HangsInIsCompleted], ids=["sync", "async", "is_completed"])
 def test_a_hanging_environment_ends_the_episode_at_its_timeout(cls):
     """A method past ``timeout_s`` ends the episode as a counted error, within about the limit; the shared
     object then plays the next episode normally (its event loop is not left stuck)."""
@@ -197,7 +209,8 @@ def test_a_hanging_environment_ends_the_episode_at_its_timeout(cls):
     t = time.monotonic()
     assert env.step("2") == EnvReply(done=True, tool_errors=1)
     assert time.monotonic() - t < 5
-    assert "Timeout" in env.state["error"]
+    name = "is_completed" if cls is HangsInIsCompleted else "env_response"
+    assert env.state["error"].endswith(f"{name} did not finish within 0.3 s"), env.state["error"]
     again = get_env_factory("verifiers", env=cls, timeout_s=0.3)()
     again.reset(EX)
     assert again.step("1") == EnvReply(messages=[{"role": "user", "content": "go on"}])

@@ -264,13 +264,20 @@ def test_eval_env_flags_play_episodes_with_any_model(monkeypatch, tmp_path, caps
     assert with_tool["accuracy"] >= 2 / 16 and alone["accuracy"] == 0.0
     run = tmp_path / "r"
     assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", "env=calculator", "max_turns=2", "steps=1",
-               "save_every=0", "save_final_model=true", f"output_dir={run}") == 0
+               "max_episode_tokens=30", "save_every=0", "save_final_model=true", f"output_dir={run}") == 0
     capsys.readouterr()
     base = ["eval", "--model", str(run), "--prompts", "2", "--threads", "1", "--json"]
-    assert cli(monkeypatch, *base, "--max-turns", "3") == 0
-    assert "episodes with the run's environment (env=calculator, max_turns=3," in capsys.readouterr().err
+    for flags, said in ((["--max-turns", "3"], "the run's environment (env=calculator, max_turns=3, max_episode_tokens=30)"),
+                        (["--env", "calculator"], "the run's environment (env=calculator, max_turns=2, max_episode_tokens=30)"),
+                        # another environment: its own max_turns (4) and the budget derived from the run's 6 tokens a turn
+                        (["--env", "feedback"], "episodes with environment (env=feedback, max_turns=4, max_episode_tokens=48)")):
+        assert cli(monkeypatch, *base, *flags) == 0
+        assert said in capsys.readouterr().err, flags
     assert cli(monkeypatch, *base, "--env", "none") == 0
     assert "episodes" not in capsys.readouterr().err
+    for flags in (["--env-option", "bogus=1"], ["--env", "calculator", "--env-option", "bogus=1"]):  # laid over the run's
+        assert cli(monkeypatch, *base, *flags) == 2
+        assert "the run's environment env='calculator' cannot be built here" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -280,6 +287,7 @@ def test_eval_env_flags_play_episodes_with_any_model(monkeypatch, tmp_path, caps
     (["--env", "nope"], "--env 'nope' cannot be built here: "),
     (["--env", "calculator", "--env-option", "bogus=1"], "--env 'calculator' cannot be built here: "),
     (["--env", "calculator", "--env-option", "oops"], "--env-option 'oops' must be KEY=VALUE"),
+    (["--env="], "--env must name an environment (or none: single completions)"),
 ])
 def test_eval_env_flags_errors_exit_2_with_one_line(monkeypatch, capsys, flags, message):
     assert cli(monkeypatch, "eval", "--model", "testbed-calc", "--prompts", "2", "--threads", "1", *flags) == 2

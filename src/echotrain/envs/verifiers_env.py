@@ -52,6 +52,7 @@ import asyncio
 import copy
 import inspect
 import threading
+import time
 from typing import Any, Callable, Mapping
 
 from echotrain.envs.base import EnvReply, register_env
@@ -168,12 +169,17 @@ class VerifiersEnvironment:
         Raises:
             RewardTimeout: a plain method ran past ``timeout_s`` (interrupted, see
                 :func:`echotrain.rewards.call_with_timeout`).
-            TimeoutError: an ``async def`` method did not finish within ``timeout_s`` (cancelled).
+            TimeoutError: an ``async def`` method did not finish within ``timeout_s`` (cancelled; a
+                coroutine that blocks the event loop, e.g. in ``time.sleep``, cannot be cancelled and
+                runs to its end, as in asyncio).
         """
         fn = getattr(self.vf_env, name)
-        if inspect.iscoroutinefunction(fn):
-            return self._run(fn(*args), self.timeout_s)
-        return self._run(call_with_timeout(fn, *args, timeout_s=self.timeout_s), self.timeout_s)
+        start = time.monotonic()
+        value = fn(*args) if inspect.iscoroutinefunction(fn) else call_with_timeout(fn, *args, timeout_s=self.timeout_s)
+        try:  # (a plain method that returns an awaitable: the limit is for both together)
+            return self._run(value, max(self.timeout_s - (time.monotonic() - start), 1e-3))
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{name} did not finish within {self.timeout_s} s") from None
 
     def reset(self, example: Any) -> list[dict[str, str]] | str:
         """A fresh ``state`` for ``example`` (``setup_state`` applied); returns the example's prompt unchanged."""

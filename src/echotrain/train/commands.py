@@ -405,9 +405,10 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
     ``default``. ``decode_loop`` / ``sampler`` (None = not given) default to the run's
     (:func:`echotrain.runtime.loading.generation_settings`). A run trained with ``env`` (or
     ``tools``) is evaluated as it evaluated itself: each sample an episode with its environment,
-    ``max_turns`` and episode budget (:func:`echotrain.train.episodes.episodes_of_run`); ``env``
-    (``--env``) plays episodes with that environment instead (``env_options``, ``max_turns``: the
-    run's, else 4), ``"none"`` single completions.
+    ``max_turns`` and episode budget (:func:`echotrain.train.episodes.episodes_of_run`;
+    ``env_options`` and ``max_turns`` laid over the run's). ``env`` (``--env``) names the
+    environment: the run's own keeps the run's settings, another one plays with ``env_options``,
+    ``max_turns`` (else 4) and the budget derived from them, ``"none"`` gives single completions.
 
     Raises:
         ConfigError: the model and the task do not fit (names both), an unknown task, a bad
@@ -465,15 +466,16 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
     episodes = None
     if max_turns is not None and max_turns < 1:
         raise ConfigError(f"--max-turns must be >= 1, got {max_turns}")
-    if env is not None and env != "none":  # --env: this environment (the run's budget only if it is the run's)
-        env_cfg = {"env": env, "env_options": dict(env_options or {}), "max_turns": max_turns or run_cfg.get("max_turns"),
-                   "max_episode_tokens": run_cfg.get("max_episode_tokens") if run_cfg.get("env") == env else 0}
+    if env == "":
+        raise ConfigError("--env must name an environment (or none: single completions)")
+    run_env = run_cfg.get("env") or ("tools" if run_cfg.get("tools") else None)
+    if run_env is not None and env in (None, run_env):  # the run's environment, turns and budget (--env-option over them)
+        env_cfg = {**run_cfg, **({"max_turns": max_turns} if max_turns else {}),
+                   "env_options": {**(run_cfg.get("env_options") or {}), **(env_options or {})}}
+        whose, label = "the run's ", f"{model_label}: the run's environment env={run_env!r}"
+    elif env not in (None, "none"):  # another environment: its own options, max_turns (else 4), a derived budget
+        env_cfg = {"env": env, "env_options": dict(env_options or {}), "max_turns": max_turns}
         whose, label = "", f"--env {env!r}"
-    elif env is None and (run_cfg.get("env") or run_cfg.get("tools")):
-        env_cfg = {**run_cfg, **({"max_turns": max_turns} if max_turns else {})}
-        if env_options:
-            env_cfg["env_options"] = {**(run_cfg.get("env_options") or {}), **env_options}
-        whose, label = "the run's ", f"{model_label}: the run's environment env={run_cfg.get('env')!r}"
     else:
         env_cfg = None
         if env_options or max_turns is not None:

@@ -33,9 +33,8 @@ Semantics here:
 * **Failures end the episode, counted**: an exception from ``setup_state``, ``is_completed`` or
   ``env_response``, a call past ``env_options.timeout_s`` (default 30 s; plain methods interrupted
   as reward calls are, ``async def`` ones cancelled unless they block the event loop themselves),
-  or a reply or state of the wrong type ends
-  the episode at that turn (at the
-  first turn for ``setup_state``) with ``tool_errors=1`` (``episode/tool_errors``), the text in
+  or a reply or state of the wrong type ends the episode at that turn (at the first turn for
+  ``setup_state``) with ``tool_errors=1`` (``episode/tool_errors``), the text in
   ``state["error"]`` as newer verifiers do; the run goes on (an environment in an unknown state
   is not asked again).
 * Async methods run on one private event loop per loaded object (created at first use, one call

@@ -226,8 +226,9 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
         tokens[rows, t] = nxt
         if record_log_prob:
             lp = torch.log_softmax(logits / temperature if do_sample and temperature != 1.0 else logits, dim=-1)
-            log_prob[rows.cpu(), t] = lp.gather(-1, nxt[:, None]).squeeze(-1).cpu()
-            entropy[rows.cpu(), t], sum_sq[rows.cpu(), t] = distribution_stats(lp)
+            on_cpu = rows.cpu()  # the recorded columns live on the CPU
+            log_prob[on_cpu, t] = lp.gather(-1, nxt[:, None]).squeeze(-1).cpu()
+            entropy[on_cpu, t], sum_sq[on_cpu, t] = distribution_stats(lp)
         steps = t + 1
         alive = ~torch.isin(nxt, eos) if len(eos) else torch.ones_like(nxt, dtype=torch.bool)
         last = not bool(alive.any()) or steps == max_new_tokens

@@ -48,6 +48,23 @@ def test_decode_sampling_benchmark_draws_the_same_tokens_both_ways():
         assert row["ratio"] == pytest.approx(row["after"] / row["before"])
 
 
+def test_rollout_autocast_benchmark_compares_the_same_tokens(tmp_path):
+    """The A/B of generation under no_grad against inference_mode (bfloat16 autocast) runs end to end
+    on a tiny saved Llama: both arms draw the same tokens (the same bfloat16 weights, cached or
+    not), and the ratio is no_grad / inference_mode of the medians."""
+    from tests.train.conftest import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    make_model(tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    res = _load("bench_rollout_autocast").main(["--model", str(tmp_path / "model"), "--prompts", "2",
+                                                "--generations", "2", "--max-new-tokens", "4", "--reps", "1",
+                                                "--threads", "1"])
+    assert res["same_tokens"] is True
+    assert res["ratio"] == pytest.approx(res["no_grad_s"] / res["inference_mode_s"])
+    assert 0 < res["row_steps"] <= 16
+
+
 def test_packing_benchmark_runs_and_reports_ratios():
     """The A/B of the update layouts runs end to end (the testbed, which has no packed forward, so
     'packed' falls back to the KV-cache layout: same values); ratios are to the KV-cache layout and

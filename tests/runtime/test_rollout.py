@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from echotrain.runtime.rollout import concat_rollouts, forward_log_probs, generate_rollouts, response_mask_from_ids
@@ -136,3 +137,64 @@ def test_shared_prefill_generation_matches_plain(tiny_model, tiny_tokenizer):
                                       share_prefix=share))
     assert torch.equal(outs[0].response_ids, outs[1].response_ids)
     assert torch.equal(outs[0].response_mask, outs[1].response_mask)
+
+
+def _weight_casts(model, fn):
+    """Run ``fn()`` and count the casts of the model's parameters (``aten._to_copy`` or, in inference
+    mode, ``aten.to`` of a tensor sharing a parameter's storage): autocast casts a weight to
+    bfloat16 where a matmul reads it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ptrs = {p.data_ptr() for p in model.parameters()}
+    casts = (torch.ops.aten._to_copy, torch.ops.aten.to)
+    count = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in casts and args[0].data_ptr() in ptrs:
+                count[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        out = fn()
+    return count[0], out
+
+
+@pytest.mark.parametrize("decode_loop", ["echotrain", "generate"])
+def test_generation_under_autocast_casts_each_weight_once(tiny_model, tiny_tokenizer, decode_loop):
+    """Under CPU bfloat16 autocast, generation casts each weight once per call, not once per forward:
+    autocast caches its casts of parameters, but not inside ``torch.inference_mode`` (which generation
+    used before: every decode step then re-cast the whole model, ~1/3 of a bfloat16 step of SmolLM2)."""
+    n_weights = sum(1 for n, p in tiny_model.named_parameters() if p.dim() == 2 and "embed" not in n)
+
+    def gen(max_new):
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return generate_rollouts(tiny_model, tiny_tokenizer, ["ab", "cde"], 2, max_new_tokens=max_new,
+                                     decode_loop=decode_loop)
+
+    casts, batch = _weight_casts(tiny_model, lambda: gen(8))
+    assert batch.response_ids.shape[1] > 2  # several decode forwards ran
+    assert 0 < casts <= n_weights + 1  # (+1: the tied lm_head / embedding)
+    with torch.inference_mode():  # the old way, for contrast: a cast per weight per forward
+        casts_im, _ = _weight_casts(tiny_model, lambda: gen(8))
+    assert casts_im > 2 * n_weights
+
+
+@pytest.mark.parametrize("decode_loop", ["echotrain", "generate"])
+def test_an_episode_turn_under_autocast_casts_each_weight_once(tiny_model, tiny_tokenizer, decode_loop):
+    """The same for a multi-turn episode's turn (``echotrain.runtime.episodes._sample``)."""
+    from echotrain.runtime.episodes import _sample
+
+    n_weights = sum(1 for n, p in tiny_model.named_parameters() if p.dim() == 2 and "embed" not in n)
+    ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
+    attn = torch.tensor([[1, 1, 1], [0, 1, 1]])
+
+    def turn():
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _sample(tiny_model, ids, attn, max_new_tokens=8, eos=[], pad_id=0, temperature=1.0, top_p=1.0,
+                           top_k=0, decode_loop=decode_loop, sampler="inverse_cdf")
+
+    casts, out = _weight_casts(tiny_model, turn)
+    assert out.tokens.shape == (2, 8) and 0 < casts <= n_weights + 1

@@ -142,7 +142,7 @@ def _sample(model: Any, ids: torch.Tensor, attn: torch.Tensor, *, max_new_tokens
     their first columns, echotrain's decode loop only; ``keep_cache``: return each row's cache)."""
     device = next(model.parameters()).device
     ids, attn = ids.to(device), attn.to(device)
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference_mode: autocast re-casts the weights every forward there (rollout.py)
         if decode_loop == "echotrain" and _supports_decode_loop(model):
             dec = sample_tokens(model, ids, attn, max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=pad_id,
                                 do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, sampler=sampler,

@@ -23,43 +23,25 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _job import add_job_arguments, load_job  # noqa: E402 - the benchmarks' shared setup (benchmarks/_job.py)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
+    add_job_arguments(ap, threads=2, reps=5)
     ap.add_argument("--autocast", choices=("bfloat16", "off"), default="bfloat16",
                     help="off: both arms in float32 (autocast's cache plays no part: the control)")
-    ap.add_argument("--model", default=None, help="model= (default: the default job's)")
-    ap.add_argument("--task", default=None, help="task= (default: the default job's)")
-    ap.add_argument("--prompts", type=int, default=None)
-    ap.add_argument("--generations", type=int, default=None)
-    ap.add_argument("--max-new-tokens", type=int, default=None)
     args = ap.parse_args(argv)
-
-    from echotrain.cli import set_omp_wait_policy
-
-    wait = set_omp_wait_policy()
+    job = load_job(args)
     import torch
 
-    torch.set_num_threads(args.threads)
-    from echotrain.models import load_policy
     from echotrain.runtime.rollout import generate_rollouts
-    from echotrain.tasks import get_task
-    from echotrain.train.config import resolve_config
 
-    over = {k: v for k, v in (("model", args.model), ("task", args.task), ("prompts_per_step", args.prompts),
-                              ("num_generations", args.generations), ("max_new_tokens", args.max_new_tokens))
-            if v is not None}
-    cfg = resolve_config(overrides=over)
-    model, tok = load_policy(cfg.model)
-    task = get_task(cfg.task, **cfg.task_options)
-    messages = [ex.messages for ex in task.sample(cfg.prompts_per_step, cfg.seed)]
+    cfg, model, tok, messages, wait = job.cfg, job.model, job.tokenizer, job.messages, job.wait
     arms = {"no_grad": contextlib.nullcontext, "inference_mode": torch.inference_mode}
 
     def call(name: str):

@@ -104,7 +104,7 @@ def main() -> None:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     texts = [t for t in render_prompts(tok, messages) for _ in range(G)]
     ids, attn = encode_prompts(tok, texts, pad_id)
-    with torch.inference_mode(), autocast(model, ac):
+    with torch.no_grad(), autocast(model, ac):  # no_grad as generation: inference mode re-casts the weights each forward
         model.eval()
         # warm-up (first-call allocations and kernel selection), not timed
         generate_rollouts(model, tok, messages, G, max_new_tokens=2, temperature=cfg.temperature,

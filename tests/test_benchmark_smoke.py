@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -173,3 +174,34 @@ def test_distill_benchmark_runs_and_reports_ratios():
     for name in list(res)[1:]:
         assert res[name]["teacher_s"] > 0 and res[name]["teacher_mb"] > 0
         assert res[name]["step_ratio"] == pytest.approx(res[name]["step_s"] / res["rl"]["step_s"])
+
+
+def test_rollout_autocast_benchmark_arms(tmp_path, monkeypatch):
+    """Each arm of bench_rollout_autocast runs under its own mode (inference mode only in the
+    inference_mode arm, bfloat16 autocast in both), the warm-up round is not timed, same_tokens
+    compares the two arms, row_steps counts the response mask."""
+    import echotrain.runtime.rollout as rollout
+    from tests.train.conftest import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    make_model(tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    real, seen = rollout.generate_rollouts, []
+
+    def spy(*a, **k):
+        b = real(*a, **k)
+        im = torch.is_inference_mode_enabled()
+        seen.append((im, torch.is_autocast_enabled("cpu")))
+        if im:  # make the arms differ: same_tokens must see it
+            b.response_ids = b.response_ids + 1
+        b.response_mask[0] = 0  # row_steps must follow the mask
+        return b
+
+    monkeypatch.setattr(rollout, "generate_rollouts", spy)
+    res = _load("bench_rollout_autocast").main(["--model", str(tmp_path / "model"), "--prompts", "2",
+                                                "--generations", "2", "--max-new-tokens", "4", "--reps", "2",
+                                                "--threads", "1"])
+    assert sorted(set(seen)) == [(False, True), (True, True)] and len(seen) == 2 * 3
+    assert res["same_tokens"] is False
+    assert all(len(v) == 2 for v in res["per_rep_s"].values())
+    assert res["row_steps"] < 2 * 2 * 4

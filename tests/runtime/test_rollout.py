@@ -198,3 +198,26 @@ def test_an_episode_turn_under_autocast_casts_each_weight_once(tiny_model, tiny_
 
     casts, out = _weight_casts(tiny_model, turn)
     assert out.tokens.shape == (2, 8) and 0 < casts <= n_weights + 1
+
+
+@pytest.mark.parametrize("decode_loop", ["echotrain", "generate"])
+def test_generation_forwards_run_without_grad(tiny_model, tiny_tokenizer, decode_loop):
+    """Every forward of generation (prefill, decode, an episode's turn) runs with grad off, and what
+    comes back holds no graph (not just: the casts are cached, which grad-on would also pass)."""
+    seen = []
+    h = tiny_model.register_forward_pre_hook(lambda m, a: seen.append(torch.is_grad_enabled()))
+    try:
+        b = generate_rollouts(tiny_model, tiny_tokenizer, ["ab", "cde"], 2, max_new_tokens=4, decode_loop=decode_loop)
+        n = len(seen)
+        from echotrain.runtime.episodes import _sample
+
+        t = _sample(tiny_model, torch.tensor([[5, 6, 7], [0, 8, 9]]), torch.tensor([[1, 1, 1], [0, 1, 1]]),
+                    max_new_tokens=4, eos=[], pad_id=0, temperature=1.0, top_p=1.0, top_k=0, decode_loop=decode_loop,
+                    sampler="inverse_cdf", keep_cache=decode_loop == "echotrain")
+    finally:
+        h.remove()
+    assert n > 0 and len(seen) > n and not any(seen)
+    assert b.rollout_log_prob is not None and not b.rollout_log_prob.requires_grad
+    assert not t.log_prob.requires_grad
+    for rc in t.row_caches or []:
+        assert not any(x.requires_grad for kv in rc for x in kv)

@@ -19,6 +19,17 @@ def _load(name: str):
     return module
 
 
+@pytest.fixture
+def saved_tiny_llama(tmp_path):
+    """The tests' tiny Llama and its tokenizer saved as a model folder; its path."""
+    from tests.train.conftest import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    make_model(tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
 def test_overlap_benchmark_runs_on_the_cpu(tmp_path):
     bench = _load("bench_overlap_gpu")
     res = bench.main(["--devices", "cpu", "--model", "testbed", "--reps", "1", "--new-tokens", "4", "--prompts", "2",
@@ -49,16 +60,11 @@ def test_decode_sampling_benchmark_draws_the_same_tokens_both_ways():
         assert row["ratio"] == pytest.approx(row["after"] / row["before"])
 
 
-def test_rollout_autocast_benchmark_compares_the_same_tokens(tmp_path):
+def test_rollout_autocast_benchmark_compares_the_same_tokens(saved_tiny_llama):
     """The A/B of generation under no_grad against inference_mode (bfloat16 autocast) runs end to end
     on a tiny saved Llama: both arms draw the same tokens (the same bfloat16 weights, cached or
     not), and the ratio is no_grad / inference_mode of the medians."""
-    from tests.train.conftest import make_model, make_tokenizer
-
-    tok = make_tokenizer()
-    make_model(tok).save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    res = _load("bench_rollout_autocast").main(["--model", str(tmp_path / "model"), "--prompts", "2",
+    res = _load("bench_rollout_autocast").main(["--model", saved_tiny_llama, "--prompts", "2",
                                                 "--generations", "2", "--max-new-tokens", "4", "--reps", "1",
                                                 "--threads", "1"])
     assert res["same_tokens"] is True
@@ -176,16 +182,11 @@ def test_distill_benchmark_runs_and_reports_ratios():
         assert res[name]["step_ratio"] == pytest.approx(res[name]["step_s"] / res["rl"]["step_s"])
 
 
-def test_rollout_autocast_benchmark_arms(tmp_path, monkeypatch):
+def test_rollout_autocast_benchmark_arms(saved_tiny_llama, monkeypatch):
     """Each arm of bench_rollout_autocast runs under its own mode (inference mode only in the
     inference_mode arm, bfloat16 autocast in both), the warm-up round is not timed, same_tokens
     compares the two arms, row_steps counts the response mask."""
     import echotrain.runtime.rollout as rollout
-    from tests.train.conftest import make_model, make_tokenizer
-
-    tok = make_tokenizer()
-    make_model(tok).save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
     real, seen = rollout.generate_rollouts, []
 
     def spy(*a, **k):
@@ -198,7 +199,7 @@ def test_rollout_autocast_benchmark_arms(tmp_path, monkeypatch):
         return b
 
     monkeypatch.setattr(rollout, "generate_rollouts", spy)
-    res = _load("bench_rollout_autocast").main(["--model", str(tmp_path / "model"), "--prompts", "2",
+    res = _load("bench_rollout_autocast").main(["--model", saved_tiny_llama, "--prompts", "2",
                                                 "--generations", "2", "--max-new-tokens", "4", "--reps", "2",
                                                 "--threads", "1"])
     assert sorted(set(seen)) == [(False, True), (True, True)] and len(seen) == 2 * 3

@@ -139,6 +139,12 @@ def test_shared_prefill_generation_matches_plain(tiny_model, tiny_tokenizer):
     assert torch.equal(outs[0].response_mask, outs[1].response_mask)
 
 
+def _matrix_weights(model) -> int:
+    """How many weight matrices a forward multiplies by (the embedding, tied to the lm_head, counted
+    once with it below)."""
+    return sum(1 for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
+
+
 def _weight_casts(model, fn):
     """Run ``fn()`` and count the casts of the model's parameters (``aten._to_copy`` or, in inference
     mode, ``aten.to`` of a tensor sharing a parameter's storage): autocast casts a weight to
@@ -165,7 +171,7 @@ def test_generation_under_autocast_casts_each_weight_once(tiny_model, tiny_token
     """Under CPU bfloat16 autocast, generation casts each weight once per call, not once per forward:
     autocast caches its casts of parameters, but not inside ``torch.inference_mode`` (which generation
     used before: every decode step then re-cast the whole model, ~1/3 of a bfloat16 step of SmolLM2)."""
-    n_weights = sum(1 for n, p in tiny_model.named_parameters() if p.dim() == 2 and "embed" not in n)
+    n_weights = _matrix_weights(tiny_model)
 
     def gen(max_new):
         torch.manual_seed(0)
@@ -181,14 +187,17 @@ def test_generation_under_autocast_casts_each_weight_once(tiny_model, tiny_token
     assert casts_im > 2 * n_weights
 
 
+#: a turn's left-padded inputs for the episode tests below
+TURN_IDS, TURN_ATTN = torch.tensor([[5, 6, 7], [0, 8, 9]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+
+
 @pytest.mark.parametrize("decode_loop", ["echotrain", "generate"])
 def test_an_episode_turn_under_autocast_casts_each_weight_once(tiny_model, tiny_tokenizer, decode_loop):
     """The same for a multi-turn episode's turn (``echotrain.runtime.episodes._sample``)."""
     from echotrain.runtime.episodes import _sample
 
-    n_weights = sum(1 for n, p in tiny_model.named_parameters() if p.dim() == 2 and "embed" not in n)
-    ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
-    attn = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    n_weights = _matrix_weights(tiny_model)
+    ids, attn = TURN_IDS, TURN_ATTN
 
     def turn():
         torch.manual_seed(0)
@@ -211,7 +220,7 @@ def test_generation_forwards_run_without_grad(tiny_model, tiny_tokenizer, decode
         n = len(seen)
         from echotrain.runtime.episodes import _sample
 
-        t = _sample(tiny_model, torch.tensor([[5, 6, 7], [0, 8, 9]]), torch.tensor([[1, 1, 1], [0, 1, 1]]),
+        t = _sample(tiny_model, TURN_IDS, TURN_ATTN,
                     max_new_tokens=4, eos=[], pad_id=0, temperature=1.0, top_p=1.0, top_k=0, decode_loop=decode_loop,
                     sampler="inverse_cdf", keep_cache=decode_loop == "echotrain")
     finally:

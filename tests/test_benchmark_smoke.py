@@ -206,3 +206,29 @@ def test_rollout_autocast_benchmark_arms(saved_tiny_llama, monkeypatch):
     assert res["same_tokens"] is False
     assert all(len(v) == 2 for v in res["per_rep_s"].values())
     assert res["row_steps"] < 2 * 2 * 4
+
+
+def test_launch_count_benchmark_counts_each_phase_of_a_step():
+    """The launch counter runs one testbed step per arm: every phase dispatches ops, the counts
+    do not depend on the arm when the setting changes nothing (the testbed has no packed
+    forward, so packed_attention is moot), and the ratio is total ops / the job's."""
+    res = _load("bench_launches").main(["--model", "testbed", "--task", "testbed", "--prompts", "2",
+                                        "--generations", "2", "--max-new-tokens", "4", "--threads", "1",
+                                        "--arm", "packed_attention=mask", "--arm", "num_mini_batches=1"])
+    job, same, one = res["job"], res["packed_attention=mask"], res["num_mini_batches=1"]
+    assert {"collect", "update", "advantages", "metrics"} <= set(job["ops"])
+    assert all(n > 0 for n in job["ops"].values()) and job["syncs"]["collect"] > 0
+    assert same["ops"] == job["ops"] and same["ratio"] == 1.0
+    assert job["total_ops"] == sum(job["ops"].values())
+    assert one["ops"]["update"] < job["ops"]["update"]  # one optimizer step instead of two
+    assert one["ratio"] == pytest.approx(one["total_ops"] / job["total_ops"], abs=1e-3)
+
+
+def test_launch_count_benchmark_knows_which_ops_make_the_host_wait():
+    bench = _load("bench_launches")
+    x = torch.arange(6.0)
+    assert bench._is_sync("_local_scalar_dense.default", (x,)) and bench._is_sync("nonzero.default", (x,))
+    assert bench._is_sync("index.Tensor", (x, [x > 2])) and bench._is_sync("index_put_.default", (x, [x > 2], x[:3]))
+    assert not bench._is_sync("index.Tensor", (x, [torch.tensor([0, 2])]))
+    assert not bench._is_sync("index.Tensor", (x, [None, x > 2][:1]))
+    assert not bench._is_sync("add.Tensor", (x, x)) and not bench._is_sync("mm.default", (x, x))

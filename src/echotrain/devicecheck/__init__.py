@@ -1,6 +1,6 @@
 """``echotrain device-check``: the CUDA path of echotrain, run and asserted on one GPU in one command.
 
-    echotrain device-check                       # on a GPU machine: every check, sized for <= 8 minutes on one GPU (not yet timed)
+    echotrain device-check                       # on a GPU machine: every check (~7.5 min on an H200)
     echotrain device-check --dry-run             # the same code on the CPU with tiny settings (~2 min)
     echotrain device-check --only optimizers,decode --out device_check
 
@@ -28,8 +28,9 @@ The checks (:data:`CHECKS`, in order; each asserts, not just runs):
   the overlap bound and what was reached (:mod:`echotrain.devicecheck.overlap`).
 
 It writes ``<out>/summary.json`` and ``<out>/summary.md`` (figures as ratios against a baseline
-of the same run, memory in bytes per parameter, the GPU's name) for docs/benchmarks.md, and
-exits 1 when a check failed. ``--dry-run`` (or a machine without CUDA) runs every check on the
+of the same run, memory in bytes per parameter, the GPU's name) for docs/benchmarks.md, after
+every check (a run stopped midway keeps what finished; a failed check keeps the figures it
+measured), and exits 1 when a check failed. ``--dry-run`` (or a machine without CUDA) runs every check on the
 CPU with the testbed policy: the test suite runs it (tests/test_device_check.py), so the GPU
 script's code is exercised between GPU loans. :data:`CUDA_BRANCHES` names the check that
 executes each CUDA-only branch of the package (tests/test_device_guards.py keeps it complete).
@@ -137,8 +138,8 @@ def run_checks(ctx: Context, names: list[str]) -> dict[str, Any]:
             row: dict[str, Any] = {"status": "passed", **_load(CHECKS[name])(ctx)}
         except Skipped as exc:
             row = {"status": "skipped", "reason": str(exc)}
-        except CheckFailed as exc:
-            row = {"status": "failed", "error": str(exc)}
+        except CheckFailed as exc:  # the figures measured before the assertion are kept
+            row = {"status": "failed", "error": str(exc), **exc.figures}
         except Exception as exc:  # noqa: BLE001  (a crash is a failed check; the others still run)
             row = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                    "traceback": traceback.format_exc()[-3000:]}
@@ -151,10 +152,19 @@ def run_checks(ctx: Context, names: list[str]) -> dict[str, Any]:
         summary["checks"][name] = row
         print(f"device-check: {name} {row['status']} ({row['seconds']} s)"
               + (f": {row.get('error') or row.get('reason')}" if row["status"] != "passed" else ""), flush=True)
+        _write(ctx.out, summary, t_all)  # after every check: a run killed later keeps what finished
+    return _write(ctx.out, summary, t_all)
+
+
+def _write(out: Path, summary: dict[str, Any], t_all: float) -> dict[str, Any]:
+    """Set ``total_s`` and ``passed`` (no check so far failed) and write ``summary.json`` and
+    ``summary.md`` under ``out`` (each atomically)."""
+    from echotrain.atomic import atomic_write_text
+
     summary["total_s"] = round(time.perf_counter() - t_all, 1)
     summary["passed"] = all(r["status"] != "failed" for r in summary["checks"].values())
-    (ctx.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    (ctx.out / "summary.md").write_text(markdown(summary))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=str))
+    atomic_write_text(out / "summary.md", markdown(summary))
     return summary
 
 

@@ -6,8 +6,9 @@ runs on CPU (``--device cpu``, small shapes, ~1 minute with a cold inductor cach
 1. the compiled DE quantizer and dequantizer equal the eager ones bit for bit (at and next to
    every midpoint, and on random values);
 2. three optimizer steps with the compiled update equal the eager update within the tolerances
-   of ``tests/optim/test_adamw4bit_compiled.py`` (parameters rtol 1e-5 / atol 1e-6, at most
-   0.1% of m codes differing, m scales rtol 1e-5), for the Rank-1 (matrices) and B128 (1-D)
+   of ``tests/optim/test_adamw4bit_compiled.py`` (parameters rtol 1e-5 / atol 1e-6 but for at
+   most 0.1% of them, a near-tie code flip; at most 0.1% of m codes differing, m scales rtol
+   1e-5), for the Rank-1 (matrices) and B128 (1-D)
    second-moment layouts, and with ``factor_second_moment=True``;
 3. the median ``optimizer.step()`` time (device-synchronised wall time) against
    ``torch.optim.AdamW`` with ``foreach=True`` and ``fused=True``, on the same parameters.
@@ -28,6 +29,7 @@ import time
 
 import torch
 
+from echotrain.devicecheck.common import MAX_CODE_MISMATCH, params_agree
 from echotrain.optim import quant
 from echotrain.optim.adamw4bit import AdamW4bit
 
@@ -48,8 +50,9 @@ def _emit(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
-def check_quantizers(device: torch.device) -> bool:
-    """Compiled quantize_de / _de_value equal the eager ones exactly on ``device``."""
+def check_quantizers(device: torch.device) -> dict:
+    """Compiled quantize_de / _de_value equal the eager ones exactly on ``device``; the row
+    printed, with ``ok``."""
     points = torch.tensor(list(quant._DE_MIDPOINTS) + list(quant.DE_MAP_4BIT) + [1e-38, 0.0], dtype=torch.float32)
     near = torch.cat([points, torch.nextafter(points, torch.tensor(2.0)), torch.nextafter(points, torch.tensor(-2.0))])
     gen = torch.Generator().manual_seed(0)
@@ -59,8 +62,10 @@ def check_quantizers(device: torch.device) -> bool:
     table = torch.arange(16, dtype=torch.float32, device=device).repeat(64)
     values = torch.compile(quant._de_value, fullgraph=True, dynamic=False)(table)
     values_ok = torch.equal(values, quant.map_tensor(quant.DE_MAP_4BIT, device).repeat(64))
-    _emit({"check": "compiled DE quantizer/dequantizer exact", "quantize_ok": codes_ok, "dequantize_ok": values_ok})
-    return codes_ok and values_ok
+    row = {"check": "compiled DE quantizer/dequantizer exact", "ok": codes_ok and values_ok, "quantize_ok": codes_ok,
+           "dequantize_ok": values_ok}
+    _emit(row)
+    return row
 
 
 def _params(shapes: list[tuple[int, ...]], device: torch.device, seed: int) -> list[torch.nn.Parameter]:
@@ -73,12 +78,18 @@ def _grads(shapes: list[tuple[int, ...]], device: torch.device, step: int) -> li
     return [(torch.randn(s, generator=gen) * 1e-2 * (1 + step % 3)).to(device) for s in shapes]
 
 
-def check_compiled_equals_eager(shapes: list[tuple[int, ...]], device: torch.device, factor: bool, steps: int = 3) -> bool:
-    """``steps`` steps of AdamW4bit compiled vs eager on the same parameters and gradients."""
+def check_compiled_equals_eager(shapes: list[tuple[int, ...]], device: torch.device, factor: bool, steps: int = 3) -> dict:
+    """``steps`` steps of AdamW4bit compiled vs eager on the same parameters and gradients; the
+    row printed, with ``ok``: at most 0.1% of the parameters beyond rtol 1e-5 / atol 1e-6 and none
+    further than ``steps`` x lr (:func:`echotrain.devicecheck.common.params_agree`: a first-moment
+    code that flips at a near-tie, because the compiled kernel rounds a product differently, moves
+    its element by one quantisation step; seen on an H200: 1.9e-6 of the codes), at most 0.1% of m
+    codes differing, m scales within rtol 1e-5."""
     runs = {}
+    lr = 1e-2
     for compiled in (False, True):
         params = _params(shapes, device, seed=0)
-        opt = AdamW4bit(params, lr=1e-2, factor_second_moment=factor, compile=compiled)
+        opt = AdamW4bit(params, lr=lr, factor_second_moment=factor, compile=compiled)
         t0 = time.perf_counter()
         for k in range(steps):
             for p, g in zip(params, _grads(shapes, device, k)):
@@ -87,31 +98,26 @@ def check_compiled_equals_eager(shapes: list[tuple[int, ...]], device: torch.dev
         _sync(device)
         runs[compiled] = (params, opt, time.perf_counter() - t0)
         if compiled and opt.compile is not True:
-            _emit({"check": "compiled == eager", "factor": factor, "ok": False, "error": "compilation fell back to eager"})
-            return False
+            row = {"check": "compiled == eager", "factor": factor, "ok": False, "error": "compilation fell back to eager"}
+            _emit(row)
+            return row
     (pe, oe, _), (pc, oc, t_compile) = runs[False], runs[True]
-    worst_param, worst_codes, worst_scale = 0.0, 0.0, 0.0
-    ok = True
+    params_ok, worst_param, frac_param = params_agree(pc, pe, bound=steps * lr)
+    worst_codes, worst_scale = 0.0, 0.0
     for a, b in zip(pe, pc):
-        try:
-            torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6)
-        except AssertionError:
-            ok = False
-        worst_param = max(worst_param, float((b.detach() - a.detach()).abs().max()))
         se, sc = oe.state[a], oc.state[b]
         if "exp_avg_codes" in se:
-            frac = float((se["exp_avg_codes"] != sc["exp_avg_codes"]).float().mean())
-            worst_codes = max(worst_codes, frac)
-            ok &= frac < 1e-3
-            rel = float(((sc["exp_avg_scale"] - se["exp_avg_scale"]).abs() / se["exp_avg_scale"].abs().clamp(min=1e-30)).max())
-            worst_scale = max(worst_scale, rel)
-            ok &= rel <= 1e-5
-    _emit({
+            worst_codes = max(worst_codes, float((se["exp_avg_codes"] != sc["exp_avg_codes"]).float().mean()))
+            rel = ((sc["exp_avg_scale"] - se["exp_avg_scale"]).abs() / se["exp_avg_scale"].abs().clamp(min=1e-30)).max()
+            worst_scale = max(worst_scale, float(rel))
+    ok = params_ok and worst_codes < MAX_CODE_MISMATCH and worst_scale <= 1e-5
+    row = {
         "check": "compiled == eager", "factor": factor, "ok": ok, "steps": steps,
-        "max_abs_param_diff": worst_param, "max_m_code_mismatch_frac": worst_codes,
+        "max_abs_param_diff": worst_param, "param_frac_beyond_tol": frac_param, "max_m_code_mismatch_frac": worst_codes,
         "max_m_scale_rel_diff": worst_scale, "compile_and_run_s": round(t_compile, 1),
-    })
-    return ok
+    }
+    _emit(row)
+    return row
 
 
 def time_steps(shapes: list[tuple[int, ...]], device: torch.device, reps: int) -> None:
@@ -165,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     _emit({"device": str(device), "name": name, "torch": torch.__version__, "params": sum(torch.Size(s).numel() for s in shapes)})
     t0 = time.perf_counter()
-    ok = check_quantizers(device)
-    ok &= check_compiled_equals_eager(shapes, device, factor=False)
-    ok &= check_compiled_equals_eager(matrices, device, factor=True)
+    rows = [check_quantizers(device), check_compiled_equals_eager(shapes, device, factor=False),
+            check_compiled_equals_eager(matrices, device, factor=True)]
+    ok = all(row["ok"] for row in rows)
     if not args.skip_timing:
         time_steps(shapes, device, args.reps or (50 if device.type == "cuda" else 10))
     _emit({"ok": bool(ok), "total_s": round(time.perf_counter() - t0, 1)})

@@ -17,13 +17,48 @@ import torch
 
 
 class CheckFailed(AssertionError):
-    """A device check's assertion did not hold; the message names the figure and the bound."""
+    """A device check's assertion did not hold; the message names the figure and the bound.
+
+    Attributes:
+        figures: what the check measured before the assertion failed (the summary's row keeps
+            them beside the error, so a failed check still reports its numbers).
+    """
+
+    def __init__(self, message: str, figures: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.figures = dict(figures or {})
 
 
-def require(ok: bool, message: str) -> None:
-    """Raise :class:`CheckFailed` with ``message`` unless ``ok``."""
+def require(ok: bool, message: str, figures: dict[str, Any] | None = None) -> None:
+    """Raise :class:`CheckFailed` with ``message`` (and the ``figures`` measured so far) unless ``ok``."""
     if not ok:
-        raise CheckFailed(message)
+        raise CheckFailed(message, figures)
+
+
+#: tolerances of tests/optim/test_adamw4bit.py (4-bit steps against their reference) and
+#: tests/optim/test_adamw4bit_compiled.py (m codes): parameters, fraction of m codes differing
+PARAM_RTOL, PARAM_ATOL, MAX_CODE_MISMATCH = 1e-5, 1e-6, 1e-3
+
+
+def params_agree(a: list[torch.Tensor], b: list[torch.Tensor], bound: float) -> tuple[bool, float, float]:
+    """Whether two lists of parameters (same shapes, any devices) agree as a 4-bit optimizer's
+    runs can: at most :data:`MAX_CODE_MISMATCH` of the elements beyond rtol :data:`PARAM_RTOL` /
+    atol :data:`PARAM_ATOL`, and none further apart than ``bound`` (the steps' largest possible
+    movement, e.g. steps x lr). A 4-bit code that flips at a near-tie, because one run rounds a
+    product differently (another device, or the compiled kernel against eager), moves its element
+    by one quantisation step: rare and small, not a bug.
+
+    Returns:
+        ``(ok, max |a - b|, fraction of elements beyond the tolerance)``.
+    """
+    beyond, total, worst = 0, 0, 0.0
+    for x, y in zip(a, b):
+        x, y = x.detach().cpu(), y.detach().cpu()
+        beyond += int((~torch.isclose(x, y, rtol=PARAM_RTOL, atol=PARAM_ATOL)).sum())
+        total += x.numel()
+        worst = max(worst, float((x - y).abs().max()))
+    frac = beyond / max(total, 1)
+    return frac <= MAX_CODE_MISMATCH and worst <= bound, worst, frac
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from echotrain.devicecheck.common import Context, require, timed
+from echotrain.devicecheck.common import MAX_CODE_MISMATCH, Context, params_agree, require, timed
 
 #: (matrix shapes, 1-D shapes) of the optimizer check: a small transformer's worth (~9.4M
 #: parameters) on a GPU (benchmarks' former device_check_adamw4bit.py), 0.6M on the dry run
@@ -20,11 +20,6 @@ OPT_SHAPES = {
     "cuda": ([(2048, 1024), (1024, 1024), (1024, 1024), (256, 1024)], [(1 << 20,)]),
     "cpu": ([(512, 512), (512, 512)], [(70000,)]),
 }
-
-#: tolerances of tests/optim/test_adamw4bit.py (4-bit steps against their reference) and
-#: tests/optim/test_adamw4bit_compiled.py (m codes): parameters, fraction of m codes differing
-PARAM_RTOL, PARAM_ATOL, MAX_CODE_MISMATCH = 1e-5, 1e-6, 1e-3
-
 
 def _params(shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)  # drawn on the host: the same values on every device
@@ -60,28 +55,12 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
 
 
-def _close(a: list[torch.Tensor], b: list[torch.Tensor], bound: float) -> tuple[bool, float, float]:
-    """Whether two parameter lists agree as the CPU tests ask: at most :data:`MAX_CODE_MISMATCH`
-    of the elements beyond rtol 1e-5 / atol 1e-6 (a 4-bit code that flips at a near-tie, because
-    the device rounds a product differently, moves its element by one quantisation step) and
-    none further apart than ``bound`` (the optimizer steps' largest possible movement, 3 x lr).
-    Returns ``(ok, max |a - b|, fraction beyond the tolerance)``."""
-    beyond, total, worst = 0, 0, 0.0
-    for x, y in zip(a, b):
-        x, y = x.detach().cpu(), y.detach().cpu()
-        beyond += int((~torch.isclose(x, y, rtol=PARAM_RTOL, atol=PARAM_ATOL)).sum())
-        total += x.numel()
-        worst = max(worst, float((x - y).abs().max()))
-    frac = beyond / max(total, 1)
-    return frac <= MAX_CODE_MISMATCH and worst <= bound, worst, frac
-
-
 def check_optimizers(ctx: Context) -> dict[str, Any]:
     """Fused AdamW and 4-bit AdamW on the device under test against the CPU on the same
     parameters and gradients (3 steps): torch's fused AdamW vs torch's for-loop AdamW on the CPU
     and echotrain's AdamW4bit vs itself on the CPU (which tests/optim pins to AdamW with the
     pure quantizers): fused AdamW within rtol 1e-5 / atol 1e-6 everywhere; AdamW4bit with at
-    most 0.1% of the parameters beyond that (a near-tie code flip, :func:`_close`) and < 0.1% of
+    most 0.1% of the parameters beyond that (a near-tie code flip, :func:`~echotrain.devicecheck.common.params_agree`) and < 0.1% of
     the first moment's 4-bit codes differing; the 4-bit update's distance from torch AdamW's is
     reported. Memory: state bytes per parameter (fused AdamW 8, AdamW4bit <= 1.07) and on CUDA
     the bytes the first step allocated. Time: median ``step()`` of each against torch AdamW
@@ -95,26 +74,19 @@ def check_optimizers(ctx: Context) -> dict[str, Any]:
     cpu = torch.device("cpu")
     ref, _, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False), shapes, cpu)
     fused, fused_opt, fused_grown = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), shapes, ctx.device)
-    fused_ok, fused_diff, fused_frac = _close(fused, ref, bound=3 * 1e-2)
-    require(fused_ok and fused_frac == 0.0, f"fused AdamW on {ctx.device} differs from the CPU's AdamW by "
-                                            f"{fused_diff:.3g} ({fused_frac:.2%} beyond rtol 1e-5, atol 1e-6)")
-    require(all(t.device.type == ctx.device.type for s in fused_opt.state.values() for t in s.values()),
-            "fused AdamW keeps state off the device")
+    fused_ok, fused_diff, fused_frac = params_agree(fused, ref, bound=3 * 1e-2)
+    fused_on_device = all(t.device.type == ctx.device.type for s in fused_opt.state.values() for t in s.values())
     q_ref, q_ref_opt, _ = _run(lambda ps: AdamW4bit(ps, lr=1e-2, compile=False), shapes, cpu)
     q, q_opt, q_grown = _run(lambda ps: AdamW4bit(ps, lr=1e-2, compile=False), shapes, ctx.device)
-    q_ok, q_diff, q_frac = _close(q, q_ref, bound=3 * 1e-2)
+    q_ok, q_diff, q_frac = params_agree(q, q_ref, bound=3 * 1e-2)
     mismatch = 0.0
     for a, b in zip(q_ref, q):
         sa, sb = q_ref_opt.state[a], q_opt.state[b]
         if "exp_avg_codes" in sa:
             mismatch = max(mismatch, float((sa["exp_avg_codes"] != sb["exp_avg_codes"].cpu()).float().mean()))
-    require(q_ok and mismatch < MAX_CODE_MISMATCH,
-            f"AdamW4bit on {ctx.device} vs CPU: parameters {q_diff:.3g} ({q_frac:.3%} beyond rtol 1e-5, atol 1e-6), "
-            f"m codes differing {mismatch:.3%}")
     update_gap = max(float(((w.detach().cpu() - r.detach()).norm() / (r.detach() - p0.detach()).norm()))
                      for w, r, p0 in zip(q, ref, _params(shapes, cpu)))
     per_param = {"adamw_fused": state_bytes(fused_opt) / n, "adamw4bit": state_bytes(q_opt) / n}
-    require(per_param["adamw4bit"] <= 1.07, f"AdamW4bit holds {per_param['adamw4bit']:.3f} bytes/parameter (> 1.07)")
     out: dict[str, Any] = {
         "params": n, "fused_vs_cpu_max_abs": fused_diff, "adamw4bit_vs_cpu_max_abs": q_diff,
         "adamw4bit_vs_cpu_frac_beyond_tol": q_frac,
@@ -127,11 +99,20 @@ def check_optimizers(ctx: Context) -> dict[str, Any]:
     if ctx.is_cuda:
         from echotrain.devicecheck import adamw4bit_compiled as comp
 
-        compiled_ok = comp.check_quantizers(ctx.device)
-        compiled_ok &= comp.check_compiled_equals_eager(shapes, ctx.device, factor=False)
-        compiled_ok &= comp.check_compiled_equals_eager(matrices, ctx.device, factor=True)
-        require(compiled_ok, "the compiled 4-bit update differs from the eager one (lines above)")
-        out["compiled_equals_eager"] = True
+        out["compiled"] = [comp.check_quantizers(ctx.device),
+                           comp.check_compiled_equals_eager(shapes, ctx.device, factor=False),
+                           comp.check_compiled_equals_eager(matrices, ctx.device, factor=True)]
+    # every figure is measured before the first assertion: a failed check still reports them all
+    require(fused_ok and fused_frac == 0.0, f"fused AdamW on {ctx.device} differs from the CPU's AdamW by "
+                                            f"{fused_diff:.3g} ({fused_frac:.2%} beyond rtol 1e-5, atol 1e-6)", out)
+    require(fused_on_device, "fused AdamW keeps state off the device", out)
+    require(q_ok and mismatch < MAX_CODE_MISMATCH,
+            f"AdamW4bit on {ctx.device} vs CPU: parameters {q_diff:.3g} ({q_frac:.3%} beyond rtol 1e-5, atol 1e-6), "
+            f"m codes differing {mismatch:.3%}", out)
+    require(per_param["adamw4bit"] <= 1.07, f"AdamW4bit holds {per_param['adamw4bit']:.3f} bytes/parameter (> 1.07)",
+            out)
+    require(all(row["ok"] for row in out.get("compiled", [])),
+            "the compiled 4-bit update differs from the eager one (figures: compiled)", out)
     return out
 
 

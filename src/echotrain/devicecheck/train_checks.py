@@ -26,7 +26,9 @@ from echotrain.devicecheck.common import (CheckFailed, Context, child_env, echot
 def check_default_job(ctx: Context) -> dict[str, Any]:
     """The default job (``echotrain train`` with its defaults, ``steps`` short) on the device
     under test through the real CLI: the device and autocast it resolved and why (startup line
-    and run_info.json), greedy held-out accuracy at the end above the start, the step time and
+    and run_info.json), greedy held-out accuracy at the end above the start; reported: the median
+    step, generation and update times, the update's model FLOP utilisation and generation's
+    bandwidth utilisation (``throughput/*``, fractions of the peaks measured at startup) and the
     peak memory. A GPU with native bf16 must resolve ``autocast=auto`` to bfloat16 (mixed
     precision: bf16 matrix products, float32 weights / optimizer / losses; runtime/precision.py).
     Dry run: the testbed policy, 8 steps (its greedy accuracy rises 0.25 -> 0.28 on 2 CPU cores)."""
@@ -54,12 +56,21 @@ def check_default_job(ctx: Context) -> dict[str, Any]:
     start, end = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     require(end > start, f"greedy held-out accuracy did not rise: start {start}, end {end}")
     metrics = read_jsonl(run / "metrics.jsonl")
-    step_s = [m["time/step"] for m in metrics if "time/step" in m]
     return {"device": info["device"], "device_reason": info["device_reason"], "autocast": info["autocast"],
             "autocast_reason": info["autocast_reason"], "steps": len(metrics), "eval_accuracy_start": start,
-            "eval_accuracy_end": end, "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else None,
+            "eval_accuracy_end": end, "median_step_s": _median(metrics, "time/step"),
+            "median_generation_s": _median(metrics, "time/generation"), "median_update_s": _median(metrics, "time/update"),
+            "median_update_mfu": _median(metrics, "throughput/update_mfu"),
+            "median_decode_bw_util": _median(metrics, "throughput/decode_bw_util"),
             "peak_memory_mb": max((m.get("memory/peak_mb", 0.0) for m in metrics), default=None),
             "wall_s": round(wall, 1)}
+
+
+def _median(records: list[dict[str, Any]], key: str) -> float | None:
+    """The median of ``key`` over the records that have it, rounded to 4 significant digits
+    (None when none has it): step times in seconds, utilisations as fractions of the measured peak."""
+    values = sorted(r[key] for r in records if r.get(key) is not None)
+    return float(f"{values[len(values) // 2]:.4g}") if values else None
 
 
 #: aten ops whose inputs must all be on the device under test in a CUDA step (the matrix

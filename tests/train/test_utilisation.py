@@ -248,3 +248,16 @@ def test_cli_run_remeasures_stale_cached_peaks(tmp_path, capsys, monkeypatch, ti
     assert cached["measurements"] == 2 and cached["gemm_flops_per_s"] > 1e6 and cached["mem_bytes_per_s"] > 1e6
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["throughput/update_mfu"] < 1  # the step that triggered it, against the new peaks
+
+
+def test_decode_bytes_count_the_weights_in_the_compute_dtype(monkeypatch):
+    """Under bfloat16 autocast a decode step reads the cached bf16 copies of the weights (cast once a
+    generate call): 2 bytes a weight, like the KV cache; without autocast the stored float32's 4."""
+    from echotrain.models.looped import LoopedConfig, LoopedTransformer
+
+    monkeypatch.setenv(peaks_mod.PEAKS_ENV, "1e12,1e11")
+    looped = LoopedTransformer(LoopedConfig(n_loops=3))
+    meter, info = build_meter(looped, torch.bfloat16, torch.device("cpu"))
+    assert (meter.param_bytes, meter.kv_bytes, info["param_bytes"], info["kv_bytes"]) == (2, 2, 2, 2)
+    meter, info = build_meter(looped, None, torch.device("cpu"))
+    assert (meter.param_bytes, meter.kv_bytes, info["param_bytes"]) == (4, 4, 4)

@@ -45,8 +45,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
                    summary=True, volatile=True,
                    panel="Utilisation", label='generation / roofline bound', when="model shape known, peaks measured",
                    help=("generation's roofline time / time/generation: prefill FLOPs at the GEMM peak, plus per "
-                        'decode step the larger of its bytes (the weights once, the KV cache of the rows still '
-                        'generating) at the memory bandwidth and its FLOPs at the GEMM peak; with few rows decode is '
+                        'decode step the larger of its bytes (the weights once, in the compute dtype: under autocast '
+                        'the cached bfloat16 copies; the KV cache of the rows still generating) at the memory '
+                        'bandwidth and its FLOPs at the GEMM peak; with few rows decode is '
                         'bandwidth-bound and this is achieved / peak bandwidth, with many (the default 64 on a CPU) '
                         'it is compute-bound')),
 )}
@@ -193,11 +194,15 @@ def build_meter(model: Any, autocast_dtype: torch.dtype | None, device: torch.de
         peaks = machine_peaks(compute_dtype, device)
     except (PeaksOff, ValueError, RuntimeError, OSError) as exc:
         return None, {"disabled": f"no machine peaks: {exc}"}
-    kv_bytes = torch.empty((), dtype=compute_dtype).element_size()
+    # decode reads each weight in the compute dtype: under autocast the cached bf16 copy of the
+    # trainable weights (cast once a generate call, generation runs under no_grad), so 2 bytes,
+    # not the stored float32's 4; frozen weights (LoRA's base) are re-cast every forward, work the
+    # bound leaves out (it shows as lower utilisation); the cache holds the compute dtype too
+    kv_bytes = param_bytes = torch.empty((), dtype=compute_dtype).element_size()
     threads = peaks.threads
     remeasure = None if os.environ.get(PEAKS_ENV) else (  # peaks the user set are never re-measured
         lambda: machine_peaks(compute_dtype, device, threads, refresh=True))
-    meter = UtilisationMeter(shape, peaks, param_bytes=param.element_size(), kv_bytes=kv_bytes, remeasure=remeasure)
+    meter = UtilisationMeter(shape, peaks, param_bytes=param_bytes, kv_bytes=kv_bytes, remeasure=remeasure)
     return meter, {"peaks": peaks.as_dict(), "shape": dataclasses.asdict(shape),
                    "param_bytes": meter.param_bytes, "kv_bytes": kv_bytes,
                    "metrics": {k: m.help for k, m in METRICS.items()}}

@@ -52,7 +52,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=None, help="B (default: the trainer's default)")
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="another setting, as on the command line (e.g. pack_responses=false)")
     ap.add_argument("--json", default=None, help="also write the rows here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from echotrain.cli import set_omp_wait_policy
 
@@ -79,6 +79,7 @@ def main() -> None:
     from echotrain.runtime.packing import common_prefix_of
     from echotrain.runtime.rollout import _prefill, encode_prompts, generate_rollouts, render_prompts
     from echotrain.train.trainer import Trainer
+    from echotrain.train.utilisation import decode_element_bytes
     from echotrain.rl import needs_log_prob_prepass
     from echotrain.train.update import mini_batch_splits, retains_prepass_graph
 
@@ -94,7 +95,7 @@ def main() -> None:
     dtype = ac or param.dtype
     peaks = machine_peaks(dtype, trainer.device, threads=args.threads, refresh=True)
     shape = shape_of(model)
-    kv_bytes = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = param_bytes = decode_element_bytes(dtype)  # as the runs' meter counts them
     G = cfg.num_generations
     torch.manual_seed(0)
 
@@ -125,7 +126,7 @@ def main() -> None:
         first.setdefault(g, i)
     f_prefill = prefill_flops(shape, [p[i] for i in first.values()],
                               common_prefix=common_prefix_of(batch.prompt_ids, batch.prompt_mask))
-    b_decode = decode_bytes(shape, p, r, param_bytes=param.element_size(), kv_bytes=kv_bytes)
+    b_decode = decode_bytes(shape, p, r, param_bytes=param_bytes, kv_bytes=kv_bytes)
     f_decode = decode_flops(shape, p, r)
     t_decode = max(t_generate - t_prefill, 1e-9)
     cpu = {"prefill": c_prefill, "decode": max(c_generate - c_prefill, 0.0)}
@@ -199,7 +200,7 @@ def main() -> None:
 
     # (phase, wall s, work, bound by, roofline s)
     d_bw, d_fl = b_decode / B, f_decode / F
-    d_roof = decode_roofline_seconds(shape, p, r, param_bytes=param.element_size(), kv_bytes=kv_bytes,
+    d_roof = decode_roofline_seconds(shape, p, r, param_bytes=param_bytes, kv_bytes=kv_bytes,
                                      gemm_flops_per_s=F, mem_bytes_per_s=B)  # per step max
     rows = [("prefill", t_prefill, gf(f_prefill), "GEMM", f_prefill / F),
             ("decode", t_decode, f"{gb(b_decode)}, {gf(f_decode)}", "per step", d_roof),
@@ -225,9 +226,12 @@ def main() -> None:
     bw = (f_prefill / F + d_roof) / t_generate
     print(f"# throughput/update_mfu = {mfu:.3f} (over old log-probs + pre-pass + forward + backward + optimizer, "
           f"{t_update:.1f} s); throughput/decode_bw_util = {bw:.3f} (over generation, {t_generate:.1f} s)")
+    result = {"peaks": peaks.as_dict(), "rows": rows, "update_mfu": mfu, "decode_bw_util": bw,
+              "decode_bytes": b_decode, "param_bytes": param_bytes}
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"peaks": peaks.as_dict(), "rows": rows, "update_mfu": mfu, "decode_bw_util": bw}, fh, indent=2)
+            json.dump(result, fh, indent=2)
+    return result
 
 
 if __name__ == "__main__":

@@ -232,3 +232,17 @@ def test_launch_count_benchmark_knows_which_ops_make_the_host_wait():
     assert not bench._is_sync("index.Tensor", (x, [torch.tensor([0, 2])]))
     assert not bench._is_sync("index.Tensor", (x, [None, x > 2][:1]))
     assert not bench._is_sync("add.Tensor", (x, x)) and not bench._is_sync("mm.default", (x, x))
+
+
+def test_roofline_benchmark_counts_decode_bytes_as_the_runs_meter_does(saved_tiny_llama, monkeypatch):
+    """The per-phase roofline runs end to end on a tiny saved Llama (peaks given, not measured) and
+    counts a decode step's weights in the compute dtype, as every run's meter does: 4 bytes in
+    float32, and decode_bytes follows from the shape and the responses' lengths."""
+    monkeypatch.setenv("ECHOTRAIN_ROOFLINE_PEAKS", "1e11,1e10")
+    res = _load("bench_roofline").main(["--set", f"model={saved_tiny_llama}", "--set", "task=testbed",
+                                        "--set", "autocast=off", "--prompts", "2", "--generations", "2",
+                                        "--max-new-tokens", "4", "--threads", "1"])
+    assert res["param_bytes"] == 4 and res["decode_bytes"] > 0
+    assert [row[0] for row in res["rows"]] == ["prefill", "decode", "old log-probs", "pre-pass", "with-grad forward",
+                                               "backward", "optimizer"]
+    assert res["peaks"]["gemm_flops_per_s"] == 1e11 and 0 < res["update_mfu"] and 0 < res["decode_bw_util"]

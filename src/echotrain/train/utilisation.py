@@ -174,6 +174,15 @@ def generate_calls(n_rows: int, num_generations: int, rollout_rng: str, rollout_
     return [range(s, min(s + size, n_rows)) for s in range(0, n_rows, max(size, 1))]
 
 
+def decode_element_bytes(compute_dtype: torch.dtype) -> int:
+    """Bytes a decode step reads per weight and per cached K/V number: the compute dtype's size.
+    Under bf16 autocast the trainable weights are read as their cached bf16 copies (cast once a
+    generate call; generation runs under no_grad), so 2 bytes, not the stored float32's 4; frozen
+    weights (LoRA's base) are re-cast every forward, work the roofline bound leaves out (it shows
+    as lower utilisation). The KV cache holds the compute dtype too."""
+    return torch.empty((), dtype=compute_dtype).element_size()
+
+
 def build_meter(model: Any, autocast_dtype: torch.dtype | None, device: torch.device,
                 is_main: bool = True) -> tuple[UtilisationMeter | None, dict[str, Any]]:
     """The run's meter and run_info.json's ``roofline`` entry (the peaks and where they came
@@ -194,11 +203,7 @@ def build_meter(model: Any, autocast_dtype: torch.dtype | None, device: torch.de
         peaks = machine_peaks(compute_dtype, device)
     except (PeaksOff, ValueError, RuntimeError, OSError) as exc:
         return None, {"disabled": f"no machine peaks: {exc}"}
-    # decode reads each weight in the compute dtype: under autocast the cached bf16 copy of the
-    # trainable weights (cast once a generate call, generation runs under no_grad), so 2 bytes,
-    # not the stored float32's 4; frozen weights (LoRA's base) are re-cast every forward, work the
-    # bound leaves out (it shows as lower utilisation); the cache holds the compute dtype too
-    kv_bytes = param_bytes = torch.empty((), dtype=compute_dtype).element_size()
+    kv_bytes = param_bytes = decode_element_bytes(compute_dtype)
     threads = peaks.threads
     remeasure = None if os.environ.get(PEAKS_ENV) else (  # peaks the user set are never re-measured
         lambda: machine_peaks(compute_dtype, device, threads, refresh=True))

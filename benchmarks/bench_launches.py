@@ -24,7 +24,6 @@ import argparse
 import collections
 import contextlib
 import functools
-import json
 import os
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _job import JOB_OPTIONS, add_job_arguments  # noqa: E402
+
+from echotrain.atomic import atomic_write_json  # noqa: E402
 
 #: aten ops (name before the overload) whose result the host reads on CUDA: each waits for the queue
 SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
@@ -147,8 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     for name, r in results.items():
         print(f"{name}: most dispatched {r['top_ops'][:8]}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
+        atomic_write_json(args.json, results)
     return results
 
 

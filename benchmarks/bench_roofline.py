@@ -43,7 +43,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -229,8 +228,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"peaks": peaks.as_dict(), "rows": rows, "update_mfu": mfu, "decode_bw_util": bw,
               "decode_bytes": b_decode, "param_bytes": param_bytes}
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        from echotrain.atomic import atomic_write_json
+
+        atomic_write_json(args.json, result)
     return result
 
 

@@ -21,6 +21,7 @@ OPT_SHAPES = {
     "cpu": ([(512, 512), (512, 512)], [(70000,)]),
 }
 
+
 def _params(shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)  # drawn on the host: the same values on every device
     return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device)) for s in shapes]
@@ -60,8 +61,9 @@ def check_optimizers(ctx: Context) -> dict[str, Any]:
     parameters and gradients (3 steps): torch's fused AdamW vs torch's for-loop AdamW on the CPU
     and echotrain's AdamW4bit vs itself on the CPU (which tests/optim pins to AdamW with the
     pure quantizers): fused AdamW within rtol 1e-5 / atol 1e-6 everywhere; AdamW4bit with at
-    most 0.1% of the parameters beyond that (a near-tie code flip, :func:`~echotrain.devicecheck.common.params_agree`) and < 0.1% of
-    the first moment's 4-bit codes differing; the 4-bit update's distance from torch AdamW's is
+    most 0.1% of the parameters beyond that (a near-tie code flip,
+    :func:`~echotrain.devicecheck.common.params_agree`) and < 0.1% of the first moment's 4-bit
+    codes differing; the 4-bit update's distance from torch AdamW's is
     reported. Memory: state bytes per parameter (fused AdamW 8, AdamW4bit <= 1.07) and on CUDA
     the bytes the first step allocated. Time: median ``step()`` of each against torch AdamW
     (foreach) in the same run; on CUDA also the compiled 4-bit update (Triton) == eager

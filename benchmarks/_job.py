@@ -22,10 +22,12 @@ JOB_OPTIONS = {"model": "model", "task": "task", "prompts": "prompts_per_step", 
                "max_new_tokens": "max_new_tokens"}
 
 
-def add_job_arguments(ap: argparse.ArgumentParser, *, threads: int = 2, reps: int = 5) -> None:
-    """Add ``--threads``, ``--reps`` and the job options of :data:`JOB_OPTIONS` to ``ap``."""
+def add_job_arguments(ap: argparse.ArgumentParser, *, threads: int = 2, reps: int | None = 5) -> None:
+    """Add ``--threads``, ``--reps`` (left out when ``reps`` is None: a script that times nothing)
+    and the job options of :data:`JOB_OPTIONS` to ``ap``."""
     ap.add_argument("--threads", type=int, default=threads)
-    ap.add_argument("--reps", type=int, default=reps)
+    if reps is not None:
+        ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--model", default=None, help="model= (default: the default job's)")
     ap.add_argument("--task", default=None, help="task= (default: the default job's)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts_per_step= (default: the default job's)")

@@ -4,9 +4,10 @@ On a GPU a small model's step is bound by the host, not the device: every aten o
 launch (plus Python, dispatcher and autograd work, ~10-50 us each), and every op whose result
 the host reads (``.item()``, ``bool(t)``, ``nonzero``, boolean-mask indexing) waits for the
 queue to drain. ``echotrain device-check`` on an H200 (docs/benchmarks.md, "GPU") measured the
-default job at ~4 s a step with the update at 0.1% of the GEMM peak: launch-bound. These counts
-are the same on any device (the ops a step dispatches do not depend on where they run), so this
-script measures on the CPU what a GPU step pays for, setting by setting::
+default job at a median 4.9 s a step with the update at 0.08% of the GEMM peak, which these counts
+put down to launches. The model's ops a step dispatches hardly depend on where they run (CUDA's
+autocast and attention kernels differ in a few ops a layer), so this script counts on the CPU
+what a GPU step pays for, setting by setting::
 
     python benchmarks/bench_launches.py                        # the default job, one step
     python benchmarks/bench_launches.py --arm packed_attention=mask --arm decode_loop=generate
@@ -57,9 +58,13 @@ def _is_sync(name: str, args: tuple) -> bool:
 
 
 def count_step(overrides: dict[str, str], out_dir: str) -> dict[str, Any]:
-    """Build the job with ``overrides`` and run its first training step under a counting dispatch
-    mode. Returns ``{"ops": {phase: n}, "syncs": {phase: n}, "top_ops": [(op, n), ...]}``."""
-    import torch
+    """Build the job with ``overrides`` (``key=value`` settings as on the command line; the run
+    writes into ``out_dir``) and run its first training step under a counting dispatch mode. The
+    trainer module's functions it labels are put back afterwards.
+
+    Returns:
+        ``{"ops": {phase: n}, "syncs": {phase: n}, "top_ops": [(aten op, n), ...]}`` (the 12 most
+        dispatched ops of the step)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import echotrain.train.trainer as trainer_module
@@ -82,35 +87,38 @@ def count_step(overrides: dict[str, str], out_dir: str) -> dict[str, Any]:
                 self.syncs[phase[0]] += 1
             return func(*args, **(kwargs or {}))
 
-    def labelled(fn, label):
-        def run(*a, **k):
-            before, phase[0] = phase[0], label
-            try:
-                return fn(*a, **k)
-            finally:
-                phase[0] = before
-        return run
-
     keys = {"steps": "1", "eval_prompts": "0", "plots": "false", "save_every": "0", "output_dir": out_dir,
             **overrides}
     trainer = Trainer(resolve_config(None, keys))
-    trainer.rollouts.rollouts_for = labelled(trainer.rollouts.rollouts_for, "collect")
-    saved = {}
-    for where, name, label in PHASES:
-        if where == "module":
-            saved[name] = getattr(trainer_module, name)
-            setattr(trainer_module, name, labelled(saved[name], label))
-        else:
-            setattr(trainer, name, labelled(getattr(trainer, name), label))
+    trainer.rollouts.rollouts_for = labelled(trainer.rollouts.rollouts_for, phase, "collect")
     counter = Count()
     trainer.train_step = functools.partial(_under, counter, trainer.train_step)  # count inside the step only
+    saved = {}
     try:
+        for where, name, label in PHASES:
+            if where == "module":
+                saved[name] = getattr(trainer_module, name)
+                setattr(trainer_module, name, labelled(saved[name], phase, label))
+            else:
+                setattr(trainer, name, labelled(getattr(trainer, name), phase, label))
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # the run's summary table
             trainer.train()
     finally:
         for name, fn in saved.items():
             setattr(trainer_module, name, fn)
     return {"ops": dict(counter.ops), "syncs": dict(counter.syncs), "top_ops": counter.names.most_common(12)}
+
+
+def labelled(fn: Any, phase: list[str], label: str) -> Any:
+    """``fn`` that sets ``phase[0]`` to ``label`` while it runs (the counting mode reads it) and
+    puts the previous phase back afterwards, also when ``fn`` raises."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before, phase[0] = phase[0], label
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phase[0] = before
+    return run
 
 
 def _under(mode: Any, fn: Any, *args: Any) -> Any:
@@ -120,8 +128,15 @@ def _under(mode: Any, fn: Any, *args: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Count one step of the job and of each ``--arm``; print the table (ops and syncs per phase,
+    total, ratio to the job) and each arm's most dispatched ops.
+
+    Returns:
+        arm name (``"job"`` first, then each ``--arm`` as written) -> :func:`count_step`'s dict
+        plus ``total_ops`` and ``ratio`` (total ops / the job's, 3 decimals).
+    """
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_job_arguments(ap, threads=2, reps=1)
+    add_job_arguments(ap, threads=2, reps=None)
     ap.add_argument("--arm", action="append", default=[], help="space-separated key=value settings of one more row")
     ap.add_argument("--json", default=None, help="also write the counts here")
     args = ap.parse_args(argv)

@@ -222,6 +222,26 @@ def test_launch_count_benchmark_counts_each_phase_of_a_step():
     assert job["total_ops"] == sum(job["ops"].values())
     assert one["ops"]["update"] < job["ops"]["update"]  # one optimizer step instead of two
     assert one["ratio"] == pytest.approx(one["total_ops"] / job["total_ops"], abs=1e-3)
+    import echotrain.train.trainer as trainer_module
+
+    bench = _load("bench_launches")
+    for _, name, _label in bench.PHASES:  # the trainer module's functions are its own again
+        if hasattr(trainer_module, name):
+            assert getattr(trainer_module, name).__module__ != "bench_launches", name
+
+
+def test_launch_count_benchmark_labels_a_phase_only_while_its_function_runs():
+    bench = _load("bench_launches")
+    phase = ["other"]
+    seen = bench.labelled(lambda: phase[0], phase, "update")
+    assert seen() == "update" and phase == ["other"]
+
+    def boom():
+        raise RuntimeError("x")
+
+    with pytest.raises(RuntimeError):
+        bench.labelled(boom, phase, "collect")()
+    assert phase == ["other"]
 
 
 def test_launch_count_benchmark_knows_which_ops_make_the_host_wait():
@@ -232,6 +252,8 @@ def test_launch_count_benchmark_knows_which_ops_make_the_host_wait():
     assert not bench._is_sync("index.Tensor", (x, [torch.tensor([0, 2])]))
     assert not bench._is_sync("index.Tensor", (x, [None, x > 2][:1]))
     assert not bench._is_sync("add.Tensor", (x, x)) and not bench._is_sync("mm.default", (x, x))
+    for name in bench.SYNC_OPS:  # every op the host waits on, with any overload
+        assert bench._is_sync(f"{name}.default", (x,)), name
 
 
 def test_roofline_benchmark_counts_decode_bytes_as_the_runs_meter_does(saved_tiny_llama, monkeypatch):

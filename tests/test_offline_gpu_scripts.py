@@ -44,6 +44,24 @@ def test_part2_joins_the_model_runs_each_check_and_merges_the_summaries(tmp_path
     assert "== trl_vllm rc=0" in proc.stdout
 
 
+def test_part2_reports_a_check_without_a_summary_as_failed_and_ignores_an_earlier_runs(tmp_path):
+    """A check killed at its time limit (here: one that exits before writing a summary) is a failed
+    row, the merged summary does not pass and the script exits 1; a summary left by an earlier
+    run on the machine is not taken for this run's."""
+    repo, env = _stage(tmp_path, b"hello", b"world", b"helloworld")
+    stale = tmp_path / "work" / "dc" / "trl_vllm"
+    stale.mkdir(parents=True)
+    (stale / "summary.json").write_text(json.dumps({"machine": {}, "checks": {"trl_vllm": {"status": "failed"}}}))
+    env["CHECKS"] = "trl_vllm no_such_check"
+    proc = subprocess.run(["bash", str(PART2), "120"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "out" / "all.json").read_text())
+    assert list(summary["checks"]) == ["trl_vllm", "no_such_check"] and summary["passed"] is False
+    assert summary["checks"]["trl_vllm"]["status"] == "skipped"  # this run's, not the stale one
+    assert summary["checks"]["no_such_check"]["status"] == "failed"
+    assert summary["checks"]["no_such_check"]["error"].startswith("no summary: killed at its time limit or not run")
+
+
 def test_part2_stops_on_a_corrupt_model_or_a_lost_machine(tmp_path):
     repo, env = _stage(tmp_path, b"hello", b"world", b"something else")
     proc = subprocess.run(["bash", str(PART2), "120"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)

@@ -13,8 +13,9 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
 export PYTHONPATH=$W/site:$PWD/src
 python3 -c "import echotrain.cli, reasoning_gym, transformers, gguf, math_verify, datasets; print('imports ok, transformers', transformers.__version__)" 2>&1 | tail -5
 echo "setup took $((SECONDS-T0)) s"
-mkdir -p $W/dc
-timeout ${1:-200} python3 -m echotrain.cli device-check --only optimizers --out $W/dc/optimizers > $W/dc/optimizers.log 2>&1; echo "optimizers rc=$?"
+mkdir -p $W/dc; rm -rf $W/dc/optimizers
+timeout ${1:-200} python3 -m echotrain.cli device-check --only optimizers --out $W/dc/optimizers > $W/dc/optimizers.log 2>&1; rc=$?; echo "optimizers rc=$rc"
 tail -30 $W/dc/optimizers.log
 cp $W/dc/optimizers/summary.json ${OUT:-.}/optimizers.json 2>/dev/null; cp $W/dc/optimizers.log ${OUT:-.}/ 2>/dev/null
 echo "call 1 took $((SECONDS-T0)) s"
+exit $rc

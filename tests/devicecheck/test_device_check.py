@@ -36,6 +36,13 @@ def test_the_dry_run_figures(dry_run):
     job = checks["default_job"]
     assert job["eval_accuracy_end"] > job["eval_accuracy_start"]
     assert 0 < job["median_generation_s"] < job["median_step_s"] and 0 < job["median_update_s"] < job["median_step_s"]
+    import statistics
+
+    metrics = [json.loads(x) for x in (dry_run[2] / "default_job" / "metrics.jsonl").read_text().splitlines()]
+    for figure, key in (("median_step_s", "time/step"), ("median_generation_s", "time/generation"),
+                        ("median_update_s", "time/update"), ("median_update_mfu", "throughput/update_mfu"),
+                        ("median_decode_bw_util", "throughput/decode_bw_util")):
+        assert job[figure] == pytest.approx(statistics.median(m[key] for m in metrics), rel=1e-3), figure
     assert (job["device"], job["device_reason"], job["autocast"]) == ("cpu", "device=cpu is set", "off")
     assert checks["resume"]["weights_bit_equal"] and checks["resume"]["optimizer_bit_equal"]
     assert checks["resume"]["nondeterministic_ops"] == []
@@ -53,6 +60,7 @@ def test_the_default_jobs_medians():
 
     records = [{"t": 3.0}, {"t": 1.0}, {}, {"t": None}, {"t": 2.123456}]
     assert _median(records, "t") == 2.123 and _median(records, "missing") is None
+    assert _median([{"t": v} for v in (4.0, 1.0, 3.0, 2.0)], "t") == 2.5  # an even count: the middle two's mean
 
 
 def test_a_failing_check_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
@@ -125,19 +133,68 @@ def test_the_optimizer_comparison_allows_rare_code_flips_only():
     assert _close([a], [one], bound=0.03) == (True, pytest.approx(1e-3), 1e-4)
     assert _close([a], [many], bound=0.03)[0] is False
     assert _close([a], [far], bound=0.03)[0] is False
+    edge = a.clone()
+    edge[:10] = 1e-3  # exactly 0.1%: allowed
+    assert _close([a], [edge], bound=0.03) == (True, pytest.approx(1e-3), 1e-3)
+    assert _close([a], [one], bound=float(one[7]))[0] is True  # a difference equal to the bound is within it
+    assert _close([far, a], [a, a], bound=0.03) == (False, pytest.approx(0.05), 5e-5)  # the first tensor counts
+    nan = a.clone()
+    nan[5] = float("nan")
+    assert _close([a], [nan], bound=0.03) == (False, float("inf"), 1e-4)
+    with pytest.raises(ValueError, match="shapes"):
+        _close([a], [a[:1]], bound=0.03)
+    with pytest.raises(ValueError, match="1 tensors against 2"):
+        _close([a], [a, a], bound=0.03)
+
+
+def test_require_carries_the_figures_and_a_figure_cannot_mask_the_status(tmp_path, monkeypatch):
+    import torch
+
+    import echotrain.devicecheck as dc
+    from echotrain.devicecheck.common import CheckFailed, Context, require
+
+    require(True, "never raised", {"x": 1})
+    with pytest.raises(CheckFailed) as err:
+        require(False, "m", {"x": 1})
+    assert (str(err.value), err.value.figures) == ("m", {"x": 1})
+
+    def failing(ctx):
+        raise CheckFailed("bound broken", {"status": "passed", "error": None, "x": 2})
+
+    monkeypatch.setattr(dc, "CHECKS", {"a": "x:y"})
+    monkeypatch.setattr(dc, "_load", {"x:y": failing}.__getitem__)
+    summary = dc.run_checks(Context(device=torch.device("cpu"), dry_run=True, out=tmp_path), ["a"])
+    assert summary["checks"]["a"] | {"seconds": 0} == {"status": "failed", "error": "bound broken", "x": 2, "seconds": 0}
+    assert summary["passed"] is False
+
+
+def test_the_summary_is_written_atomically(tmp_path, monkeypatch):
+    import echotrain.atomic as atomic
+    from echotrain.devicecheck import write_summary
+
+    written = []
+    real = atomic.atomic_write_text
+    monkeypatch.setattr(atomic, "atomic_write_text", lambda path, text, **kw: written.append(path.name) or real(path, text))
+    out = write_summary(tmp_path, {"machine": {"name": "m", "gpus": 0, "torch": "t", "cuda": None, "dry_run": True},
+                                   "checks": {"a": {"status": "skipped", "seconds": 0.0}}, "total_s": 0.0})
+    assert written == ["summary.json", "summary.md"] and out["passed"] is True
 
 
 class _FakeAdamW4bit:
-    """Plain SGD standing in for AdamW4bit in the compiled == eager check: the "compiled" run
-    moves ``off`` of its elements by ``delta`` more (a near-tie code flip, as an H200 showed:
-    1.7e-6 on one element of 2**20, which the old per-element rtol 1e-5 / atol 1e-6 failed)."""
+    """Plain SGD standing in for AdamW4bit in the compiled == eager check, with a first moment's
+    4-bit codes (all 3) and scales (all 1) in its state: the "compiled" run moves ``off`` of its
+    elements by ``delta`` more each step (a near-tie code flip, as an H200 showed: 1.7e-6 on one
+    element of 2**20, which the old per-element rtol 1e-5 / atol 1e-6 failed), flips
+    ``codes_off`` codes and scales its first block's scale by ``1 + scale_off``."""
 
-    off, delta = 1, 1.7e-6
+    off, delta, codes_off, scale_off = 1, 1.7e-6, 0, 0.0
 
     def __init__(self, params, lr, factor_second_moment, compile):
-        import collections
+        import torch
 
-        self.params, self.lr, self.compile, self.state = list(params), lr, compile, collections.defaultdict(dict)
+        self.params, self.lr, self.compile = list(params), lr, compile
+        self.state = {p: {"exp_avg_codes": torch.full((p.numel(),), 3, dtype=torch.uint8),
+                          "exp_avg_scale": torch.ones(p.numel() // 128)} for p in self.params}
 
     def step(self):
         import torch
@@ -147,22 +204,63 @@ class _FakeAdamW4bit:
                 p -= self.lr * p.grad
                 if self.compile:
                     p.view(-1)[: self.off] += self.delta
+                    self.state[p]["exp_avg_codes"][: self.codes_off] = 4
+                    self.state[p]["exp_avg_scale"][0] = 1.0 + self.scale_off
 
 
-@pytest.mark.parametrize("off, delta, ok", [(0, 0.0, True), (1, 1.7e-6, True), (1, 0.5, False), (300, 1.7e-6, False)])
-def test_the_compiled_check_allows_rare_code_flips_only(monkeypatch, off, delta, ok):
+@pytest.mark.parametrize("off, delta, codes_off, scale_off, ok", [
+    (0, 0.0, 0, 0.0, True), (1, 1.7e-6, 0, 0.0, True), (1, 0.5, 0, 0.0, False), (300, 1.7e-6, 0, 0.0, False),
+    (1, 0.006, 0, 0.0, True),  # 0.018 after 3 steps: beyond lr, within steps x lr
+    (1, 1.7e-6, 65, 0.0, True), (1, 1.7e-6, 66, 0.0, False),  # 65 / 65536 codes < 0.1%, 66 not
+    (0, 0.0, 0, 1e-6, True), (0, 0.0, 0, 1e-4, False), (0, 0.0, 0, float("nan"), False)])
+def test_the_compiled_check_allows_rare_code_flips_only(monkeypatch, off, delta, codes_off, scale_off, ok):
     """compiled == eager (the optimizers check on CUDA) accepts a rare near-tie flip, and fails
-    on more than 0.1% of the elements off or on one element beyond steps x lr."""
+    on more than 0.1% of the elements or of the m codes off, on one element beyond steps x lr,
+    and on an m scale beyond rtol 1e-5 (or NaN)."""
     import torch
 
     from echotrain.devicecheck import adamw4bit_compiled as comp
 
     monkeypatch.setattr(comp, "AdamW4bit", _FakeAdamW4bit)
-    monkeypatch.setattr(_FakeAdamW4bit, "off", off)
-    monkeypatch.setattr(_FakeAdamW4bit, "delta", delta)
+    for name, value in (("off", off), ("delta", delta), ("codes_off", codes_off), ("scale_off", scale_off)):
+        monkeypatch.setattr(_FakeAdamW4bit, name, value)
     row = comp.check_compiled_equals_eager([(256, 256)], torch.device("cpu"), factor=False)
     assert row["ok"] is ok
     assert row["param_frac_beyond_tol"] == pytest.approx(off / 65536 if delta else 0.0)
+    assert row["max_m_code_mismatch_frac"] == pytest.approx(codes_off / 65536)
+
+
+def test_a_failed_optimizer_comparison_keeps_every_figure(tmp_path, monkeypatch):
+    """check_optimizers measures everything before it asserts: an AdamW4bit whose device run drifts
+    from its CPU run fails the check, and the failure carries the distance and the step times."""
+    import torch
+
+    import echotrain.optim.adamw4bit as adamw4bit
+    from echotrain.devicecheck.common import CheckFailed, Context
+    from echotrain.devicecheck.kernel_checks import check_optimizers
+
+    real = adamw4bit.AdamW4bit
+    made = []
+
+    class Drifting(real):
+        def __init__(self, params, **kw):
+            super().__init__(params, **kw)
+            made.append(self)
+
+        def step(self, closure=None):
+            out = super().step(closure)
+            if len(made) == 2 and self is made[1]:  # the second one built: the "device" run
+                with torch.no_grad():
+                    self.param_groups[0]["params"][0].view(-1)[0] += 0.5
+            return out
+
+    monkeypatch.setattr(adamw4bit, "AdamW4bit", Drifting)
+    with pytest.raises(CheckFailed, match="AdamW4bit on cpu vs CPU") as err:
+        check_optimizers(Context(device=torch.device("cpu"), dry_run=True, out=tmp_path))
+    figures = err.value.figures
+    assert figures["adamw4bit_vs_cpu_max_abs"] == pytest.approx(1.5, abs=0.01)  # 3 steps x 0.5
+    assert set(figures["step_time_vs_adamw_foreach"]) == {"adamw_foreach", "adamw_fused", "adamw4bit"}
+    assert figures["fused_vs_cpu_max_abs"] < 1e-6
 
 
 def test_a_non_cuda_device_is_refused_on_a_gpu_machine(monkeypatch, capsys):

@@ -1,6 +1,6 @@
 """``echotrain device-check``: the CUDA path of echotrain, run and asserted on one GPU in one command.
 
-    echotrain device-check                       # on a GPU machine: every check (~7.5 min on an H200)
+    echotrain device-check                       # on a GPU machine: every check (sized for 8 min; 448 s of checks on an H200)
     echotrain device-check --dry-run             # the same code on the CPU with tiny settings (~2 min)
     echotrain device-check --only optimizers,decode --out device_check
 
@@ -99,7 +99,7 @@ def check_overlap(ctx: Context) -> dict[str, Any]:
     out = {"one_gpu_two_streams": overlap(["--devices", str(ctx.device), "--reps", "3"])}
     if torch.cuda.device_count() >= 2:
         out["two_gpus"] = overlap(["--devices", "cuda:0,cuda:1", "--reps", "3"])
-    require(all(r["g_s"] > 0 and r["u_s"] > 0 for r in out.values()), "a phase took no time")
+    require(all(r["g_s"] > 0 and r["u_s"] > 0 for r in out.values()), "a phase took no time", out)
     return out
 
 
@@ -139,7 +139,7 @@ def run_checks(ctx: Context, names: list[str]) -> dict[str, Any]:
         except Skipped as exc:
             row = {"status": "skipped", "reason": str(exc)}
         except CheckFailed as exc:  # the figures measured before the assertion are kept
-            row = {"status": "failed", "error": str(exc), **exc.figures}
+            row = {**exc.figures, "status": "failed", "error": str(exc)}
         except Exception as exc:  # noqa: BLE001  (a crash is a failed check; the others still run)
             row = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                    "traceback": traceback.format_exc()[-3000:]}
@@ -152,16 +152,24 @@ def run_checks(ctx: Context, names: list[str]) -> dict[str, Any]:
         summary["checks"][name] = row
         print(f"device-check: {name} {row['status']} ({row['seconds']} s)"
               + (f": {row.get('error') or row.get('reason')}" if row["status"] != "passed" else ""), flush=True)
-        _write(ctx.out, summary, t_all)  # after every check: a run killed later keeps what finished
-    return _write(ctx.out, summary, t_all)
+        summary["total_s"] = round(time.perf_counter() - t_all, 1)
+        write_summary(ctx.out, summary)  # after every check: a run killed later keeps what finished
+    summary["total_s"] = round(time.perf_counter() - t_all, 1)
+    return write_summary(ctx.out, summary)
 
 
-def _write(out: Path, summary: dict[str, Any], t_all: float) -> dict[str, Any]:
-    """Set ``total_s`` and ``passed`` (no check so far failed) and write ``summary.json`` and
-    ``summary.md`` under ``out`` (each atomically)."""
+def write_summary(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """Set ``summary["passed"]`` (no check failed) and write ``summary.json`` and ``summary.md``
+    (:func:`markdown`) under ``out``, each atomically.
+
+    Args:
+        summary: ``machine`` (as :func:`run_checks` records it), ``checks`` (name -> row with
+            ``status`` and ``seconds``), ``total_s``.
+
+    Returns:
+        ``summary``, with ``passed`` set."""
     from echotrain.atomic import atomic_write_text
 
-    summary["total_s"] = round(time.perf_counter() - t_all, 1)
     summary["passed"] = all(r["status"] != "failed" for r in summary["checks"].values())
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=str))
     atomic_write_text(out / "summary.md", markdown(summary))

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from echotrain.devicecheck.common import MAX_CODE_MISMATCH, params_agree
+from echotrain.devicecheck.common import (MAX_CODE_MISMATCH, first_moment_mismatch, params_agree, random_grads,
+                                          random_params, sync)
 from echotrain.optim import quant
 from echotrain.optim.adamw4bit import AdamW4bit
 
@@ -41,18 +42,16 @@ SHAPES = {
 }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _emit(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
 def check_quantizers(device: torch.device) -> dict:
-    """Compiled quantize_de / _de_value equal the eager ones exactly on ``device``; the row
-    printed, with ``ok``."""
+    """Compiled quantize_de / _de_value equal the eager ones exactly on ``device`` (float32
+    values at and next to every midpoint of the DE map, and 100,000 uniform ones in [-1, 1]).
+
+    Returns:
+        the row printed: ``check``, ``ok`` (both equal), ``quantize_ok``, ``dequantize_ok``."""
     points = torch.tensor(list(quant._DE_MIDPOINTS) + list(quant.DE_MAP_4BIT) + [1e-38, 0.0], dtype=torch.float32)
     near = torch.cat([points, torch.nextafter(points, torch.tensor(2.0)), torch.nextafter(points, torch.tensor(-2.0))])
     gen = torch.Generator().manual_seed(0)
@@ -68,34 +67,32 @@ def check_quantizers(device: torch.device) -> dict:
     return row
 
 
-def _params(shapes: list[tuple[int, ...]], device: torch.device, seed: int) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device)) for s in shapes]
-
-
-def _grads(shapes: list[tuple[int, ...]], device: torch.device, step: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    return [(torch.randn(s, generator=gen) * 1e-2 * (1 + step % 3)).to(device) for s in shapes]
-
-
 def check_compiled_equals_eager(shapes: list[tuple[int, ...]], device: torch.device, factor: bool, steps: int = 3) -> dict:
-    """``steps`` steps of AdamW4bit compiled vs eager on the same parameters and gradients; the
-    row printed, with ``ok``: at most 0.1% of the parameters beyond rtol 1e-5 / atol 1e-6 and none
-    further than ``steps`` x lr (:func:`echotrain.devicecheck.common.params_agree`: a first-moment
-    code that flips at a near-tie, because the compiled kernel rounds a product differently, moves
-    its element by one quantisation step; seen on an H200: 1.9e-6 of the codes), at most 0.1% of m
-    codes differing, m scales within rtol 1e-5."""
+    """``steps`` steps of AdamW4bit (lr 1e-2) compiled vs eager on the same parameters and
+    gradients (:func:`~echotrain.devicecheck.common.random_params` of ``shapes``, float32, on
+    ``device``); ``factor`` is ``factor_second_moment``. They agree when at most 0.1% of the
+    parameters are beyond rtol 1e-5 / atol 1e-6 and none further than ``steps`` x lr
+    (:func:`~echotrain.devicecheck.common.params_agree`: a first-moment code that flips at a
+    near-tie, because the compiled kernel rounds a product differently, moves its element by one
+    quantisation step; seen on an H200: 1.9e-6 of the codes), at most 0.1% of the m codes differ
+    and the m scales are within rtol 1e-5.
+
+    Returns:
+        the row printed: ``check``, ``factor``, ``ok``, ``steps``, ``max_abs_param_diff``,
+        ``param_frac_beyond_tol``, ``max_m_code_mismatch_frac``, ``max_m_scale_rel_diff``,
+        ``compile_and_run_s``; or, when torch.compile fell back to eager, ``check``, ``factor``,
+        ``ok`` False and ``error``."""
     runs = {}
     lr = 1e-2
     for compiled in (False, True):
-        params = _params(shapes, device, seed=0)
+        params = random_params(shapes, device, seed=0)
         opt = AdamW4bit(params, lr=lr, factor_second_moment=factor, compile=compiled)
         t0 = time.perf_counter()
         for k in range(steps):
-            for p, g in zip(params, _grads(shapes, device, k)):
+            for p, g in zip(params, random_grads(shapes, device, k)):
                 p.grad = g
             opt.step()
-        _sync(device)
+        sync(device)
         runs[compiled] = (params, opt, time.perf_counter() - t0)
         if compiled and opt.compile is not True:
             row = {"check": "compiled == eager", "factor": factor, "ok": False, "error": "compilation fell back to eager"}
@@ -103,13 +100,7 @@ def check_compiled_equals_eager(shapes: list[tuple[int, ...]], device: torch.dev
             return row
     (pe, oe, _), (pc, oc, t_compile) = runs[False], runs[True]
     params_ok, worst_param, frac_param = params_agree(pc, pe, bound=steps * lr)
-    worst_codes, worst_scale = 0.0, 0.0
-    for a, b in zip(pe, pc):
-        se, sc = oe.state[a], oc.state[b]
-        if "exp_avg_codes" in se:
-            worst_codes = max(worst_codes, float((se["exp_avg_codes"] != sc["exp_avg_codes"]).float().mean()))
-            rel = ((sc["exp_avg_scale"] - se["exp_avg_scale"]).abs() / se["exp_avg_scale"].abs().clamp(min=1e-30)).max()
-            worst_scale = max(worst_scale, float(rel))
+    worst_codes, worst_scale = first_moment_mismatch(oe, pe, oc, pc)
     ok = params_ok and worst_codes < MAX_CODE_MISMATCH and worst_scale <= 1e-5
     row = {
         "check": "compiled == eager", "factor": factor, "ok": ok, "steps": steps,
@@ -130,14 +121,14 @@ def time_steps(shapes: list[tuple[int, ...]], device: torch.device, reps: int) -
     }
     setups = {}
     for name, make in makers.items():
-        params = _params(shapes, device, seed=0)
-        for p, g in zip(params, _grads(shapes, device, 0)):
+        params = random_params(shapes, device, seed=0)
+        for p, g in zip(params, random_grads(shapes, device, 0)):
             p.grad = g
         try:
             opt = make(params)
             for _ in range(3):  # compilation and warm-up
                 opt.step()
-            _sync(device)
+            sync(device)
         except Exception as err:  # e.g. no fused AdamW for this device
             _emit({"timing": name, "error": f"{type(err).__name__}: {err}"[:200]})
             continue
@@ -145,10 +136,10 @@ def time_steps(shapes: list[tuple[int, ...]], device: torch.device, reps: int) -
     times: dict[str, list[float]] = {name: [] for name in setups}
     for _ in range(reps):  # interleaved, so that load changes hit every optimizer alike
         for name, opt in setups.items():
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             opt.step()
-            _sync(device)
+            sync(device)
             times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["torch_adamw_foreach"]) if "torch_adamw_foreach" in times else float("nan")
     n = sum(torch.Size(s).numel() for s in shapes)

@@ -43,22 +43,62 @@ PARAM_RTOL, PARAM_ATOL, MAX_CODE_MISMATCH = 1e-5, 1e-6, 1e-3
 def params_agree(a: list[torch.Tensor], b: list[torch.Tensor], bound: float) -> tuple[bool, float, float]:
     """Whether two lists of parameters (same shapes, any devices) agree as a 4-bit optimizer's
     runs can: at most :data:`MAX_CODE_MISMATCH` of the elements beyond rtol :data:`PARAM_RTOL` /
-    atol :data:`PARAM_ATOL`, and none further apart than ``bound`` (the steps' largest possible
-    movement, e.g. steps x lr). A 4-bit code that flips at a near-tie, because one run rounds a
-    product differently (another device, or the compiled kernel against eager), moves its element
-    by one quantisation step: rare and small, not a bug.
+    atol :data:`PARAM_ATOL`, none further apart than ``bound`` (the steps' largest possible
+    movement, e.g. steps x lr) and no NaN or Inf in either. A 4-bit code that flips at a near-tie,
+    because one run rounds a product differently (another device, or the compiled kernel against
+    eager), moves its element by one quantisation step: rare and small, not a bug.
 
     Returns:
-        ``(ok, max |a - b|, fraction of elements beyond the tolerance)``.
+        ``(ok, max |a - b|, fraction of elements beyond the tolerance)``; a non-finite element
+        makes the maximum ``inf`` (and ``ok`` False).
+
+    Raises:
+        ValueError: the lists differ in length, or two paired tensors in shape.
     """
+    if len(a) != len(b):
+        raise ValueError(f"params_agree: {len(a)} tensors against {len(b)}")
     beyond, total, worst = 0, 0, 0.0
     for x, y in zip(a, b):
-        x, y = x.detach().cpu(), y.detach().cpu()
-        beyond += int((~torch.isclose(x, y, rtol=PARAM_RTOL, atol=PARAM_ATOL)).sum())
+        if x.shape != y.shape:
+            raise ValueError(f"params_agree: shapes {tuple(x.shape)} and {tuple(y.shape)} differ")
+        x, y = x.detach().cpu().double(), y.detach().cpu().double()
+        beyond += int((~torch.isclose(x, y, rtol=PARAM_RTOL, atol=PARAM_ATOL)).sum())  # NaN is never close
         total += x.numel()
-        worst = max(worst, float((x - y).abs().max()))
+        if x.numel():
+            worst = max(worst, float((x - y).abs().nan_to_num(nan=float("inf")).max()))
     frac = beyond / max(total, 1)
     return frac <= MAX_CODE_MISMATCH and worst <= bound, worst, frac
+
+
+def first_moment_mismatch(opt_a: torch.optim.Optimizer, params_a: list[torch.Tensor],
+                          opt_b: torch.optim.Optimizer, params_b: list[torch.Tensor]) -> tuple[float, float]:
+    """How far two AdamW4bit runs' first moments are apart, over the paired parameters whose
+    state holds 4-bit codes: ``(largest fraction of codes differing, largest relative difference
+    of the per-block scales)``, a NaN scale difference counted as ``inf``; ``(0.0, 0.0)`` when no
+    parameter has codes (e.g. the 1-D ones kept in float32)."""
+    codes, scales = 0.0, 0.0
+    for a, b in zip(params_a, params_b):
+        sa, sb = opt_a.state.get(a, {}), opt_b.state.get(b, {})
+        if "exp_avg_codes" in sa:
+            codes = max(codes, float((sa["exp_avg_codes"].cpu() != sb["exp_avg_codes"].cpu()).float().mean()))
+            ea, eb = sa["exp_avg_scale"].detach().cpu(), sb["exp_avg_scale"].detach().cpu()
+            rel = ((eb - ea).abs() / ea.abs().clamp(min=1e-30)).nan_to_num(nan=float("inf"))
+            scales = max(scales, float(rel.max()) if rel.numel() else 0.0)
+    return codes, scales
+
+
+def random_params(shapes: list[tuple[int, ...]], device: torch.device, seed: int = 0) -> list[torch.nn.Parameter]:
+    """Parameters of ``shapes`` (float32, N(0, 0.02^2)) drawn on the host from ``seed``, then moved
+    to ``device``: the same values on every device."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device)) for s in shapes]
+
+
+def random_grads(shapes: list[tuple[int, ...]], device: torch.device, step: int) -> list[torch.Tensor]:
+    """Gradients of ``shapes`` for optimizer step ``step`` (float32, N(0, (1e-2 (1 + step mod 3))^2)),
+    drawn on the host from seed ``1000 + step``: the same on every device."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(s, generator=gen) * 1e-2 * (1 + step % 3)).to(device) for s in shapes]
 
 
 @dataclasses.dataclass

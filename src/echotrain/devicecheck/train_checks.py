@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import statistics
 import subprocess
 import time
 from collections import Counter
@@ -41,36 +42,41 @@ def check_default_job(ctx: Context) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     text = log.read_text()
     info = json.loads((run / "run_info.json").read_text())
+    evals = read_jsonl(run / "eval.jsonl")
+    metrics = read_jsonl(run / "metrics.jsonl")
+    out = {"device": info["device"], "device_reason": info["device_reason"], "autocast": info["autocast"],
+           "autocast_reason": info["autocast_reason"], "steps": len(metrics),
+           "eval_accuracy_start": evals[0]["eval/accuracy"] if evals else None,
+           "eval_accuracy_end": evals[-1]["eval/accuracy"] if evals else None,
+           "median_step_s": _median(metrics, "time/step"), "median_generation_s": _median(metrics, "time/generation"),
+           "median_update_s": _median(metrics, "time/update"),
+           "median_update_mfu": _median(metrics, "throughput/update_mfu"),
+           "median_decode_bw_util": _median(metrics, "throughput/decode_bw_util"),
+           "peak_memory_mb": max((m.get("memory/peak_mb", 0.0) for m in metrics), default=None),
+           "wall_s": round(wall, 1)}
+    # the figures are gathered first: a failed assertion still reports them
     require(torch.device(info["device"]).type == ctx.device.type,
-            f"run_info.json device {info['device']!r}, expected {ctx.device.type}")
+            f"run_info.json device {info['device']!r}, expected {ctx.device.type}", out)
     require(f"device {info['device']} (because {info['device_reason']})" in text,
-            "the startup line does not say the device and why")
+            "the startup line does not say the device and why", out)
     from echotrain.runtime.precision import native_bf16
 
     if ctx.is_cuda:
         want = "bfloat16" if native_bf16("cuda") else "off"
         require(info["autocast"] == want, f"autocast resolved to {info['autocast']!r} on this GPU, expected {want!r} "
-                                          f"({info['autocast_reason']})")
-    evals = read_jsonl(run / "eval.jsonl")
-    require(len(evals) >= 2, f"eval.jsonl has {len(evals)} lines, expected the start and the end evaluation")
-    start, end = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
-    require(end > start, f"greedy held-out accuracy did not rise: start {start}, end {end}")
-    metrics = read_jsonl(run / "metrics.jsonl")
-    return {"device": info["device"], "device_reason": info["device_reason"], "autocast": info["autocast"],
-            "autocast_reason": info["autocast_reason"], "steps": len(metrics), "eval_accuracy_start": start,
-            "eval_accuracy_end": end, "median_step_s": _median(metrics, "time/step"),
-            "median_generation_s": _median(metrics, "time/generation"), "median_update_s": _median(metrics, "time/update"),
-            "median_update_mfu": _median(metrics, "throughput/update_mfu"),
-            "median_decode_bw_util": _median(metrics, "throughput/decode_bw_util"),
-            "peak_memory_mb": max((m.get("memory/peak_mb", 0.0) for m in metrics), default=None),
-            "wall_s": round(wall, 1)}
+                                          f"({info['autocast_reason']})", out)
+    require(len(evals) >= 2, f"eval.jsonl has {len(evals)} lines, expected the start and the end evaluation", out)
+    start, end = out["eval_accuracy_start"], out["eval_accuracy_end"]
+    require(end > start, f"greedy held-out accuracy did not rise: start {start}, end {end}", out)
+    return out
 
 
 def _median(records: list[dict[str, Any]], key: str) -> float | None:
-    """The median of ``key`` over the records that have it, rounded to 4 significant digits
-    (None when none has it): step times in seconds, utilisations as fractions of the measured peak."""
-    values = sorted(r[key] for r in records if r.get(key) is not None)
-    return float(f"{values[len(values) // 2]:.4g}") if values else None
+    """The median of ``key`` over the records that have it (the mean of the middle two for an
+    even count), rounded to 4 significant digits; None when none has it. Step times in seconds,
+    utilisations as fractions of the measured peak."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    return float(f"{statistics.median(values):.4g}") if values else None
 
 
 #: aten ops whose inputs must all be on the device under test in a CUDA step (the matrix
@@ -132,13 +138,14 @@ def check_placement(ctx: Context) -> dict[str, Any]:
     by_device = Counter()
     for (_, dev), n in audit.seen.items():
         by_device[dev] += n
-    require(not found.get("off_device"), f"tensors off {ctx.device.type}: {found.get('off_device', [])[:8]}")
     cpu_ops = sorted({op for (op, dev) in audit.seen if dev == "cpu"})
+    out = {"heavy_ops_by_device": dict(by_device), "heavy_ops_with_cpu_inputs": cpu_ops,
+           "optimizer_state_tensors": found.get("optimizer_state_tensors"), "off_device": found.get("off_device", [])[:8]}
+    require(not found.get("off_device"), f"tensors off {ctx.device.type}: {found.get('off_device', [])[:8]}", out)
     if ctx.is_cuda:
-        require(not cpu_ops, f"heavy ops ran with CPU inputs on a CUDA run: {cpu_ops}")
-    require(by_device.get(ctx.device.type, 0) > 0, f"no heavy op ran on {ctx.device.type}")
-    return {"heavy_ops_by_device": dict(by_device), "heavy_ops_with_cpu_inputs": cpu_ops,
-            "optimizer_state_tensors": found.get("optimizer_state_tensors")}
+        require(not cpu_ops, f"heavy ops ran with CPU inputs on a CUDA run: {cpu_ops}", out)
+    require(by_device.get(ctx.device.type, 0) > 0, f"no heavy op ran on {ctx.device.type}", out)
+    return out
 
 
 def _checkpoint(run: Path, step: int) -> dict[str, Any]:
@@ -198,7 +205,7 @@ def check_resume(ctx: Context) -> dict[str, Any]:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     require(3 <= reached < STEPS, f"the run to be killed wrote {reached} metrics lines before the kill, "
-                                  f"expected 3 to {STEPS - 1} (log: {log})")
+                                  f"expected 3 to {STEPS - 1} (log: {log})", {"killed_after_step": reached})
     run_echotrain(ctx, ["train", "--resume", str(killed)], logs / "resume_resumed.log", 300, True, env)
     a, b = _checkpoint(full, STEPS), _checkpoint(killed, STEPS)
     model_equal, model_diff = _state_diff(a["model"], b["model"])
@@ -208,14 +215,14 @@ def check_resume(ctx: Context) -> dict[str, Any]:
            "max_optimizer_diff": opt_diff, "nondeterministic_ops": nondet}
     if not nondet:
         require(model_equal and opt_equal, f"resumed run differs from the uninterrupted one with only deterministic "
-                                           f"ops: weights {model_diff:.3g}, optimizer {opt_diff:.3g}")
+                                           f"ops: weights {model_diff:.3g}, optimizer {opt_diff:.3g}", out)
         return out
     again = ctx.out / "resume_full_again"
     run_echotrain(ctx, ["train", *keys, f"output_dir={again}"], logs / "resume_full_again.log", 300, True, env)
     _, noise = _state_diff(a["model"], _checkpoint(again, STEPS)["model"])
     out["run_to_run_weight_diff"] = noise
     require(model_diff <= max(noise, 0.0) * 10 or model_equal,
-            f"resumed run differs by {model_diff:.3g}, 10x more than two uninterrupted runs ({noise:.3g})")
+            f"resumed run differs by {model_diff:.3g}, 10x more than two uninterrupted runs ({noise:.3g})", out)
     return out
 
 
@@ -237,8 +244,8 @@ def check_torchrun(ctx: Context) -> dict[str, Any]:
         run_logged(cmd, ctx.out / "logs" / f"torchrun_{n}.log", timeout=300)
         info = json.loads((run / "run_info.json").read_text())
         require((info["world_size"], info["dist_backend"]) == (n, backend),
-                f"torchrun {n}: run_info has world_size {info['world_size']}, backend {info['dist_backend']!r}")
-        require(len(read_jsonl(run / "metrics.jsonl")) == 2, f"torchrun {n}: metrics.jsonl does not hold 2 steps")
+                f"torchrun {n}: run_info has world_size {info['world_size']}, backend {info['dist_backend']!r}", out)
+        require(len(read_jsonl(run / "metrics.jsonl")) == 2, f"torchrun {n}: metrics.jsonl does not hold 2 steps", out)
         out[f"wall_s_{n}"] = round(time.perf_counter() - t0, 1)
     if not ctx.is_cuda:
         out["note"] = "dry run: gloo on the CPU; NCCL needs a GPU"

@@ -78,8 +78,9 @@ def check_trl_vllm(ctx: Context) -> dict[str, Any]:
     moved = sum(int(not torch.equal(a, p.detach().float())) for a, p in zip(before, trainer.model.parameters()))
     # TRL averages its _metrics into each log record and clears them: read the records
     last = {k: float(v) for rec in trainer.state.log_history for k, v in rec.items() if "rollout_corr" in k}
-    require(trainer.state.global_step == 2, f"TRL ran {trainer.state.global_step} steps, expected 2")
-    require(moved > 0, "no parameter moved")
-    require(any("log_prob_abs_diff" in k for k in last), f"no rollout-mismatch metric logged: {sorted(last)}")
-    require(all(math.isfinite(v) for v in last.values()), f"non-finite mismatch metrics: {last}")
-    return {"steps": trainer.state.global_step, "mismatch_metrics": last, "vllm_mode": "colocate"}
+    out = {"steps": trainer.state.global_step, "mismatch_metrics": last, "vllm_mode": "colocate", "moved": moved}
+    require(trainer.state.global_step == 2, f"TRL ran {trainer.state.global_step} steps, expected 2", out)
+    require(moved > 0, "no parameter moved", out)
+    require(any("log_prob_abs_diff" in k for k in last), f"no rollout-mismatch metric logged: {sorted(last)}", out)
+    require(all(math.isfinite(v) for v in last.values()), f"non-finite mismatch metrics: {last}", out)
+    return out

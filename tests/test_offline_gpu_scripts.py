@@ -69,3 +69,23 @@ def test_part2_stops_on_a_corrupt_model_or_a_lost_machine(tmp_path):
     (tmp_path / "work" / "stash" / "a").unlink()  # part1.sh's files gone: another machine
     proc = subprocess.run(["bash", str(PART2), "120"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3 and "MACHINE LOST" in proc.stdout
+
+
+def test_part1_stashes_the_first_part_and_runs_the_optimizers_check(tmp_path):
+    """part1.sh on the CPU with nothing to install (no wheels; pycosat's source missing, so its
+    stand-in module goes into the site folder): the model's first part is stashed for part2.sh, the
+    optimizers check runs (its dry run here) and its summary comes back; the exit status is the check's."""
+    repo, work, out = tmp_path / "repo", tmp_path / "work", tmp_path / "out"
+    for folder in (repo / ".gguf1", repo / ".whl", work, out):
+        folder.mkdir(parents=True)
+    (repo / "src").symlink_to(ROOT / "src")
+    (repo / ".gguf1" / "a").write_bytes(b"first half")
+    env = {**os.environ, "WORK": str(work), "OUT": str(out),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "offline_gpu" / "part1.sh"), "200"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (work / "stash" / "a").read_bytes() == b"first half"
+    assert (work / "site" / "pycosat" / "__init__.py").exists() and "PYCOSAT STUB" in proc.stdout
+    summary = json.loads((out / "optimizers.json").read_text())
+    assert summary["checks"]["optimizers"]["status"] == "passed" and "optimizers rc=0" in proc.stdout

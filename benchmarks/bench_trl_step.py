@@ -32,7 +32,9 @@ the work done. Reported: medians of each, the ratio TRL / echotrain (> 1: echotr
 a breakdown (generation, scoring, and the update: old log-probs, with-grad forward, backward,
 optimizer; measured by wrapping the methods, no behaviour change) and the machine load
 (``os.getloadavg``). ``--no-share-prefix`` is the ablation of echotrain's shared-prompt
-prefill/forward (the G completions of a prompt share its KV cache).
+prefill/forward (the G completions of a prompt share its KV cache). ``--set KEY=VALUE`` changes one of
+echotrain's settings (e.g. ``decode_linear=torch``, the float32 linear layers of generation through
+``F.linear`` instead of oneDNN); TRL's side is unchanged.
 
 Usage (defaults: a small setting that takes a few minutes on 2 shared cores)::
 
@@ -82,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true", help="both sides in bfloat16 mixed precision (autocast)")
     p.add_argument("--model", default=None, help="policy (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="another echotrain setting, as on the command line (e.g. decode_linear=torch); TRL is unchanged")
     return p.parse_args(argv)
 
 
@@ -164,6 +168,7 @@ def make_timed_grpo_trainer_class(timers: Timers):
 
 def build_echotrain(args, model, tokenizer, task, out_dir):
     from echotrain.train.config import resolve_config
+    from echotrain.train.config.parse import parse_overrides
     from echotrain.train.trainer import Trainer
 
     micro = min(args.micro_batch_size, args.prompts * args.generations)
@@ -179,6 +184,7 @@ def build_echotrain(args, model, tokenizer, task, out_dir):
         steps=args.warmup + args.reps, seed=args.seed, device="cpu", num_threads=args.threads,
         dtype="float32", autocast="bfloat16" if args.bf16 else "off", output_dir=out_dir, save_every=0, save_final_model=False, plots=False,
         progress=False, log_samples=0, share_prompt_prefix=args.share_prefix,
+        **parse_overrides(args.set),
     ))
     return Trainer(cfg, model=model, tokenizer=tokenizer, task=task)
 

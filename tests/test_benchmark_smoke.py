@@ -268,3 +268,48 @@ def test_roofline_benchmark_counts_decode_bytes_as_the_runs_meter_does(saved_tin
     assert [row[0] for row in res["rows"]] == ["prefill", "decode", "old log-probs", "pre-pass", "with-grad forward",
                                                "backward", "optimizer"]
     assert res["peaks"]["gemm_flops_per_s"] == 1e11 and 0 < res["update_mfu"] and 0 < res["decode_bw_util"]
+
+
+def test_decode_linear_benchmark_times_every_shape_and_mode(saved_tiny_llama):
+    """The A/B of ``decode_linear`` runs end to end on a tiny saved Llama: a row per (shape, row count)
+    with ratios of its own medians, every mode's rollouts, and ``torch`` drawing its own tokens."""
+    import torch
+
+    res = _load("bench_decode_linear").main(["--model", saved_tiny_llama, "--prompts", "2", "--generations", "2",
+                                             "--max-new-tokens", "4", "--reps", "1", "--threads", "1",
+                                             "--rows", "1,3", "--calls", "2"])
+    model_shapes = {tuple(m.weight.shape) for m in _tiny_llama_linears(saved_tiny_llama)}
+    assert {(r["shape"], r["rows"]) for r in res["shapes"]} == {(s, n) for s in model_shapes for n in (1, 3)}
+    for r in res["shapes"]:
+        assert r["packed_ratio"] == pytest.approx(r["onednn_packed_ms"] / r["torch_ms"])
+        assert r["max_abs_diff"] < 1e-3
+    assert res["torch"]["same_tokens"] is True and res["torch"]["ratio"] == 1.0
+    assert set(res) == {"shapes", "torch", "onednn", "onednn_packed"}
+    assert torch.backends.mkldnn.is_available()
+    one = _load("bench_decode_linear").main(["--model", saved_tiny_llama, "--prompts", "2", "--generations", "2",
+                                             "--max-new-tokens", "4", "--reps", "1", "--threads", "1", "--no-shapes",
+                                             "--only", "onednn"])
+    assert set(one) == {"shapes", "onednn"} and one["shapes"] == [] and one["onednn"]["peak_mb"] > 50
+
+
+def _tiny_llama_linears(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return [m for m in AutoModelForCausalLM.from_pretrained(path).modules() if type(m) is torch.nn.Linear]
+
+
+def test_trl_step_benchmark_passes_set_to_echotrain_only(tmp_path):
+    """``bench_trl_step.py --set KEY=VALUE`` reaches echotrain's config (and a bad value is refused there)."""
+    from echotrain.errors import ConfigError
+    from tests.train.conftest import DigitTask, make_model, make_tokenizer
+
+    bench = _load("bench_trl_step")
+    tok = make_tokenizer()
+    for given, want in (([], "onednn"), (["--set", "decode_linear=torch"], "torch")):
+        args = bench.parse_args(["--threads", "1", *given])
+        trainer = bench.build_echotrain(args, make_model(tok), tok, DigitTask(), str(tmp_path / want))
+        assert trainer.cfg.decode_linear == want
+    with pytest.raises(ConfigError, match="decode_linear"):
+        bench.build_echotrain(bench.parse_args(["--set", "decode_linear=mkl"]), make_model(tok), tok, DigitTask(),
+                              str(tmp_path / "bad"))

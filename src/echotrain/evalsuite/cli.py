@@ -5,7 +5,7 @@
     echotrain eval --benchmark choice:mysci=rows.jsonl --n 1 --temperature 0
 
 ``--n``, ``--k``, ``--temperature``, ``--max-new-tokens``, ``--seed``, ``--model``,
-``--device``, ``--threads``, ``--decode-loop``, ``--sampler`` and ``--json`` are ``echotrain
+``--device``, ``--threads``, ``--decode-loop``, ``--sampler``, ``--decode-linear`` and ``--json`` are ``echotrain
 eval``'s own options; this module adds the rest. A run directory as ``--model`` is evaluated with
 its own ``decode_loop`` and ``sampler`` unless those options are given. Input errors exit with status 2 before the model is loaded.
 """
@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from echotrain.runtime.cpu_linear import DEFAULT_DECODE_LINEAR
 from echotrain.evalsuite.runner import DEFAULT_MAX_NEW_TOKENS as SUITE_MAX_NEW_TOKENS
 
 
@@ -151,7 +152,8 @@ def run_suite_command(args: argparse.Namespace) -> int:
         summary = run_suite(model, tok, args.suite, benchmarks=args.benchmark, data_dir=args.data_dir, limit=args.limit,
                             n=args.n, ks=ks, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=max_new, batch_size=args.batch_size, seed=args.seed, out_dir=out,
-                            progress=not args.no_progress, model_name=desc, **generation)
+                            progress=not args.no_progress, model_name=desc,
+                            decode_linear=getattr(args, "decode_linear", DEFAULT_DECODE_LINEAR), **generation)
     if args.json:
         print(json.dumps(summary))
     else:

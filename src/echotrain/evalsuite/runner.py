@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from echotrain.atomic import atomic_write_json
+from echotrain.runtime.cpu_linear import DECODE_LINEARS, DEFAULT_DECODE_LINEAR, linear_backend
 from echotrain.runtime.decode import DECODE_LOOPS, DEFAULT_DECODE_LOOP, DEFAULT_SAMPLER, SAMPLERS
 from echotrain.evalsuite.metrics import accuracy_metrics
 from echotrain.evalsuite.registry import (
@@ -111,7 +112,8 @@ def load_suite(suite: str | None = None, benchmarks: Sequence[str] | Mapping[str
 
 
 def _check_settings(n: int, ks: Sequence[int], temperature: float, top_p: float, max_new_tokens: int,
-                    batch_size: int, decode_loop: str = DEFAULT_DECODE_LOOP, sampler: str = DEFAULT_SAMPLER) -> None:
+                    batch_size: int, decode_loop: str = DEFAULT_DECODE_LOOP, sampler: str = DEFAULT_SAMPLER,
+                    decode_linear: str = DEFAULT_DECODE_LINEAR) -> None:
     def positive_int(value: Any, what: str) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SuiteInputError(f"{what} must be a positive integer, got {value!r}")
@@ -132,6 +134,9 @@ def _check_settings(n: int, ks: Sequence[int], temperature: float, top_p: float,
         raise SuiteInputError(f"decode_loop (--decode-loop) must be one of {', '.join(DECODE_LOOPS)}, got {decode_loop!r}")
     if sampler not in SAMPLERS:
         raise SuiteInputError(f"sampler (--sampler) must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    if decode_linear not in DECODE_LINEARS:
+        raise SuiteInputError(f"decode_linear (--decode-linear) must be one of {', '.join(DECODE_LINEARS)}, "
+                              f"got {decode_linear!r}")
     from echotrain.runtime.sampling_stats import greedy_samples_error
 
     greedy = greedy_samples_error(n, temperature)
@@ -156,7 +161,7 @@ def _settings(*, n: int, ks: Sequence[int], temperature: float, top_p: float, ma
 def _evaluate_task(model: Any, tokenizer: Any, bench: Benchmark, task: Any, *, n: int, ks: Sequence[int],
                    temperature: float, top_p: float, max_new_tokens: int, batch_size: int, seed: int,
                    write: Callable[[dict[str, Any]], None], advance: Callable[[int, float], None],
-                   decode_loop: str, sampler: str) -> dict[str, Any]:
+                   decode_loop: str, sampler: str, decode_linear: str) -> dict[str, Any]:
     import torch
 
     from echotrain.rewards import RewardFunction
@@ -173,7 +178,7 @@ def _evaluate_task(model: Any, tokenizer: Any, bench: Benchmark, task: Any, *, n
         batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, max_new_tokens=max_new_tokens,
                                   temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
                                   do_sample=temperature > 0, record_log_prob=False, decode_loop=decode_loop,
-                                  sampler=sampler)
+                                  sampler=sampler, decode_linear=decode_linear)
         texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
                  for ids, m in zip(batch.response_ids, batch.response_mask)]
         flat = [e for e in exs for _ in range(n)]
@@ -213,7 +218,7 @@ def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
               top_p: float = 1.0, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, batch_size: int = 8, seed: int = 1234,
               out_dir: str | Path | None = None, progress: bool = False, verify_timeout_s: float | None = 3.0,
               model_name: str | None = None, decode_loop: str = DEFAULT_DECODE_LOOP,
-              sampler: str = DEFAULT_SAMPLER) -> dict[str, Any]:
+              sampler: str = DEFAULT_SAMPLER, decode_linear: str = DEFAULT_DECODE_LINEAR) -> dict[str, Any]:
     """Evaluate ``model`` on every benchmark of a suite; the Python entry point (and the hook
     that ``echotrain compare`` calls at the end of a cell).
 
@@ -237,6 +242,9 @@ def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
         model_name: recorded in the summary (default: the model's ``name_or_path``).
         decode_loop, sampler: how tokens are generated, as the trainer's keys of those names
             (:func:`echotrain.runtime.rollout.generate_rollouts`); recorded in ``settings``.
+        decode_linear: how the float32 linear layers run on a CPU while generating, as the
+            trainer's key (:mod:`echotrain.runtime.cpu_linear`); like the thread count, it changes
+            results by float rounding only, so it is not among ``settings``.
 
     Returns:
         The summary: ``{"suite", "model", "settings": {...}, "benchmarks": {name: {"num_problems",
@@ -247,7 +255,8 @@ def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
     Raises:
         SuiteInputError (a ValueError): any bad input, before generation starts.
     """
-    _check_settings(n, ks, float(temperature), float(top_p), max_new_tokens, batch_size, decode_loop, sampler)
+    _check_settings(n, ks, float(temperature), float(top_p), max_new_tokens, batch_size, decode_loop, sampler,
+                    decode_linear)
     loaded = load_suite(suite, benchmarks, data_dir=data_dir, limit=limit, verify_timeout_s=verify_timeout_s)
     settings = _settings(n=n, ks=ks, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                          batch_size=batch_size, seed=seed, limit=limit, verify_timeout_s=verify_timeout_s,
@@ -273,21 +282,23 @@ def run_suite(model: Any, tokenizer: Any, suite: str | None = "math", *,
                file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
     t_all = time.perf_counter()
     try:
-        for bench, source, task in loaded:
-            bar.set_description(bench.name)
-            t0 = time.perf_counter()
+        with linear_backend(model, decode_linear):  # one context: weights packed once for all benchmarks
+            for bench, source, task in loaded:
+                bar.set_description(bench.name)
+                t0 = time.perf_counter()
 
-            def advance(k: int, acc: float) -> None:
-                bar.update(k)
-                bar.set_postfix(acc=f"{acc:.3f}", refresh=False)
+                def advance(k: int, acc: float) -> None:
+                    bar.update(k)
+                    bar.set_postfix(acc=f"{acc:.3f}", refresh=False)
 
-            res = _evaluate_task(model, tokenizer, bench, task, n=n, ks=ks, temperature=float(temperature),
-                                 top_p=float(top_p), max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                 seed=seed, write=write, advance=advance, decode_loop=decode_loop, sampler=sampler)
-            res.update(source=source, seconds=time.perf_counter() - t0)
-            summary["benchmarks"][bench.name] = res
-            if sample_file is not None:
-                sample_file.flush()
+                res = _evaluate_task(model, tokenizer, bench, task, n=n, ks=ks, temperature=float(temperature),
+                                     top_p=float(top_p), max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                     seed=seed, write=write, advance=advance, decode_loop=decode_loop,
+                                     sampler=sampler, decode_linear=decode_linear)
+                res.update(source=source, seconds=time.perf_counter() - t0)
+                summary["benchmarks"][bench.name] = res
+                if sample_file is not None:
+                    sample_file.flush()
     finally:
         bar.close()
         if sample_file is not None:

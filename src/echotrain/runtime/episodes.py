@@ -30,11 +30,13 @@ model again (docs/design/environments.md §3).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
+from echotrain.runtime.cpu_linear import DEFAULT_DECODE_LINEAR, linear_backend
 from echotrain.runtime.decode import sample_tokens
 from echotrain.runtime.packing import has_window_attention
 from echotrain.runtime.rollout import (RolloutBatch, RolloutLogProbRecorder, _supports_decode_loop, encode_prompts,
@@ -137,12 +139,14 @@ class Turn:
 
 def _sample(model: Any, ids: torch.Tensor, attn: torch.Tensor, *, max_new_tokens: int, eos: list[int], pad_id: int,
             temperature: float, top_p: float, top_k: int, decode_loop: str, sampler: str,
-            past: Any = None, keep_cache: bool = False, do_sample: bool = True) -> Turn:
+            decode_linear: str = DEFAULT_DECODE_LINEAR, past: Any = None, keep_cache: bool = False,
+            do_sample: bool = True) -> Turn:
     """One turn of every live episode (n rows of ``ids``/``attn``, left-padded; ``past`` a cache of
     their first columns, echotrain's decode loop only; ``keep_cache``: return each row's cache)."""
     device = next(model.parameters()).device
     ids, attn = ids.to(device), attn.to(device)
-    with torch.no_grad():  # not inference_mode: autocast re-casts the weights every forward there (rollout.py)
+    # not inference_mode: autocast re-casts the weights every forward there (rollout.py)
+    with torch.no_grad(), linear_backend(model, decode_linear):  # nested in run_episodes': its packed weights
         if decode_loop == "echotrain" and _supports_decode_loop(model):
             dec = sample_tokens(model, ids, attn, max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=pad_id,
                                 do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, sampler=sampler,
@@ -168,7 +172,7 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
                  make_env: Callable[[], Any], *, max_new_tokens: int, max_turns: int, max_episode_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, group_offset: int = 0,
                  decode_loop: str = "echotrain", sampler: str = "inverse_cdf", kv_cache: bool = True,
-                 do_sample: bool = True) -> EpisodeResult:
+                 do_sample: bool = True, decode_linear: str = DEFAULT_DECODE_LINEAR) -> EpisodeResult:
     """Play ``num_generations`` episodes of each example; the turns of live episodes batched.
 
     Args:
@@ -179,7 +183,9 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
         max_new_tokens: the most tokens of one model turn.
         max_turns: the most model turns of an episode (>= 1).
         max_episode_tokens: the most ids after the prompt (model + environment), >= 1.
-        temperature, top_p, top_k, decode_loop, sampler: as :func:`~echotrain.runtime.rollout.generate_rollouts`.
+        temperature, top_p, top_k, decode_loop, sampler, decode_linear: as
+            :func:`~echotrain.runtime.rollout.generate_rollouts` (one ``decode_linear`` context for all
+            the turns: packed weights are made once).
         kv_cache: keep each episode's KV cache between turns and prefill only the new ids (echotrain's
             decode loop and a plain cache; else ignored). The tokens drawn are those of the
             uncached path up to float rounding (the same RNG draws; logits may round differently).
@@ -227,6 +233,8 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
     kv: list[RowCache | None] = [None] * N  # episode i's cache: every trajectory id but the last
     was_training = model.training
     model.eval()
+    backend = contextlib.ExitStack()
+    backend.enter_context(linear_backend(model, decode_linear))  # one for every turn: weights packed once
     try:
         for turn in range(max_turns):
             if not live:
@@ -243,7 +251,8 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
                 ids, attn = left_pad([real[i] + resp[i] for i in live], pad_id)
             caps = [min(max_new_tokens, max_episode_tokens - len(resp[i])) for i in live]
             out = _sample(model, ids, attn, max_new_tokens=max(caps), eos=eos, pad_id=pad_id, temperature=temperature,
-                          top_p=top_p, top_k=top_k, decode_loop=decode_loop, sampler=sampler, past=past,
+                          top_p=top_p, top_k=top_k, decode_loop=decode_loop, sampler=sampler,
+                          decode_linear=decode_linear, past=past,
                           keep_cache=keep and turn < max_turns - 1, do_sample=do_sample)
             toks, lp, ent = out.tokens, out.log_prob, out.entropy
             row_caches, out.row_caches = out.row_caches, None  # kv holds the only references from here
@@ -301,6 +310,7 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
             del row_caches
             live = still
     finally:
+        backend.close()
         model.train(was_training)
     T = max(1, max(len(r) for r in resp))
     response_ids = torch.full((N, T), pad_id, dtype=torch.long)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from echotrain.runtime.device import rng_devices
 from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS, distribution_stats, sample_tokens
+from echotrain.runtime.cpu_linear import DECODE_LINEARS, DEFAULT_DECODE_LINEAR, linear_backend
 from echotrain.runtime.packing import (accepts_keyword, common_prefix_len, distinct_prompts, has_window_attention,
                                        is_prefix_mask, packed_log_probs, real_prompts, supports_packed_forward)
 
@@ -299,7 +300,8 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
                       max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       batch_size: int = 0, group_offset: int = 0, share_prefix: bool = True,
                       do_sample: bool = True, record_log_prob: bool = True,
-                      decode_loop: str = "echotrain", sampler: str = "inverse_cdf") -> RolloutBatch:
+                      decode_loop: str = "echotrain", sampler: str = "inverse_cdf",
+                      decode_linear: str = DEFAULT_DECODE_LINEAR) -> RolloutBatch:
     """Sample ``num_generations`` completions of each prompt.
 
     Each prompt is repeated G times (rows ``g*G .. g*G+G-1`` belong to group ``group_offset + g``),
@@ -327,9 +329,14 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
         sampler: how echotrain's loop draws a token (:data:`echotrain.runtime.decode.SAMPLERS`):
             ``"inverse_cdf"`` (one uniform a row) or ``"multinomial"`` (the same tokens as
             ``generate`` from the same RNG state). Unused by ``generate``.
+        decode_linear: how the model's float32 linear layers run on a CPU while generating
+            (:data:`echotrain.runtime.cpu_linear.DECODE_LINEARS`): ``"onednn"`` (the default) /
+            ``"onednn_packed"``: oneDNN's inner product (:func:`~echotrain.runtime.cpu_linear.linear_backend`);
+            ``"torch"``: ``F.linear``. No effect on a GPU or under autocast.
 
     Raises:
-        ValueError: ``num_generations`` < 1, no prompts, an unknown ``decode_loop`` or ``sampler``.
+        ValueError: ``num_generations`` < 1, no prompts, an unknown ``decode_loop``, ``sampler`` or
+            ``decode_linear``.
 
     Returns:
         A :class:`RolloutBatch` with N = B * G rows.
@@ -342,6 +349,8 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
         raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {decode_loop!r}")
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+    if decode_linear not in DECODE_LINEARS:
+        raise ValueError(f"decode_linear must be one of {DECODE_LINEARS}, got {decode_linear!r}")
     texts = render_prompts(tokenizer, prompts)
     texts = [t for t in texts for _ in range(num_generations)]
     group_index = torch.arange(len(prompts)).repeat_interleave(num_generations) + group_offset
@@ -367,7 +376,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
             gen_ids = ids[sl].to(device)  # the prompt layout handed to the decode loop / generate
             # no_grad, not inference_mode: under autocast, inference mode re-casts every weight to bfloat16 at
             # every forward (autocast caches its casts of parameters only outside it): ~1/3 of a bf16 decode step
-            with torch.no_grad():
+            with torch.no_grad(), linear_backend(model, decode_linear):
                 if share_prefix and chunk == len(texts) and ids.shape[1] > 1 and _supports_shared_prefix(model):
                     cache, p_ids, p_attn = _prefill(model, ids[::num_generations].to(device),
                                                     attn[::num_generations].to(device), num_generations)
@@ -690,9 +699,11 @@ def generate_rollouts_per_group(model: Any, tokenizer: Any, prompts: Sequence[An
     device = next(model.parameters()).device
     devices = rng_devices(device)
     parts = []
-    for g, (prompt, seed) in enumerate(zip(prompts, seeds)):
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(int(seed))
-            parts.append(generate_rollouts(model, tokenizer, [prompt], num_generations,
-                                           group_offset=group_offset + g, **kwargs))
+    # one context around the groups: their calls share its packed weights (decode_linear=onednn_packed)
+    with linear_backend(model, kwargs.get("decode_linear", DEFAULT_DECODE_LINEAR)):
+        for g, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(int(seed))
+                parts.append(generate_rollouts(model, tokenizer, [prompt], num_generations,
+                                               group_offset=group_offset + g, **kwargs))
     return concat_rollouts(parts, pad_token_id)

@@ -131,7 +131,7 @@ class Collector:
             t0 = time.perf_counter()
             sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, batch_size=cfg.rollout_batch_size, decode_loop=cfg.decode_loop,
-                            sampler=cfg.sampler)
+                            sampler=cfg.sampler, decode_linear=cfg.decode_linear)
             with autocast(self.model, self.autocast_dtype):
                 if self.episodes is not None:  # the texts scored: each episode's final model turn
                     batch, texts = self.episodes.run(local, mine, group_offset, draw)

@@ -256,6 +256,12 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
                             help=f"as train's {key} key (--task and --suite alike); default: the run's when --model "
                                  f"is a run directory or one of its checkpoints, else {default}. "
                                  + FIELDS[key].metadata["help"])
+    from echotrain.runtime.cpu_linear import DECODE_LINEARS, DEFAULT_DECODE_LINEAR
+
+    parser.add_argument("--decode-linear", default=DEFAULT_DECODE_LINEAR, choices=DECODE_LINEARS,
+                        help=f"as train's decode_linear key (--task and --suite alike; default {DEFAULT_DECODE_LINEAR}; "
+                             "a run's own value is not taken: like --threads it changes results by float rounding "
+                             "only). " + FIELDS["decode_linear"].metadata["help"])
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     from echotrain.evalsuite.cli import add_suite_arguments
 
@@ -353,7 +359,8 @@ def run_eval(args: argparse.Namespace) -> int:
     with autocast(model, resolve_for(model, args.autocast)):
         res = evaluate(model, tok, plan.task, num_prompts=args.prompts, n=args.n, ks=ks,
                        max_new_tokens=plan.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                       keep_samples=max(3, args.show or 0), episodes=plan.episodes, **plan.generation)
+                       keep_samples=max(3, args.show or 0), episodes=plan.episodes, decode_linear=args.decode_linear,
+                       **plan.generation)
     res["seconds"] = time.perf_counter() - t0
     samples = res.pop("samples", [])
     show = args.show if args.show is not None else (3 if res["accuracy"] == 0 else 0)

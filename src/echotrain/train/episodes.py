@@ -133,7 +133,7 @@ class EpisodeRollouts:
         cfg = self.cfg
         kw = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_episode_tokens=self.budget(),
                   temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, decode_loop=cfg.decode_loop,
-                  sampler=cfg.sampler)
+                  sampler=cfg.sampler, decode_linear=cfg.decode_linear)
         if cfg.rollout_rng != "group":
             res = run_episodes(self.model, self.tokenizer, examples, cfg.num_generations, self.make_env,
                                group_offset=group_offset + mine.start, **kw)

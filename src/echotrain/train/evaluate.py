@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
+from echotrain.runtime.cpu_linear import DEFAULT_DECODE_LINEAR
 from echotrain.runtime.rollout import generate_rollouts
 from echotrain.runtime.sampling_stats import pass_at_k
 
@@ -38,12 +39,13 @@ def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n:
              seed: int = 1234,
              batch_prompts: int = 16, reward_fn: Any = None, keep_samples: int = 0,
              decode_loop: str = "echotrain", sampler: str = "inverse_cdf",
+             decode_linear: str = DEFAULT_DECODE_LINEAR,
              episodes: dict[str, Any] | None = None) -> dict[str, Any]:
     """Sample ``n`` completions for each of ``num_prompts`` task prompts and score them.
 
     ``temperature=0`` decodes greedily (then every sample of a prompt is the same; use n=1);
     ``top_p`` < 1 samples from the nucleus (unused when greedy).
-    ``decode_loop``, ``sampler``: as in :func:`~echotrain.runtime.rollout.generate_rollouts`.
+    ``decode_loop``, ``sampler``, ``decode_linear``: as in :func:`~echotrain.runtime.rollout.generate_rollouts`.
     ``episodes``: a run with an environment (``env=``) is evaluated as it trains: each sample is an
     episode (:func:`~echotrain.runtime.episodes.run_episodes` with these keyword arguments:
     ``make_env``, ``max_turns``, ``max_episode_tokens``), its final model turn scored;
@@ -73,7 +75,7 @@ def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n:
         exs = examples[start:start + batch_prompts]
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature if temperature > 0 else 1.0,
                         do_sample=temperature > 0, top_p=top_p if temperature > 0 else 1.0, decode_loop=decode_loop,
-                        sampler=sampler)
+                        sampler=sampler, decode_linear=decode_linear)
         if episodes is not None:
             from echotrain.runtime.episodes import run_episodes
 

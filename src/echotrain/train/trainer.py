@@ -504,7 +504,8 @@ class Trainer:
                            ks=(cfg.eval_n,), max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature,
                            top_p=cfg.eval_top_p, seed=cfg.seed + 7,
                            batch_prompts=max(cfg.prompts_per_step * cfg.num_generations, 1), decode_loop=cfg.decode_loop,
-                           sampler=cfg.sampler, episodes=None if self.collector.episodes is None
+                           sampler=cfg.sampler, decode_linear=cfg.decode_linear,
+                           episodes=None if self.collector.episodes is None
                            else self.collector.episodes.eval_settings())
         out = {"eval/accuracy": res["accuracy"], "eval/format_rate": res["format_rate"]}
         if cfg.eval_n > 1:

@@ -23,6 +23,7 @@ from echotrain.train.best import BEST_METRICS
 from echotrain.rl.config import PolicyLossConfig, with_policy_loss_fields
 from echotrain.rl.presets import PRESETS
 from echotrain.runtime.precision import AUTOCAST_CHOICES, CPU_BF16_MEASURED, CPU_BF16_MIN_PARAMS
+from echotrain.runtime.cpu_linear import DECODE_LINEARS, DEFAULT_DECODE_LINEAR
 from echotrain.runtime.decode import DECODE_LOOPS, DEFAULT_DECODE_LOOP, DEFAULT_SAMPLER, SAMPLERS
 from echotrain.runtime.packing import PACKED_ATTENTION_MODES
 
@@ -134,6 +135,17 @@ class TrainConfig:
                       "probabilities (fast); multinomial = torch.multinomial, one exponential per vocabulary entry, "
                       "the same tokens as decode_loop=generate from the same RNG state. The same distribution "
                       "either way.", choices=SAMPLERS, group="rollout")
+    decode_linear: str = _f(DEFAULT_DECODE_LINEAR, "How the model's float32 linear layers run while generating on a CPU "
+                            "(rollouts, evaluations): onednn = oneDNN's inner product on the weights as they are; "
+                            "onednn_packed = the same on a copy of each weight in oneDNN's blocked layout, made once a "
+                            "generation call (faster at a few rows, +1x the linear weights' memory while generating); "
+                            "torch = F.linear (MKL's sgemm). Layers "
+                            "of fewer than 2^17 weights (all of the testbed's) keep F.linear. "
+                            "Measured on an AMD EPYC: the default job's float32 rollouts in 0.87x (onednn) / 0.84x "
+                            "(onednn_packed) of torch's time, their peak memory +0.2 / +0.7 GB; not measured on Intel "
+                            "(docs/benchmarks.md). No effect on a GPU, under "
+                            "autocast, or on the update's forwards (whose log-probs stay torch's). The same results up "
+                            "to float32 rounding.", choices=DECODE_LINEARS, group="rollout")
     staleness: int = _f(0, "Fixed-lag off-policy training (k >= 0): the rollouts of step t are sampled by the weights "
                         "of step t - k (the initial weights for t <= k), generated k steps ahead into a queue "
                         "(echotrain.train.lag); the learner recomputes old_log_prob (proximal policy) and the "

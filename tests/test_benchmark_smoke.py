@@ -299,11 +299,19 @@ def _tiny_llama_linears(path: str):
     return [m for m in AutoModelForCausalLM.from_pretrained(path).modules() if type(m) is torch.nn.Linear]
 
 
-def test_trl_step_benchmark_passes_set_to_echotrain_only(tmp_path):
+def test_trl_step_benchmark_passes_set_to_echotrain_only(tmp_path, monkeypatch):
     """``bench_trl_step.py --set KEY=VALUE`` reaches echotrain's config (and a bad value is refused there)."""
+    import os
+
     from echotrain.errors import ConfigError
     from tests.train.conftest import DigitTask, make_model, make_tokenizer
 
+    # the script sets the offline variables at import: restored after the test (later tests probe the hub)
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM",
+                "WANDB_DISABLED"):
+        monkeypatch.setenv(key, os.environ.get(key, ""))  # recorded (absent or not): undone after the test
+        if not os.environ[key]:
+            monkeypatch.delenv(key)
     bench = _load("bench_trl_step")
     tok = make_tokenizer()
     for given, want in (([], "onednn"), (["--set", "decode_linear=torch"], "torch")):

@@ -27,7 +27,7 @@ def every_layer(monkeypatch):
 
 
 class Counting(torch.nn.Module):
-    """Two plain linears, a subclass of nn.Linear and one with its own forward."""
+    """Two plain linears and a subclass of nn.Linear."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -241,3 +241,79 @@ def test_layers_below_the_size_rule_keep_f_linear(calls, monkeypatch):
     assert len(calls) == 1 and calls[0] is big.weight
     testbed, _ = load_policy("testbed")
     assert cpu_linear._linears(testbed) == []
+
+
+def test_packed_copies_follow_a_replaced_weight(calls):
+    """A weight whose storage was replaced (``w.data = t``, as peft's merge does) is packed again."""
+    m = Counting()
+    x = torch.randn(4, 24)
+    with torch.no_grad(), linear_backend(m, "onednn_packed"):
+        m(x)
+        m.a.weight.data = m.a.weight.data * 3.0
+        out = m(x)
+        ref = m.sub(F.linear(F.linear(x, m.a.weight, m.a.bias), m.b.weight))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_pickled_inside_the_context_loads():
+    import io
+
+    m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8))
+    x = torch.randn(4, 24)
+    with torch.no_grad(), linear_backend(m, "onednn"):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), m(x))
+
+
+def test_a_forward_set_by_others_is_left_alone():
+    """A module with its own instance forward is not taken over; one set during the block (a hook
+    library's) stays after it; one removed during the block does not break the exit."""
+    m = Counting()
+    own = lambda x: x  # noqa: E731 - a stand-in for accelerate's hook
+    m.a.forward = own
+    with linear_backend(m, "onednn"):
+        assert m.a.__dict__["forward"] is own
+        other = lambda x: x  # noqa: E731
+        m.b.forward = other
+    assert m.b.__dict__["forward"] is other and m.a.__dict__["forward"] is own
+    del m.a.forward, m.b.forward
+    with pytest.raises(KeyError):
+        with linear_backend(m, "onednn"):
+            del m.b.forward
+            raise KeyError("the block's own error")
+    assert "forward" not in m.a.__dict__ and not cpu_linear._installed
+
+
+def test_generation_packs_each_weight_once_per_call(monkeypatch):
+    """``generate_rollouts`` in chunks (``batch_size``) and per group, and ``evaluate`` over batches,
+    pack each weight once; ``run_episodes`` refuses an unknown mode before touching the model."""
+    from echotrain.runtime.episodes import run_episodes
+    from echotrain.runtime.rollout import generate_rollouts, generate_rollouts_per_group
+    from tests.train.conftest import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    model = make_model(tok)
+    packs: list[int] = []
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    def reorder(w, *a):
+        packs.append(w.data_ptr())  # the weight's storage (w is a fresh detached view)
+        return real(w, *a)
+
+    monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_reorder_linear_weight", reorder, raising=False)
+    n_linear = len(cpu_linear._linears(model))
+    prompts = ["12+3", "4+5", "7+1"]
+    generate_rollouts(model, tok, prompts, 2, max_new_tokens=3, batch_size=1, decode_linear="onednn_packed")
+    assert len(packs) == len(set(packs)) == n_linear
+    packs.clear()
+    generate_rollouts_per_group(model, tok, prompts, 2, seeds=[1, 2, 3], pad_token_id=0, max_new_tokens=3,
+                                decode_linear="onednn_packed")
+    assert len(packs) == n_linear
+    model.train()
+    with pytest.raises(ValueError, match="decode_linear"):
+        run_episodes(model, tok, [object()], 1, lambda: None, max_new_tokens=2, max_turns=1, max_episode_tokens=4,
+                     decode_linear="mkl")
+    assert model.training

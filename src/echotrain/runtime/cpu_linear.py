@@ -28,8 +28,11 @@ CPU, of a module whose type is exactly ``torch.nn.Linear`` (subclasses, e.g. qua
 keep theirs), with at least :data:`MIN_ONEDNN_WEIGHTS` weights (2^17: small layers lose to
 oneDNN's cost per call; the testbed's are all smaller, so testbed runs are unchanged) and no
 instance ``forward`` of its own (e.g. accelerate's hooks). Every other
-call runs ``F.linear`` as ``nn.Linear.forward`` does; so the with-grad forward and the old /
-reference log-probs of the update keep PyTorch's path, and an on-policy ratio stays exactly 1.
+call runs ``F.linear`` as ``nn.Linear.forward`` does; so the update's own forwards (with grad, and
+the old / reference log-probs it recomputes) keep PyTorch's path. The sampler's log-probs, which
+the update reads where it reuses them (``reuse_sampler_log_probs`` for the later mini-batches,
+``recompute_old_log_prob=false``), come from generation, here oneDNN's: they already differed from
+the update's by rounding (other shapes, a KV cache), now by another rounding.
 The results equal ``F.linear``'s up to float32 rounding (another summation order: ~1e-6
 relative); sampled tokens may therefore differ from ``torch``'s where two tokens' cumulative
 probabilities meet within that rounding.
@@ -39,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import types
 from typing import Any, Iterator
 
 import torch
@@ -52,8 +54,9 @@ DECODE_LINEARS = ("torch", "onednn", "onednn_packed")
 #: ``torch`` keeps the generation's peak memory lowest
 DEFAULT_DECODE_LINEAR = "onednn"
 #: layers with fewer weights keep ``F.linear`` in every mode (our choice, a documented flag): oneDNN's
-#: fixed cost per call made SmolLM2's 192 x 576 key/value projections slower at 1 row (1.7x) and no
-#: faster at 16 (1.0x packed), where its 576 x 576 layers were already faster (0.45-0.94x packed);
+#: fixed cost per call made SmolLM2's 192 x 576 key/value projections slower at 1 to 16 rows (plain
+#: 1.74x, 1.16x, 1.31x at 1, 4, 16 rows), where its 576 x 576 layers were slower at 1 row only (plain
+#: 1.20x) and faster from 4 rows on (0.72-0.97x);
 #: the testbed's layers (d_model 128) are all below, so its runs and studies are unchanged
 MIN_ONEDNN_WEIGHTS = 2**17
 
@@ -68,31 +71,44 @@ def onednn_linear_available() -> bool:
 
 
 class _State:
-    """One context's mode and its packed weights (keyed by the weight's id; a weight written since,
-    its version changed, is packed again)."""
+    """One context's mode and its packed weights, keyed by the weight's id and packed again when the
+    weight was written since (its version or its storage changed; a write through ``.data`` in
+    place changes neither and is not seen)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self.packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.packed: dict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]] = {}
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
         if self.mode != "onednn_packed":
             return w
+        stamp = (w._version, w.data_ptr())
         hit = self.packed.get(id(w))
-        if hit is None or hit[0] is not w or hit[1] != w._version:
-            hit = (w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+        if hit is None or hit[0] is not w or hit[1] != stamp:
+            hit = (w, stamp, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
             self.packed[id(w)] = hit
         return hit[2]
 
 
-def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` with oneDNN's inner product where :func:`linear_backend` applies."""
-    state = getattr(_local, "state", None)
-    w = self.weight
-    if (state is None or torch.is_grad_enabled() or input.dtype != torch.float32 or w.dtype != torch.float32
-            or input.device.type != "cpu" or w.device.type != "cpu" or torch.is_autocast_enabled("cpu")):
-        return F.linear(input, w, self.bias)
-    return torch.ops.mkldnn._linear_pointwise(input, state.weight(w), self.bias, "none", [], "")
+class _Forward:
+    """The instance ``forward`` :func:`linear_backend` sets on a ``nn.Linear``: ``nn.Linear.forward``
+    with oneDNN's inner product where a context of this thread applies. An object, not a bound
+    function, so that a model pickled or deep-copied meanwhile loads (its copy keeps it: outside a
+    context it is ``F.linear``)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Linear) -> None:
+        self.module = module
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        state = getattr(_local, "state", None)
+        m = self.module
+        w = m.weight
+        if (state is None or torch.is_grad_enabled() or input.dtype != torch.float32 or w.dtype != torch.float32
+                or input.device.type != "cpu" or w.device.type != "cpu" or torch.is_autocast_enabled("cpu")):
+            return F.linear(input, w, m.bias)
+        return torch.ops.mkldnn._linear_pointwise(input, state.weight(w), m.bias, "none", [], "")
 
 
 def _linears(model: Any) -> list[torch.nn.Linear]:
@@ -105,7 +121,7 @@ def _linears(model: Any) -> list[torch.nn.Linear]:
                 or m.weight.numel() < MIN_ONEDNN_WEIGHTS):
             continue
         own = m.__dict__.get("forward")
-        if own is None or getattr(own, "__func__", None) is _forward:
+        if own is None or (isinstance(own, _Forward) and own.module is m):
             out.append(m)
     return out
 
@@ -134,7 +150,7 @@ def linear_backend(model: Any, mode: str) -> Iterator[None]:
         for m in modules:
             held = _installed.get(id(m))
             if held is None:
-                m.forward = types.MethodType(_forward, m)
+                m.forward = _Forward(m)
                 _installed[id(m)] = [m, 1]
             else:
                 held[1] += 1
@@ -145,8 +161,12 @@ def linear_backend(model: Any, mode: str) -> Iterator[None]:
         _local.state = outer  # None: no context (a torch one included)
         with _lock:
             for m in modules:
-                held = _installed[id(m)]
+                held = _installed.get(id(m))
+                if held is None:
+                    continue
                 held[1] -= 1
                 if held[1] == 0:
                     del _installed[id(m)]
-                    del m.forward
+                    own = m.__dict__.get("forward")
+                    if isinstance(own, _Forward) and own.module is m:  # not a forward set by others meanwhile
+                        del m.forward

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from echotrain.runtime.cpu_linear import DEFAULT_DECODE_LINEAR, linear_backend
+from echotrain.runtime.cpu_linear import DECODE_LINEARS, DEFAULT_DECODE_LINEAR, linear_backend
 from echotrain.runtime.decode import sample_tokens
 from echotrain.runtime.packing import has_window_attention
 from echotrain.runtime.rollout import (RolloutBatch, RolloutLogProbRecorder, _supports_decode_loop, encode_prompts,
@@ -196,7 +196,7 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
 
     Raises:
         ValueError: ``num_generations``, ``max_turns``, ``max_new_tokens`` or
-            ``max_episode_tokens`` < 1, or no examples.
+            ``max_episode_tokens`` < 1, no examples, or an unknown ``decode_linear``.
     """
     for name, v in (("num_generations", num_generations), ("max_turns", max_turns),
                     ("max_new_tokens", max_new_tokens), ("max_episode_tokens", max_episode_tokens)):
@@ -204,6 +204,8 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
             raise ValueError(f"{name} must be >= 1, got {v}")
     if not examples:
         raise ValueError("examples is empty")
+    if decode_linear not in DECODE_LINEARS:
+        raise ValueError(f"decode_linear must be one of {DECODE_LINEARS}, got {decode_linear!r}")
     eos = eos_ids_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     rows = [ex for ex in examples for _ in range(num_generations)]

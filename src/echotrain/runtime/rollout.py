@@ -361,6 +361,8 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
     chunk = batch_size or len(texts)
     responses, rollout_lps, rollout_ents, rollout_sqs = [], [], [], []
     own_loop = decode_loop == "echotrain" and _supports_decode_loop(model)
+    backend = linear_backend(model, decode_linear)  # one context for every chunk: weights packed once
+    backend.__enter__()
     was_training = model.training
     model.eval()
     try:
@@ -376,7 +378,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
             gen_ids = ids[sl].to(device)  # the prompt layout handed to the decode loop / generate
             # no_grad, not inference_mode: under autocast, inference mode re-casts every weight to bfloat16 at
             # every forward (autocast caches its casts of parameters only outside it): ~1/3 of a bf16 decode step
-            with torch.no_grad(), linear_backend(model, decode_linear):
+            with torch.no_grad():
                 if share_prefix and chunk == len(texts) and ids.shape[1] > 1 and _supports_shared_prefix(model):
                     cache, p_ids, p_attn = _prefill(model, ids[::num_generations].to(device),
                                                     attn[::num_generations].to(device), num_generations)
@@ -407,6 +409,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
             # a compact copy (the decode loop's token buffer is wider)
             responses.append(new_ids.cpu().clone())
     finally:
+        backend.__exit__(None, None, None)
         model.train(was_training)
     width = max(r.shape[1] for r in responses)
     response_ids = torch.cat([F.pad(r, (0, width - r.shape[1]), value=pad_id) for r in responses])

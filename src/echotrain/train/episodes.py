@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from echotrain.runtime.cpu_linear import linear_backend
 from echotrain.runtime.device import rng_devices
 
 from echotrain.metrics import Metric, declare_metric
@@ -140,11 +141,12 @@ class EpisodeRollouts:
             return res.batch, res.final_texts
         devices = rng_devices(next(self.model.parameters()).device)  # the CUDA generator forked too
         parts, texts = [], []
-        for k, (ex, g) in enumerate(zip(examples, mine)):
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(group_seed(cfg.seed, draw, g))
-                res = run_episodes(self.model, self.tokenizer, [ex], cfg.num_generations, self.make_env,
-                                   group_offset=group_offset + mine.start + k, **kw)
-            parts.append(res.batch)
-            texts += res.final_texts
+        with linear_backend(self.model, cfg.decode_linear):  # one context for every group: weights packed once
+            for k, (ex, g) in enumerate(zip(examples, mine)):
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(group_seed(cfg.seed, draw, g))
+                    res = run_episodes(self.model, self.tokenizer, [ex], cfg.num_generations, self.make_env,
+                                       group_offset=group_offset + mine.start + k, **kw)
+                parts.append(res.batch)
+                texts += res.final_texts
         return concat_rollouts(parts, self.pad_id), texts

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from echotrain.runtime.cpu_linear import DEFAULT_DECODE_LINEAR
+from echotrain.runtime.cpu_linear import DEFAULT_DECODE_LINEAR, linear_backend
 from echotrain.runtime.rollout import generate_rollouts
 from echotrain.runtime.sampling_stats import pass_at_k
 
@@ -71,30 +71,31 @@ def evaluate(model: Any, tokenizer: Any, task: Any, *, num_prompts: int = 64, n:
     torch.manual_seed(seed)
     examples = list(task.sample(num_prompts, seed))
     correct_all, fmt_all, trunc_all, samples = [], [], [], []
-    for start in range(0, len(examples), batch_prompts):
-        exs = examples[start:start + batch_prompts]
-        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature if temperature > 0 else 1.0,
-                        do_sample=temperature > 0, top_p=top_p if temperature > 0 else 1.0, decode_loop=decode_loop,
-                        sampler=sampler, decode_linear=decode_linear)
-        if episodes is not None:
-            from echotrain.runtime.episodes import run_episodes
+    with linear_backend(model, decode_linear):  # one context for every batch: weights packed once
+        for start in range(0, len(examples), batch_prompts):
+            exs = examples[start:start + batch_prompts]
+            sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature if temperature > 0 else 1.0,
+                            do_sample=temperature > 0, top_p=top_p if temperature > 0 else 1.0, decode_loop=decode_loop,
+                            sampler=sampler, decode_linear=decode_linear)
+            if episodes is not None:
+                from echotrain.runtime.episodes import run_episodes
 
-            res = run_episodes(model, tokenizer, exs, n, **episodes, **sampling)
-            batch, texts = res.batch, res.final_texts
-        else:
-            batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, record_log_prob=False, **sampling)
-            texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-                     for ids, m in zip(batch.response_ids, batch.response_mask)]
-        rows = [e for e in exs for _ in range(n)]
-        _, info = reward_fn(texts, rows)
-        trunc_all.append(batch.truncated.float())
-        for i in range(0, len(texts), n):  # the first sample of each prompt
-            if len(samples) < keep_samples:
-                samples.append({"question": getattr(rows[i], "question", None), "answer": getattr(rows[i], "answer", None),
-                                "completion": texts[i], "correct": float(info["correct"][i]),
-                                "truncated": bool(batch.truncated[i])})
-        correct_all.append(torch.as_tensor(info["correct"], dtype=torch.float32).view(len(exs), n))
-        fmt_all.append(torch.as_tensor(info["format_ok"], dtype=torch.float32).view(len(exs), n))
+                res = run_episodes(model, tokenizer, exs, n, **episodes, **sampling)
+                batch, texts = res.batch, res.final_texts
+            else:
+                batch = generate_rollouts(model, tokenizer, [e.messages for e in exs], n, record_log_prob=False, **sampling)
+                texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+                         for ids, m in zip(batch.response_ids, batch.response_mask)]
+            rows = [e for e in exs for _ in range(n)]
+            _, info = reward_fn(texts, rows)
+            trunc_all.append(batch.truncated.float())
+            for i in range(0, len(texts), n):  # the first sample of each prompt
+                if len(samples) < keep_samples:
+                    samples.append({"question": getattr(rows[i], "question", None), "answer": getattr(rows[i], "answer", None),
+                                    "completion": texts[i], "correct": float(info["correct"][i]),
+                                    "truncated": bool(batch.truncated[i])})
+            correct_all.append(torch.as_tensor(info["correct"], dtype=torch.float32).view(len(exs), n))
+            fmt_all.append(torch.as_tensor(info["format_ok"], dtype=torch.float32).view(len(exs), n))
     correct = torch.cat(correct_all)
     out: dict[str, float] = {"accuracy": float(correct.mean()), "format_rate": float(torch.cat(fmt_all).mean()),
                              "num_prompts": float(len(examples)), "n": float(n),

@@ -144,7 +144,8 @@ class TrainConfig:
                             "Measured on an AMD EPYC: the default job's float32 rollouts in 0.87x (onednn) / 0.84x "
                             "(onednn_packed) of torch's time, their peak memory +0.2 / +0.7 GB; not measured on Intel "
                             "(docs/benchmarks.md). No effect on a GPU, under "
-                            "autocast, or on the update's forwards (whose log-probs stay torch's). The same results up "
+                            "autocast, or on the update's own forwards (the sampler's log-probs, which the update reuses, "
+                            "are oneDNN's). The same results up "
                             "to float32 rounding.", choices=DECODE_LINEARS, group="rollout")
     staleness: int = _f(0, "Fixed-lag off-policy training (k >= 0): the rollouts of step t are sampled by the weights "
                         "of step t - k (the initial weights for t <= k), generated k steps ahead into a queue "

@@ -126,6 +126,12 @@ def _linears(model: Any) -> list[torch.nn.Linear]:
     return out
 
 
+def check_decode_linear(mode: str) -> None:
+    """Raises ValueError naming the setting unless ``mode`` is one of :data:`DECODE_LINEARS`."""
+    if mode not in DECODE_LINEARS:
+        raise ValueError(f"decode_linear must be one of {DECODE_LINEARS}, got {mode!r}")
+
+
 @contextlib.contextmanager
 def linear_backend(model: Any, mode: str) -> Iterator[None]:
     """Run the float32 CPU linear layers of ``model``'s no-grad forwards in this thread, inside the
@@ -138,8 +144,7 @@ def linear_backend(model: Any, mode: str) -> Iterator[None]:
     Raises:
         ValueError: ``mode`` is not one of :data:`DECODE_LINEARS`.
     """
-    if mode not in DECODE_LINEARS:
-        raise ValueError(f"decode_linear must be one of {DECODE_LINEARS}, got {mode!r}")
+    check_decode_linear(mode)
     modules = _linears(model) if mode != "torch" and onednn_linear_available() else []
     outer = getattr(_local, "state", None)
     if mode == "torch":

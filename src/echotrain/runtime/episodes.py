@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from echotrain.runtime.cpu_linear import DECODE_LINEARS, DEFAULT_DECODE_LINEAR, linear_backend
+from echotrain.runtime.cpu_linear import DEFAULT_DECODE_LINEAR, check_decode_linear, linear_backend
 from echotrain.runtime.decode import sample_tokens
 from echotrain.runtime.packing import has_window_attention
 from echotrain.runtime.rollout import (RolloutBatch, RolloutLogProbRecorder, _supports_decode_loop, encode_prompts,
@@ -139,14 +139,13 @@ class Turn:
 
 def _sample(model: Any, ids: torch.Tensor, attn: torch.Tensor, *, max_new_tokens: int, eos: list[int], pad_id: int,
             temperature: float, top_p: float, top_k: int, decode_loop: str, sampler: str,
-            decode_linear: str = DEFAULT_DECODE_LINEAR, past: Any = None, keep_cache: bool = False,
-            do_sample: bool = True) -> Turn:
+            past: Any = None, keep_cache: bool = False, do_sample: bool = True) -> Turn:
     """One turn of every live episode (n rows of ``ids``/``attn``, left-padded; ``past`` a cache of
     their first columns, echotrain's decode loop only; ``keep_cache``: return each row's cache)."""
     device = next(model.parameters()).device
     ids, attn = ids.to(device), attn.to(device)
     # not inference_mode: autocast re-casts the weights every forward there (rollout.py)
-    with torch.no_grad(), linear_backend(model, decode_linear):  # nested in run_episodes': its packed weights
+    with torch.no_grad():  # the linear layers as run_episodes' decode_linear context says
         if decode_loop == "echotrain" and _supports_decode_loop(model):
             dec = sample_tokens(model, ids, attn, max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=pad_id,
                                 do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, sampler=sampler,
@@ -204,8 +203,7 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
             raise ValueError(f"{name} must be >= 1, got {v}")
     if not examples:
         raise ValueError("examples is empty")
-    if decode_linear not in DECODE_LINEARS:
-        raise ValueError(f"decode_linear must be one of {DECODE_LINEARS}, got {decode_linear!r}")
+    check_decode_linear(decode_linear)
     eos = eos_ids_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     rows = [ex for ex in examples for _ in range(num_generations)]
@@ -253,8 +251,7 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
                 ids, attn = left_pad([real[i] + resp[i] for i in live], pad_id)
             caps = [min(max_new_tokens, max_episode_tokens - len(resp[i])) for i in live]
             out = _sample(model, ids, attn, max_new_tokens=max(caps), eos=eos, pad_id=pad_id, temperature=temperature,
-                          top_p=top_p, top_k=top_k, decode_loop=decode_loop, sampler=sampler,
-                          decode_linear=decode_linear, past=past,
+                          top_p=top_p, top_k=top_k, decode_loop=decode_loop, sampler=sampler, past=past,
                           keep_cache=keep and turn < max_turns - 1, do_sample=do_sample)
             toks, lp, ent = out.tokens, out.log_prob, out.entropy
             row_caches, out.row_caches = out.row_caches, None  # kv holds the only references from here

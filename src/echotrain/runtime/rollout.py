@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from echotrain.runtime.device import rng_devices
 from echotrain.runtime.decode import DECODE_LOOPS, SAMPLERS, distribution_stats, sample_tokens
-from echotrain.runtime.cpu_linear import DECODE_LINEARS, DEFAULT_DECODE_LINEAR, linear_backend
+from echotrain.runtime.cpu_linear import DEFAULT_DECODE_LINEAR, check_decode_linear, linear_backend
 from echotrain.runtime.packing import (accepts_keyword, common_prefix_len, distinct_prompts, has_window_attention,
                                        is_prefix_mask, packed_log_probs, real_prompts, supports_packed_forward)
 
@@ -349,8 +349,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
         raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {decode_loop!r}")
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-    if decode_linear not in DECODE_LINEARS:
-        raise ValueError(f"decode_linear must be one of {DECODE_LINEARS}, got {decode_linear!r}")
+    check_decode_linear(decode_linear)
     texts = render_prompts(tokenizer, prompts)
     texts = [t for t in texts for _ in range(num_generations)]
     group_index = torch.arange(len(prompts)).repeat_interleave(num_generations) + group_offset
@@ -361,8 +360,8 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
     chunk = batch_size or len(texts)
     responses, rollout_lps, rollout_ents, rollout_sqs = [], [], [], []
     own_loop = decode_loop == "echotrain" and _supports_decode_loop(model)
-    backend = linear_backend(model, decode_linear)  # one context for every chunk: weights packed once
-    backend.__enter__()
+    backend = contextlib.ExitStack()
+    backend.enter_context(linear_backend(model, decode_linear))  # one for every chunk: weights packed once
     was_training = model.training
     model.eval()
     try:
@@ -409,7 +408,7 @@ def generate_rollouts(model: Any, tokenizer: Any, prompts: Sequence[Any], num_ge
             # a compact copy (the decode loop's token buffer is wider)
             responses.append(new_ids.cpu().clone())
     finally:
-        backend.__exit__(None, None, None)
+        backend.close()
         model.train(was_training)
     width = max(r.shape[1] for r in responses)
     response_ids = torch.cat([F.pad(r, (0, width - r.shape[1]), value=pad_id) for r in responses])

@@ -2,7 +2,8 @@
 
 Same model, same init, same batches, one process, for: torch.optim.AdamW (foreach),
 bitsandbytes AdamW8bit, torchao AdamW4bit (torch.compile), echotrain AdamW4bit and echotrain
-AdamW4bit with ``factor_second_moment=True``, both again with ``m_rounding="stochastic"`` (and the eager echotrain update for reference).
+AdamW4bit with ``factor_second_moment=True``, both again with ``m_rounding="stochastic"`` (and the eager echotrain update for reference;
+``echotrain_4bit_uint8codes`` / ``_int32codes`` force ``widen_codes`` off / on, which ``echotrain_4bit`` decides by the CPU's vector ISA).
 Step time is the thread CPU time of ``optimizer.step()`` alone (median over the steps after
 the first ``--warmup``, so compilation is excluded and reported separately); ratios are against
 torch AdamW measured in the same run. The machine is shared, so CPU time is steadier than wall
@@ -105,13 +106,15 @@ def make_optimizer(name: str, params, lr: float, wd: float):
         "echotrain_4bit_sr": {"m_rounding": "stochastic"},
         "echotrain_4bit_factor_sr": {"factor_second_moment": True, "m_rounding": "stochastic"},
         "echotrain_4bit_eager": {"compile": False},
+        "echotrain_4bit_uint8codes": {"widen_codes": False},
+        "echotrain_4bit_int32codes": {"widen_codes": True},
     }[name]
     kw.setdefault("compile", True)
     return AdamW4bit(params, lr=lr, weight_decay=wd, **kw)
 
 
 NAMES = ["torch_adamw", "bnb_adamw8bit", "torchao_adamw4bit", "echotrain_4bit", "echotrain_4bit_factor", "echotrain_4bit_sr",
-         "echotrain_4bit_factor_sr", "echotrain_4bit_eager"]
+         "echotrain_4bit_factor_sr", "echotrain_4bit_eager", "echotrain_4bit_uint8codes", "echotrain_4bit_int32codes"]
 
 
 def run_one(name: str, args, train: list[torch.Tensor], evals: list[torch.Tensor]) -> dict:
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fp32-seeds", type=int, default=2, help="extra torch AdamW runs with other init seeds: the noise")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", nargs="*", choices=NAMES, default=NAMES)
+    ap.add_argument("--only", nargs="*", choices=NAMES, default=[n for n in NAMES if not n.endswith("codes")])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

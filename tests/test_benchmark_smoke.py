@@ -321,3 +321,21 @@ def test_trl_step_benchmark_passes_set_to_echotrain_only(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="decode_linear"):
         bench.build_echotrain(bench.parse_args(["--set", "decode_linear=mkl"]), make_model(tok), tok, DigitTask(),
                               str(tmp_path / "bad"))
+
+
+def test_adamw4bit_codes_benchmark_times_both_code_widths():
+    """``bench_adamw4bit_codes.py``: every part is timed, and the step with uint8 and int32 codes (tiny sizes)."""
+    res = _load("bench_adamw4bit_codes").main(["--numel", "4096", "--calls", "2", "--shape", "64", "80",
+                                               "--pieces", "2", "--rounds", "2", "--steps", "1"])
+    assert set(res["parts_us"]) == {"unpack uint8 codes", "unpack int32 codes", "AdamW arithmetic", "DE quantization",
+                                    "Linear quantization", "ATen uint8 -> int32 (eager)"}
+    assert all(v > 0 for v in res["parts_us"].values())
+    step = res["step"]
+    assert len(step["torch_adamw_ms"]) == len(step["uint8_ms"]) == len(step["int32_ms"]) == 2
+    assert min(step["int32_over_uint8"], step["uint8_over_torch_adamw"], step["int32_over_torch_adamw"]) > 0
+    assert isinstance(res["widen_codes_default"], bool) and res["threads"] == 1
+    threads = torch.get_num_threads()
+    res = _load("bench_adamw4bit_codes").main(["--skip-parts", "--shape", "64", "80", "--pieces", "1", "--rounds", "1",
+                                               "--steps", "1", "--threads", "2"])
+    assert "parts_us" not in res and res["threads"] == 2 and len(res["step"]["int32_ms"]) == 1
+    assert torch.get_num_threads() == threads  # restored

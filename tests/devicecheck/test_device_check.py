@@ -270,3 +270,55 @@ def test_a_non_cuda_device_is_refused_on_a_gpu_machine(monkeypatch, capsys):
     assert main(["device-check", "--device", "cpu"]) == 2
     assert capsys.readouterr().err.strip() == ("echotrain: error: --device 'cpu': the device check tests a CUDA GPU "
                                                "(cuda or cuda:N); --dry-run runs it on the CPU")
+
+
+def test_time_optimizer_steps_interleaves_and_reports_what_could_not_run():
+    """One helper times every optimizer of both device checks: ``reps`` steps each after 3 untimed ones, in turn,
+    on the same parameters and gradients; one that raises is an error entry, not a lost timing."""
+    import torch
+
+    from echotrain.devicecheck.common import random_params, time_optimizer_steps
+
+    order, firsts = [], {}
+
+    class Recording(torch.optim.SGD):
+        def __init__(self, params, name):
+            super().__init__(params, lr=0.1)
+            self.name = name
+            firsts[name] = params[0].detach().clone()
+
+        def step(self, closure=None):
+            order.append(self.name)
+            return super().step(closure)
+
+    def broken(params):
+        raise RuntimeError("no fused kernel here " + "x" * 300)
+
+    makers = {"a": lambda ps: Recording(ps, "a"), "broken": broken, "b": lambda ps: Recording(ps, "b")}
+    times, errors = time_optimizer_steps(makers, [(4, 3)], torch.device("cpu"), reps=2)
+    assert set(times) == {"a", "b"} and all(len(ts) == 2 and min(ts) > 0 for ts in times.values())
+    assert errors["broken"].startswith("RuntimeError: no fused kernel here") and len(errors["broken"]) == 200
+    assert order == ["a"] * 3 + ["b"] * 3 + ["a", "b", "a", "b"]
+    want = random_params([(4, 3)], torch.device("cpu"), seed=0)[0].detach()
+    assert torch.equal(firsts["a"], want) and torch.equal(firsts["b"], want)
+
+
+def test_an_optimizer_that_cannot_be_timed_fails_the_check_with_the_figures(tmp_path, monkeypatch):
+    import torch
+
+    from echotrain.devicecheck import kernel_checks
+    from echotrain.devicecheck.common import CheckFailed, Context
+
+    real = kernel_checks.time_optimizer_steps
+
+    def without_fused(makers, *args):
+        times, errors = real({k: v for k, v in makers.items() if k != "adamw_fused"}, *args)
+        return times, {**errors, "adamw_fused": "RuntimeError: not on this device"}
+
+    monkeypatch.setattr(kernel_checks, "time_optimizer_steps", without_fused)
+    with pytest.raises(CheckFailed, match="an optimizer could not be timed") as err:
+        kernel_checks.check_optimizers(Context(device=torch.device("cpu"), dry_run=True, out=tmp_path))
+    figures = err.value.figures
+    assert set(figures["step_time_vs_adamw_foreach"]) == {"adamw_foreach", "adamw4bit"}
+    assert figures["step_time_vs_adamw_foreach"]["adamw_foreach"] == 1.0
+    assert figures["step_time_errors"] == {"adamw_fused": "RuntimeError: not on this device"}

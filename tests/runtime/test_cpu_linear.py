@@ -209,6 +209,29 @@ def test_eval_generates_with_decode_linear(mode, monkeypatch, capsys):
     assert (len(seen) > 0) == (mode == "onednn")
 
 
+@pytest.mark.parametrize("mode", ["torch", "onednn_packed"])
+def test_eval_benchmark_generates_with_decode_linear(mode, monkeypatch, tmp_path):
+    """``echotrain eval --benchmark ... --decode-linear`` (the suite path of the CLI) reaches generation, and the
+    mode is not one of the summary's settings (like ``--threads``, it changes results by float rounding only)."""
+    import json
+
+    from echotrain.cli import main
+    from tests.evalsuite.conftest import make_ascii_tokenizer
+    from tests.evalsuite.test_suite import _save_tiny_model
+
+    _save_tiny_model(tmp_path / "model", make_ascii_tokenizer())
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    seen = _count_onednn(monkeypatch)
+    out = tmp_path / "out"
+    assert main(["eval", "--model", str(tmp_path / "model"), "--benchmark", f"math:mini={rows}", "--n", "1", "--max-new-tokens", "4",
+                 "--threads", "1", "--no-progress", "--out", str(out), "--decode-linear", mode]) == 0
+    assert (len(seen) > 0) == (mode != "torch") and not any(seen)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["benchmarks"]["mini"]["num_problems"] == 2
+    assert "decode_linear" not in summary["settings"]
+
+
 def test_suite_generates_with_decode_linear(monkeypatch, tmp_path):
     """``run_suite(decode_linear=...)`` reaches generation; an unknown value is a SuiteInputError."""
     from echotrain.evalsuite import SuiteInputError, run_suite

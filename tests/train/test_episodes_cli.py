@@ -254,8 +254,8 @@ def test_eval_env_flags_play_episodes_with_any_model(monkeypatch, tmp_path, caps
             "--threads", "1", "--json"]
     assert cli(monkeypatch, "eval", *args, "--env", "calculator", "--max-turns", "2") == 0
     captured = capsys.readouterr()
-    assert captured.err.startswith("echotrain eval: episodes with environment (env=calculator, max_turns=2, "
-                                   "max_episode_tokens=384)")
+    assert captured.err.startswith("echotrain eval: episodes with testbed-calc's environment (env=calculator, "
+                                   "max_turns=2, max_episode_tokens=384)")  # (its own: docs/evaluation.md)
     with_tool = json.loads(captured.out)
     assert cli(monkeypatch, "eval", *args, "--env", "none") == 0
     captured = capsys.readouterr()
@@ -288,8 +288,13 @@ def test_eval_env_flags_play_episodes_with_any_model(monkeypatch, tmp_path, caps
     (["--env", "calculator", "--env-option", "bogus=1"], "--env 'calculator' cannot be built here: "),
     (["--env", "calculator", "--env-option", "oops"], "--env-option 'oops' must be KEY=VALUE"),
     (["--env="], "--env must name an environment (or none: single completions)"),
+    # testbed-calc's own environment (docs/evaluation.md), its options laid over
+    (["--model", "testbed-calc", "--env-option", "bogus=1"],
+     "--model 'testbed-calc': testbed-calc's environment env='calculator' cannot be built here: "),
+    (["--model", "testbed-calc", "--max-turns", "0"], "--max-turns must be >= 1, got 0"),
 ])
 def test_eval_env_flags_errors_exit_2_with_one_line(monkeypatch, capsys, flags, message):
-    assert cli(monkeypatch, "eval", "--model", "testbed-calc", "--prompts", "2", "--threads", "1", *flags) == 2
+    """(``--model testbed``: a policy without an environment of its own, unless the flags name another model)"""
+    assert cli(monkeypatch, "eval", "--model", "testbed", "--prompts", "2", "--threads", "1", *flags) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err

@@ -74,15 +74,51 @@ def test_eval_of_a_testbed_run_takes_the_runs_task_and_settings(testbed_run, cap
 def test_eval_of_the_testbed_policy_defaults_to_its_task(offline, capsys):
     res, err = _eval(capsys, ["--model", "testbed", *TINY_EVAL])
     assert err[0] == ("echotrain eval: evaluating on testbed's own task testbed, held-out prompts (TestbedTask("
-                      "split='test', size=512, seed=0)); --task sets another")
-    assert (res["task"], res["held_out"], res["max_new_tokens"]) == ("testbed", True, 48)
+                      "split='test', size=512, seed=0)); max_new_tokens=8 as testbed's runs (--max-new-tokens sets "
+                      "another); --task sets another")
+    assert (res["task"], res["held_out"], res["max_new_tokens"]) == ("testbed", True, 8)
     assert (res["decode_loop"], res["sampler"]) == ("echotrain", "inverse_cdf")
     assert [s["question"] for s in res["samples"]] == _held_out_questions(3)
     # an explicit --task is taken as written (no held-out swap, no note)
     res, err = _eval(capsys, ["--model", "testbed", "--task", "testbed", *TINY_EVAL])
     assert not err or not err[0].startswith("echotrain eval: evaluating")
-    assert res["held_out"] is False
+    assert res["held_out"] is False and res["max_new_tokens"] == 48  # (EVAL_MAX_NEW_TOKENS: not its own task)
     assert [s["question"] for s in res["samples"]] == [e.question for e in TestbedTask().sample(3, 1234)]
+
+
+def test_eval_of_a_testbed_policy_generates_as_its_runs(offline, capsys):
+    """``--model testbed-length`` / ``testbed-calc`` evaluate with their runs' response length (72 / 96 new tokens:
+    the 48 of other models cut their chains and tool calls) and testbed-calc as episodes with the calculator
+    (max_turns 2); ``--max-new-tokens`` and ``--env none`` override."""
+    res, err = _eval(capsys, ["--model", "testbed-length", *TINY_EVAL])
+    assert res["max_new_tokens"] == 72 and "max_new_tokens=72 as testbed-length's runs" in err[0]
+    res, err = _eval(capsys, ["--model", "testbed-calc", *TINY_EVAL])
+    assert res["max_new_tokens"] == 96
+    assert err[0].startswith("echotrain eval: episodes with testbed-calc's environment (env=calculator, max_turns=2, ")
+    res, err = _eval(capsys, ["--model", "testbed-calc", "--max-new-tokens", "12", "--env", "none", *TINY_EVAL])
+    assert res["max_new_tokens"] == 12 and "episodes" not in err[0] and "max_new_tokens=" not in err[0]
+    res, err = _eval(capsys, ["--model", "testbed-calc", "--max-turns", "1", *TINY_EVAL])
+    assert "env=calculator, max_turns=1, " in err[0]
+
+
+def test_testbed_eval_settings_are_those_of_its_configs():
+    """``TESTBED_EVAL_SETTINGS`` (what ``echotrain eval --model NAME`` uses) agree with ``configs/testbed*.yaml``,
+    one entry for each testbed policy."""
+    from pathlib import Path
+
+    import yaml
+
+    from echotrain.models.testbed import TESTBED_CONFIGS, TESTBED_EVAL_SETTINGS
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    seen = set()
+    for path in sorted(configs.glob("testbed*.yaml")):
+        cfg = yaml.safe_load(path.read_text())
+        settings = TESTBED_EVAL_SETTINGS[cfg["model"]]
+        assert settings == {k: cfg.get(k) for k in settings}, path.name
+        assert cfg.get("env") == settings.get("env"), path.name
+        seen.add(cfg["model"])
+    assert seen == set(TESTBED_EVAL_SETTINGS) == set(TESTBED_CONFIGS)
 
 
 def _fails(capsys, argv: list[str], *needles: str, loaded: bool = False) -> str:

@@ -30,7 +30,7 @@ import time
 import torch
 
 from echotrain.devicecheck.common import (MAX_CODE_MISMATCH, first_moment_mismatch, params_agree, random_grads,
-                                          random_params, sync)
+                                          random_params, sync, time_optimizer_steps)
 from echotrain.optim import quant
 from echotrain.optim.adamw4bit import AdamW4bit
 
@@ -119,28 +119,9 @@ def time_steps(shapes: list[tuple[int, ...]], device: torch.device, reps: int) -
         "echotrain_4bit": lambda ps: AdamW4bit(ps, lr=1e-3, compile=True),
         "echotrain_4bit_factor": lambda ps: AdamW4bit(ps, lr=1e-3, compile=True, factor_second_moment=True),
     }
-    setups = {}
-    for name, make in makers.items():
-        params = random_params(shapes, device, seed=0)
-        for p, g in zip(params, random_grads(shapes, device, 0)):
-            p.grad = g
-        try:
-            opt = make(params)
-            for _ in range(3):  # compilation and warm-up
-                opt.step()
-            sync(device)
-        except Exception as err:  # e.g. no fused AdamW for this device
-            _emit({"timing": name, "error": f"{type(err).__name__}: {err}"[:200]})
-            continue
-        setups[name] = opt
-    times: dict[str, list[float]] = {name: [] for name in setups}
-    for _ in range(reps):  # interleaved, so that load changes hit every optimizer alike
-        for name, opt in setups.items():
-            sync(device)
-            t0 = time.perf_counter()
-            opt.step()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
+    times, errors = time_optimizer_steps(makers, shapes, device, reps)
+    for name, error in errors.items():
+        _emit({"timing": name, "error": error})
     base = statistics.median(times["torch_adamw_foreach"]) if "torch_adamw_foreach" in times else float("nan")
     n = sum(torch.Size(s).numel() for s in shapes)
     for name, ts in times.items():

@@ -151,6 +151,41 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+def time_optimizer_steps(makers: dict[str, Callable[[list[torch.nn.Parameter]], Any]], shapes: list[tuple[int, ...]],
+                         device: torch.device, reps: int) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Seconds of each optimizer's ``step()`` on the same parameters and gradients, interleaved.
+
+    Each maker gets its own :func:`random_params` of ``shapes`` on ``device`` (seed 0) with the
+    gradients of :func:`random_grads` step 0; 3 untimed steps (warm-up, compilation), then ``reps``
+    rounds of one timed step per optimizer in turn (so that a change of load hits all alike), each
+    :func:`timed` (device synchronised). An optimizer whose construction or warm-up raises is left out.
+
+    Returns:
+        ``(times, errors)``: seconds per step for each optimizer that ran (``reps`` each), and
+        ``"ExcType: message"`` (at most 200 characters) for each that did not.
+    """
+    opts: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for name, make in makers.items():
+        params = random_params(shapes, device, seed=0)
+        for p, g in zip(params, random_grads(shapes, device, 0)):
+            p.grad = g
+        try:
+            opt = make(params)
+            for _ in range(3):
+                opt.step()
+            sync(device)
+        except Exception as err:  # e.g. no fused AdamW for this device
+            errors[name] = f"{type(err).__name__}: {err}"[:200]
+            continue
+        opts[name] = opt
+    times: dict[str, list[float]] = {name: [] for name in opts}
+    for _ in range(reps):
+        for name, opt in opts.items():
+            times[name].append(timed(opt.step, device)[1])
+    return times, errors
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment for an ``echotrain`` subprocess: the same ``PYTHONPATH`` (so a
     source checkout runs its own code) plus ``extra``."""

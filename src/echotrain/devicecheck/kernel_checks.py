@@ -13,7 +13,8 @@ from typing import Any, Callable
 import torch
 
 from echotrain.devicecheck.common import (MAX_CODE_MISMATCH, PARAM_ATOL, PARAM_RTOL, Context, first_moment_mismatch,
-                                          params_agree, random_grads, random_params, require, timed)
+                                          params_agree, random_grads, random_params, require, time_optimizer_steps,
+                                          timed)
 
 #: (matrix shapes, 1-D shapes) of the optimizer check: a small transformer's worth (~9.4M
 #: parameters) on a GPU (benchmarks' former device_check_adamw4bit.py), 0.6M on the dry run
@@ -87,7 +88,9 @@ def check_optimizers(ctx: Context) -> dict[str, Any]:
     }
     if ctx.is_cuda:
         out["allocated_bytes_per_param_first_step"] = {"adamw_fused": fused_grown / n, "adamw4bit": q_grown / n}
-    out["step_time_vs_adamw_foreach"] = _time_steps(ctx, shapes, compile_4bit=ctx.is_cuda)
+    out["step_time_vs_adamw_foreach"], timing_errors = _time_steps(ctx, shapes, compile_4bit=ctx.is_cuda)
+    if timing_errors:
+        out["step_time_errors"] = timing_errors
     if ctx.is_cuda:
         from echotrain.devicecheck import adamw4bit_compiled as comp
 
@@ -107,32 +110,23 @@ def check_optimizers(ctx: Context) -> dict[str, Any]:
             f"m codes differing {mismatch:.3%}", out)
     require(per_param["adamw4bit"] <= 1.07, f"AdamW4bit holds {per_param['adamw4bit']:.3f} bytes/parameter (> 1.07)",
             out)
+    require(not timing_errors, f"an optimizer could not be timed: {timing_errors}", out)
     require(all(row["ok"] for row in out.get("compiled", [])),
             "the compiled 4-bit update differs from the eager one (figures: compiled)", out)
     return out
 
 
-def _time_steps(ctx: Context, shapes: list, compile_4bit: bool) -> dict[str, float]:
-    """Median ``step()`` time of each optimizer / torch AdamW foreach's, interleaved reps."""
+def _time_steps(ctx: Context, shapes: list, compile_4bit: bool) -> tuple[dict[str, float], dict[str, str]]:
+    """Median ``step()`` time of each optimizer / torch AdamW foreach's (interleaved reps), and the
+    error of each optimizer that could not run (:func:`~echotrain.devicecheck.common.time_optimizer_steps`)."""
     from echotrain.optim.adamw4bit import AdamW4bit
 
     makers = {"adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
               "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
               "adamw4bit": lambda ps: AdamW4bit(ps, lr=1e-3, compile=compile_4bit)}
-    opts = {}
-    for name, make in makers.items():
-        params = random_params(shapes, ctx.device)
-        for p, g in zip(params, random_grads(shapes, ctx.device, 0)):
-            p.grad = g
-        opts[name] = make(params)
-        for _ in range(3):  # warm-up (and compilation)
-            opts[name].step()
-    times: dict[str, list[float]] = {k: [] for k in opts}
-    for _ in range(20 if ctx.is_cuda else 3):
-        for name, opt in opts.items():
-            times[name].append(timed(opt.step, ctx.device)[1])
-    base = statistics.median(times["adamw_foreach"])
-    return {name: round(statistics.median(ts) / base, 3) for name, ts in times.items()}
+    times, errors = time_optimizer_steps(makers, shapes, ctx.device, 20 if ctx.is_cuda else 3)
+    base = statistics.median(times["adamw_foreach"]) if "adamw_foreach" in times else float("nan")
+    return {name: round(statistics.median(ts) / base, 3) for name, ts in times.items()}, errors
 
 
 def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> float:

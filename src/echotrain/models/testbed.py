@@ -186,6 +186,15 @@ TESTBED_CALC_CONFIG = TestbedConfig(
 #: ``model=`` name -> the config of that testbed: the one list of testbed policies.
 TESTBED_CONFIGS: dict[str, TestbedConfig] = {TESTBED_MODEL: TestbedConfig(), "testbed-length": TESTBED_LENGTH_CONFIG,
                                              "testbed-calc": TESTBED_CALC_CONFIG}
+#: ``model=`` name -> the generation settings its RL runs use (those of its ``configs/testbed*.yaml``, a test
+#: checks that they agree): what ``echotrain eval --model NAME`` evaluates with when neither a flag nor a run
+#: gives them. ``max_new_tokens``: the longest response the policy writes (testbed-length's chains reach 72
+#: bytes, a tool call of testbed-calc 84); ``env`` / ``max_turns``: testbed-calc answers through the calculator.
+TESTBED_EVAL_SETTINGS: dict[str, dict[str, Any]] = {
+    TESTBED_MODEL: {"max_new_tokens": 8},
+    "testbed-length": {"max_new_tokens": 72},
+    "testbed-calc": {"max_new_tokens": 96, "env": "calculator", "max_turns": 2},
+}
 
 
 def _config_fields(config: TestbedConfig) -> dict[str, Any]:

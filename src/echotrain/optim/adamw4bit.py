@@ -149,6 +149,8 @@ def adamw4bit_tensor_update_(
     v_kind: str,
     block_size: int,
     m_seed: Tensor | None = None,
+    m_codes_in: Tensor | None = None,
+    v_codes_in: Tensor | None = None,
 ) -> None:
     """One AdamW step for one parameter with 4-bit m (and 4-bit or factored v), in place.
 
@@ -176,6 +178,11 @@ def adamw4bit_tensor_update_(
             stochastically rounded m codes (``m_rounding="stochastic"``, ours): element k of
             the padded piece uses ``quant.hash_uniform(k, m_seed)`` (see
             :func:`echotrain.optim.quant.quantize_de_stochastic`).
+        m_codes_in, v_codes_in: None, or the same packed codes as ``m_codes`` / ``v_codes``
+            widened to int32 (``L / 2``), read instead of them (the new codes are still written
+            to the uint8 tensors); the result is the same bit for bit. Compiled for 256-bit
+            AVX2, a uint8 load of 8 codes goes through a stack buffer, which made unpacking the
+            nibbles 2.5x slower than from int32 (:class:`AdamW4bit`'s ``widen_codes``).
     Source: AdamW (Loshchilov & Hutter 2019, Alg. 2) with the quantizers of arXiv 2309.01507.
     """
     n = p.numel()
@@ -206,13 +213,13 @@ def adamw4bit_tensor_update_(
     new_p, new_m, new_v = [], [], []
     for i in (0, 1):
         gi = g[i * half : (i + 1) * half]
-        mi = quant._nibble_value(m_codes, i, quant.DE_MAP_4BIT).view(bh, block_size)
+        mi = quant._nibble_value(m_codes if m_codes_in is None else m_codes_in, i, quant.DE_MAP_4BIT).view(bh, block_size)
         mi = (mi * m_scale[i * bh : (i + 1) * bh, None]).view(-1)
         mi = mi + (1 - beta1) * (gi - mi)  # lerp: beta1 m + (1 - beta1) g
         if v_kind == "factor":
             vi = v_all[i * half : (i + 1) * half]
         else:
-            vi = quant._nibble_value(v_codes, i, quant.LINEAR_MAP_4BIT)
+            vi = quant._nibble_value(v_codes if v_codes_in is None else v_codes_in, i, quant.LINEAR_MAP_4BIT)
             if v_kind == "rank1":
                 vi = vi * v_scale_all[i * half : (i + 1) * half]
             else:
@@ -325,6 +332,15 @@ class AdamW4bit(torch.optim.Optimizer):
             parameter index, piece, step, element), so runs are reproducible and a resumed run
             draws the same ones.
         seed: (ours) seed of the stochastic-rounding uniforms (default 0).
+        widen_codes: (ours) the compiled update reads int32 copies of the packed uint8 codes
+            (one ATen conversion per piece before the kernel; 1 MiB of temporaries for a
+            2**18-element piece) instead of the codes themselves. Inductor's 256-bit (AVX2)
+            CPU kernels load 8 uint8 codes at a time through a stack buffer; with int32 copies
+            the 4-bit step took 0.74-0.77x the time under AVX2, and 0.95-1.06x (noise) under
+            AVX-512, where uint8 loads are masked loads (docs/benchmarks.md, "int32 codes for
+            inductor's AVX2 kernels"). ``None`` (default): widen when the step is compiled for
+            a CPU whose inductor vector ISA is AVX2; never on GPUs. ``ValueError`` for any
+            other value. Results are bit-identical either way.
         check_finite: before writing anything, check every gradient of the step
             (:mod:`echotrain.optim.finite`: NaN, Inf, or |g| whose square overflows float32);
             on a bad one raise ``FloatingPointError`` naming the parameter (param group, index,
@@ -364,6 +380,7 @@ class AdamW4bit(torch.optim.Optimizer):
         skip_nonfinite: bool = False,
         m_rounding: str = "nearest",
         seed: int = 0,
+        widen_codes: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -386,6 +403,10 @@ class AdamW4bit(torch.optim.Optimizer):
         #: steps skipped because of a bad gradient (``skip_nonfinite=True``)
         self.skipped_steps = 0
         self.seed = int(seed)
+        if widen_codes is not None and not isinstance(widen_codes, bool):
+            raise ValueError(f"widen_codes must be True, False or None, got {widen_codes!r}")
+        self.widen_codes = widen_codes
+        self._widen_auto: dict[str, bool] = {}  # widen_codes=None: the decision per device type
         self._compiled: dict[bool, Any] | None = None  # compiled update per m_rounding == "stochastic"
 
     # ---------------------------------------------------------------- state layout
@@ -520,7 +541,10 @@ class AdamW4bit(torch.optim.Optimizer):
                 fn, options = (_update_stochastic_ if stochastic else _update_nearest_), _compile_options(stochastic)
                 self._compiled[stochastic] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
             try:  # (inside step's _compile_config: the raised recompile limit)
-                self._compiled[stochastic](*args, hp=hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
+                widened = {}
+                if self._widen(args[0].device):  # read int32 copies of the codes (see widen_codes)
+                    widened = {"m_codes_in": args[2].to(torch.int32), "v_codes_in": None if args[4] is None else args[4].to(torch.int32)}
+                self._compiled[stochastic](*args, hp=hp, v_kind=kind, block_size=block_size, m_seed=m_seed, **widened)
                 return
             except Exception as err:
                 if not _is_compile_error(err):
@@ -529,6 +553,14 @@ class AdamW4bit(torch.optim.Optimizer):
                 self.compile = False
                 hp = tuple(float(x) for x in hp)
         adamw4bit_tensor_update_(*args, *hp, v_kind=kind, block_size=block_size, m_seed=m_seed)
+
+    def _widen(self, device: torch.device) -> bool:
+        """Whether the compiled update reads int32 copies of the codes (``widen_codes``)."""
+        if self.widen_codes is not None:
+            return self.widen_codes
+        if device.type not in self._widen_auto:
+            self._widen_auto[device.type] = _narrow_uint8_loads(device)
+        return self._widen_auto[device.type]
 
     def _update_small(self, small, group, lr, beta1, beta2) -> None:
         """float32 AdamW for the small tensors of one group, vectorised with ``_foreach`` ops."""
@@ -629,6 +661,20 @@ def _check_hparams(group: dict[str, Any], where: str) -> None:
 def _is_compile_error(err: Exception) -> bool:
     mod = type(err).__module__
     return mod.startswith(("torch._dynamo", "torch._inductor")) or "BackendCompilerFailed" in type(err).__name__
+
+
+def _narrow_uint8_loads(device: torch.device) -> bool:
+    """Default of ``widen_codes``: True when inductor compiles CPU kernels for AVX2 (its
+    ``VecAVX2``, also under ``ATEN_CPU_CAPABILITY=avx2``), whose uint8 loads of fewer than 32
+    bytes go through a stack buffer. False on GPUs, AVX-512 (masked loads) and the ISAs not
+    measured (NEON, SVE, VSX, none)."""
+    if device.type != "cpu":
+        return False
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return False
+    return type(cpu_vec_isa.pick_vec_isa()) is cpu_vec_isa.VecAVX2
 
 
 def _compile_available(device: torch.device) -> bool:

@@ -239,7 +239,8 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", default="1", help="comma-separated k values for unbiased pass@k, each <= n (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="response length cap (default: the run's max_new_tokens when evaluating a run on its "
-                             "own task, else 48 with --task, 1024 with --suite/--benchmark)")
+                             "own task, a testbed policy's (testbed 8, testbed-length 72, testbed-calc 96) on its own "
+                             f"task, else {EVAL_MAX_NEW_TOKENS} with --task, 1024 with --suite/--benchmark)")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 = greedy (default 0.7)")
     parser.add_argument("--seed", type=int, default=1234, help="seed for prompt choice and sampling (default 1234)")
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
@@ -377,6 +378,14 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def testbed_eval_settings(model: str | None) -> dict[str, Any]:
+    """The generation settings of a testbed policy's runs (:data:`echotrain.models.testbed.TESTBED_EVAL_SETTINGS`:
+    ``max_new_tokens``, and ``env`` / ``max_turns`` for testbed-calc), or ``{}`` for any other model."""
+    from echotrain.models.testbed import TESTBED_EVAL_SETTINGS
+
+    return dict(TESTBED_EVAL_SETTINGS.get(model or "", {}))
+
+
 #: ``echotrain eval --task``'s response length cap when neither ``--max-new-tokens`` nor a run's own
 #: setting gives one (short answers of the built-in tasks)
 EVAL_MAX_NEW_TOKENS = 48
@@ -455,9 +464,11 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
         held_out, built = held is not built, held
     else:
         where = f"{built!r}" if source else ""
-    from_run = max_new_tokens is None and run is not None and task is None and "max_new_tokens" in run_cfg
+    # what the model's own settings give: a run's config.yaml, or a testbed policy's (on its own task)
+    own_cfg = run_cfg if run is not None else testbed_eval_settings(model) if task is None else {}
+    from_run = max_new_tokens is None and task is None and "max_new_tokens" in own_cfg
     if max_new_tokens is None:
-        max_new_tokens = int(run_cfg["max_new_tokens"]) if from_run else EVAL_MAX_NEW_TOKENS
+        max_new_tokens = int(own_cfg["max_new_tokens"]) if from_run else EVAL_MAX_NEW_TOKENS
     note = []
     if source:
         note.append(f"evaluating on {source}" + (f" (task_options {opts})" if opts else "") + f", {where}")
@@ -467,6 +478,8 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
             taken.insert(0, f"max_new_tokens={max_new_tokens}")
         if taken:
             note.append(f"{', '.join(taken)} as the run ({gen_source})")
+    elif from_run:
+        note.append(f"max_new_tokens={max_new_tokens} as {model}'s runs (--max-new-tokens sets another)")
     if note:
         note.append("--task, --task-option, --max-new-tokens, --decode-loop, --sampler set them" if run is not None
                     else "--task sets another")
@@ -475,11 +488,12 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
         raise ConfigError(f"--max-turns must be >= 1, got {max_turns}")
     if env == "":
         raise ConfigError("--env must name an environment (or none: single completions)")
-    run_env = run_cfg.get("env") or ("tools" if run_cfg.get("tools") else None)
+    run_env = own_cfg.get("env") or ("tools" if own_cfg.get("tools") else None)
     if run_env is not None and env in (None, run_env):  # the run's environment, turns and budget (--env-option over them)
-        env_cfg = {**run_cfg, **({"max_turns": max_turns} if max_turns else {}),
-                   "env_options": {**(run_cfg.get("env_options") or {}), **(env_options or {})}}
-        whose, label = "the run's ", f"{model_label}: the run's environment env={run_env!r}"
+        env_cfg = {**own_cfg, **({"max_turns": max_turns} if max_turns else {}),
+                   "env_options": {**(own_cfg.get("env_options") or {}), **(env_options or {})}}
+        whose = "the run's " if run is not None else f"{model}'s "
+        label = f"{model_label}: {whose}environment env={run_env!r}"
     elif env not in (None, "none"):  # another environment: its own options, max_turns (else 4), a derived budget
         env_cfg = {"env": env, "env_options": dict(env_options or {}), "max_turns": max_turns}
         whose, label = "", f"--env {env!r}"

@@ -73,7 +73,8 @@ def parts(numel: int, calls: int) -> dict[str, float]:
 
 def step(shape: tuple[int, ...], pieces: int, rounds: int, steps: int) -> dict[str, object]:
     """Median ms of ``step()`` of torch AdamW (foreach) and AdamW4bit with uint8 and int32 codes, alternating in
-    one process, on the same parameters and (static) gradients; wall time."""
+    one process, each on its own parameters and (static) gradients of the same shapes (drawn in turn from one
+    seed); wall time."""
     torch.manual_seed(0)
     makers = {"torch_adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
               "uint8": lambda ps: AdamW4bit(ps, lr=1e-3, compile=True, widen_codes=False),

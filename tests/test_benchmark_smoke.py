@@ -323,10 +323,15 @@ def test_trl_step_benchmark_passes_set_to_echotrain_only(tmp_path, monkeypatch):
                               str(tmp_path / "bad"))
 
 
-def test_adamw4bit_codes_benchmark_times_both_code_widths():
+def test_adamw4bit_codes_benchmark_times_both_code_widths(monkeypatch):
     """``bench_adamw4bit_codes.py``: every part is timed, and the step with uint8 and int32 codes (tiny sizes)."""
-    res = _load("bench_adamw4bit_codes").main(["--numel", "4096", "--calls", "2", "--shape", "64", "80",
-                                               "--pieces", "2", "--rounds", "2", "--steps", "1"])
+    bench = _load("bench_adamw4bit_codes")
+    made = []
+    real = bench.AdamW4bit
+    monkeypatch.setattr(bench, "AdamW4bit", lambda params, **kw: made.append(kw["widen_codes"]) or real(params, **kw))
+    res = bench.main(["--numel", "4096", "--calls", "2", "--shape", "64", "80", "--pieces", "2", "--rounds", "2",
+                      "--steps", "1"])
+    assert made == [False, True]  # the "uint8" arm reads the codes, the "int32" arm their copies
     assert set(res["parts_us"]) == {"unpack uint8 codes", "unpack int32 codes", "AdamW arithmetic", "DE quantization",
                                     "Linear quantization", "ATen uint8 -> int32 (eager)"}
     assert all(v > 0 for v in res["parts_us"].values())

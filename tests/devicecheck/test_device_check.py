@@ -279,13 +279,16 @@ def test_time_optimizer_steps_interleaves_and_reports_what_could_not_run():
 
     from echotrain.devicecheck.common import random_params, time_optimizer_steps
 
-    order, firsts = [], {}
+    from echotrain.devicecheck.common import random_grads
+
+    order, firsts, grads = [], {}, {}
 
     class Recording(torch.optim.SGD):
         def __init__(self, params, name):
             super().__init__(params, lr=0.1)
             self.name = name
             firsts[name] = params[0].detach().clone()
+            grads[name] = params[0].grad.clone()
 
         def step(self, closure=None):
             order.append(self.name)
@@ -301,6 +304,24 @@ def test_time_optimizer_steps_interleaves_and_reports_what_could_not_run():
     assert order == ["a"] * 3 + ["b"] * 3 + ["a", "b", "a", "b"]
     want = random_params([(4, 3)], torch.device("cpu"), seed=0)[0].detach()
     assert torch.equal(firsts["a"], want) and torch.equal(firsts["b"], want)
+    want_grad = random_grads([(4, 3)], torch.device("cpu"), 0)[0]
+    assert torch.equal(grads["a"], want_grad) and torch.equal(grads["b"], want_grad)
+
+
+def test_the_standalone_compiled_check_reports_timing_errors(monkeypatch):
+    """``adamw4bit_compiled.time_steps`` (benchmarks/device_check_adamw4bit.py) prints an optimizer that could not
+    be timed as an error row and the others' times, with no ratio when torch AdamW foreach is the one missing."""
+    import torch
+
+    from echotrain.devicecheck import adamw4bit_compiled as comp
+
+    rows = []
+    monkeypatch.setattr(comp, "_emit", rows.append)
+    monkeypatch.setattr(comp, "time_optimizer_steps", lambda makers, shapes, device, reps: (
+        {"echotrain_4bit": [0.002, 0.004, 0.003]}, {"torch_adamw_foreach": "RuntimeError: x"}))
+    comp.time_steps([(4, 3)], torch.device("cpu"), reps=3)
+    assert rows == [{"timing": "torch_adamw_foreach", "error": "RuntimeError: x"},
+                    {"timing": "echotrain_4bit", "params": 12, "median_step_ms": 3.0, "vs_torch_adamw_foreach": None}]
 
 
 def test_an_optimizer_that_cannot_be_timed_fails_the_check_with_the_figures(tmp_path, monkeypatch):

@@ -338,3 +338,29 @@ def test_compile_default_follows_the_environment(monkeypatch):
     assert opt.compile is False and opt._compiled is None
     monkeypatch.setenv("ECHOTRAIN_OPTIM_COMPILE", "1")
     assert adamw4bit._compile_available(torch.device("cpu")) is True
+
+
+def test_deepcopy_and_pickle_keep_the_settings_and_step_alike():
+    """copy.deepcopy / pickle of an AdamW4bit keep its own settings (torch's Optimizer pickles only defaults,
+    state and param_groups: step() then failed on a missing attribute), and the copy steps as the original."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64, 80))
+    w.grad = torch.randn(64, 80)
+    opt = AdamW4bit([w], compile=False, check_finite=False, skip_nonfinite=True, seed=7, widen_codes=True)
+    opt.step()
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert (clone.compile, clone.check_finite, clone.skip_nonfinite, clone.seed, clone.widen_codes) == (
+            False, False, True, 7, True)
+        (w2,) = clone.param_groups[0]["params"]
+        w2.grad = w.grad.clone()
+        clone.step()
+        assert not torch.equal(w2, w)  # the copy moved its own parameter
+    ref = copy.deepcopy(opt)
+    opt.step()
+    (w3,) = ref.param_groups[0]["params"]
+    w3.grad = w.grad.clone()
+    ref.step()
+    assert torch.equal(w3, w)

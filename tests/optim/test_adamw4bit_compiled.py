@@ -209,5 +209,16 @@ def test_widen_codes_default_follows_inductors_vector_isa(monkeypatch):
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.VecAVX2())
     assert adamw4bit._narrow_uint8_loads(torch.device("cuda")) is False  # (no GPU needed: decided by the type)
     w = torch.nn.Parameter(torch.randn(64, 80))
-    with pytest.raises(ValueError, match="widen_codes must be True, False or None"):
-        AdamW4bit([w], widen_codes="yes")
+    for bad in ("yes", 1, 0):
+        with pytest.raises(ValueError, match="widen_codes must be True, False or None"):
+            AdamW4bit([w], widen_codes=bad)
+    # the default is decided per device type, from the parameter's own device
+    opt = AdamW4bit([w])
+    assert opt._widen(cpu) is True and opt._widen(torch.device("meta")) is False and opt._widen(cpu) is True
+    assert opt._widen_auto == {"cpu": True, "meta": False}
+    seen = []
+    monkeypatch.setattr(AdamW4bit, "_widen", lambda self, device: seen.append(device) or False)
+    m = torch.nn.Parameter(torch.randn(64, 80, device="meta"))
+    m.grad = torch.randn(64, 80, device="meta")
+    AdamW4bit([m], compile=True, check_finite=False).step()
+    assert seen == [torch.device("meta")]

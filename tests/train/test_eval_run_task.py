@@ -69,6 +69,10 @@ def test_eval_of_a_testbed_run_takes_the_runs_task_and_settings(testbed_run, cap
     assert (res["held_out"], res["max_new_tokens"], res["sampler"]) == (False, 6, "inverse_cdf")
     train = TestbedTask(split="train", size=100, seed=0).sample(3, 1234)
     assert [s["question"] for s in res["samples"]] == [e.question for e in train]
+    # an explicit --task, even the run's own: the run's max_new_tokens is not taken (the testbed policy's are not
+    # either: a run is not the policy by name)
+    res, err = _eval(capsys, ["--model", str(testbed_run), "--task", "testbed", *TINY_EVAL])
+    assert res["max_new_tokens"] == 48 and not any("max_new_tokens=" in line for line in err)
 
 
 def test_eval_of_the_testbed_policy_defaults_to_its_task(offline, capsys):
@@ -79,10 +83,10 @@ def test_eval_of_the_testbed_policy_defaults_to_its_task(offline, capsys):
     assert (res["task"], res["held_out"], res["max_new_tokens"]) == ("testbed", True, 8)
     assert (res["decode_loop"], res["sampler"]) == ("echotrain", "inverse_cdf")
     assert [s["question"] for s in res["samples"]] == _held_out_questions(3)
-    # an explicit --task is taken as written (no held-out swap, no note)
+    # an explicit --task is taken as written (no held-out swap); its own task keeps its response length
     res, err = _eval(capsys, ["--model", "testbed", "--task", "testbed", *TINY_EVAL])
     assert not err or not err[0].startswith("echotrain eval: evaluating")
-    assert res["held_out"] is False and res["max_new_tokens"] == 48  # (EVAL_MAX_NEW_TOKENS: not its own task)
+    assert res["held_out"] is False and res["max_new_tokens"] == 8
     assert [s["question"] for s in res["samples"]] == [e.question for e in TestbedTask().sample(3, 1234)]
 
 
@@ -99,6 +103,13 @@ def test_eval_of_a_testbed_policy_generates_as_its_runs(offline, capsys):
     assert res["max_new_tokens"] == 12 and "episodes" not in err[0] and "max_new_tokens=" not in err[0]
     res, err = _eval(capsys, ["--model", "testbed-calc", "--max-turns", "1", *TINY_EVAL])
     assert "env=calculator, max_turns=1, " in err[0]
+    # --task naming the policy's own task keeps its settings (taken as written: no held-out swap); another drops them
+    res, err = _eval(capsys, ["--model", "testbed-calc", "--task", "testbed-calc", *TINY_EVAL])
+    assert res["max_new_tokens"] == 96 and res["held_out"] is False
+    assert err[0] == ("echotrain eval: episodes with testbed-calc's environment (env=calculator, max_turns=2, "
+                      "max_episode_tokens=384); max_new_tokens=96 as testbed-calc's runs (--max-new-tokens sets another)")
+    res, err = _eval(capsys, ["--model", "testbed-length", "--task", "testbed", *TINY_EVAL])
+    assert res["max_new_tokens"] == 48 and not any("max_new_tokens=" in line for line in err)
 
 
 def test_testbed_eval_settings_are_those_of_its_configs():

@@ -14,7 +14,8 @@ from echotrain.envs.calculator import CalculatorEnv
 from echotrain.envs.base import EnvReply
 from echotrain.runtime.checkpoints import latest_checkpoint
 from echotrain.train.metrics import read_jsonl
-from echotrain.train.warmup import demonstration_rows, reference_completion, sft_warmup
+from echotrain.train.warmup import (demonstration_rows, file_rows, read_demonstrations, reference_completion,
+                                    sft_warmup)
 from tests.train.test_episodes_cli import TINY
 from tests.train.test_staleness import cli, strip
 
@@ -188,7 +189,8 @@ def test_resume_without_a_reference_does_not_warm_up_again(monkeypatch, tmp_path
 
 
 @pytest.mark.parametrize("over, message", [
-    (["sft_steps=2"], "sft_steps=2: warms up on an environment's demonstrations: set env=<name> too"),
+    (["sft_steps=2"], "sft_steps=2: warms up on an environment's demonstrations or a file's: set env=<name> or "
+                      "sft_data=<file.jsonl> too"),
     (["env=feedback", "sft_steps=2"], "env='feedback' demonstrates no worked episode to warm up on"),
     (["env=calculator", "sft_steps=-1"], "sft_steps=-1: must be >= 0"),
     (["env=calculator", "sft_steps=1", "sft_lr=0"], "sft_lr=0.0: must be > 0"),
@@ -268,3 +270,133 @@ def test_the_trainer_passes_the_run_settings(monkeypatch, tmp_path):
                                  "max_new_tokens", "max_turns", "max_episode_tokens", "autocast_dtype")} == {
         "steps": 1, "batch_size": 3, "lr": 3e-6, "seed": 5, "micro_batch_size": 2, "max_grad_norm": 0.37,
         "max_new_tokens": 90, "max_turns": 2, "max_episode_tokens": 300, "autocast_dtype": None}
+
+
+# ------------------------------------------------------------------ sft_data: demonstrations from a file
+def _write_jsonl(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def test_file_demonstrations_encode_as_the_environments(tiny_model, tiny_tokenizer, digit_task, tmp_path):
+    """A file line holding what env.reset and env.demonstration give (``prompt`` + ``turns``, or the same as
+    ``messages``) is the same row as the environment's demonstration; ``prompt`` + ``completion`` is one turn."""
+    ex = digit_task[7]
+    prompt, turns = SayEnv().reset(ex), SayEnv().demonstration(ex, "<answer>7</answer>")
+    want = demonstration_rows(tiny_model, tiny_tokenizer, digit_task, [ex], SayEnv)[0]
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt, "turns": turns}, "", {"messages": prompt + turns},
+                                               {"prompt": prompt, "completion": "<answer>7</answer>"}])
+    rows, too_long = file_rows(tiny_model, tiny_tokenizer, path)
+    assert too_long == 0 and rows[:2] == want + want
+    one = demonstration_rows(tiny_model, tiny_tokenizer, digit_task, [ex],
+                             type("One", (SayEnv,), {"demonstration": lambda self, e, a: [{"role": "assistant",
+                                                                                              "content": a}]}))[0]
+    assert rows[2:] == one
+    # the episode limits leave out what a turn, the turns or the budget cannot hold
+    n_turn = len(tiny_tokenizer("call 7", add_special_tokens=False)["input_ids"]) + 1
+    assert file_rows(tiny_model, tiny_tokenizer, path, max_turns=1)[1] == 2
+    assert file_rows(tiny_model, tiny_tokenizer, path, max_new_tokens=n_turn - 1)[1] == 3
+    prompt_len = next(i for i, lab in enumerate(one[0][1]) if lab != -100)
+    assert file_rows(tiny_model, tiny_tokenizer, path, max_episode_tokens=len(one[0][0]) - prompt_len)[1] == 2
+    assert file_rows(tiny_model, tiny_tokenizer, path, max_episode_tokens=len(one[0][0]) - prompt_len - 1)[1] == 3
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", ":1: not JSON"),
+    ("[1, 2]", ":1: a line must be a JSON object, got list"),
+    ({"text": "x"}, "a line is {\"messages\": [...]}, {\"prompt\": ..., \"completion\": ...} or {\"prompt\": ..., "
+                    "\"turns\": [...]}; got the keys ['text']"),
+    ({"prompt": "a", "completion": "b", "turns": []}, "got the keys ['completion', 'prompt', 'turns']"),
+    ({"messages": [{"role": "assistant", "content": "x"}]}, "messages need a prompt (system/user messages) before"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "messages need a prompt"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                   {"role": "tool", "content": "t"}]}, "must start and end with an assistant message, got 'assistant' "
+                                                       "... 'tool'"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0] must be {\"role\": one of"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0] must be"),
+    ({"messages": []}, "messages must be a non-empty list of messages"),
+    ({"prompt": "", "completion": "b"}, ":1: prompt is empty"),
+    ({"prompt": "a", "completion": 5}, "completion must be a string, got int"),
+    ({"prompt": "a", "turns": [{"role": "tool", "content": "t"}, {"role": "assistant", "content": "b"}]},
+     "must start and end with an assistant message, got 'tool'"),
+])
+def test_bad_demonstration_lines_are_named(tmp_path, line, message):
+    path = _write_jsonl(tmp_path / "d.jsonl", [line])
+    with pytest.raises(ValueError) as err:
+        read_demonstrations(path)
+    assert f"sft_data {path}:1: " in str(err.value) and message in str(err.value)
+
+
+def test_an_empty_or_missing_file_and_a_chat_prompt_without_a_template(tmp_path, tiny_model, tiny_tokenizer):
+    with pytest.raises(ValueError, match="has no demonstration"):
+        read_demonstrations(_write_jsonl(tmp_path / "e.jsonl", ["", " "]))
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_demonstrations(tmp_path / "missing.jsonl")
+    tiny_tokenizer.chat_template = None
+    path = _write_jsonl(tmp_path / "c.jsonl", [{"prompt": "ab", "completion": "c"},
+                                               {"messages": [{"role": "user", "content": "q"},
+                                                             {"role": "assistant", "content": "a"}]}])
+    with pytest.raises(ValueError, match="demonstration 2 has a chat prompt, but the model's tokenizer has no chat "
+                                         "template"):
+        file_rows(tiny_model, tiny_tokenizer, path)
+
+
+def test_cli_warm_up_on_a_file_without_an_environment(monkeypatch, tmp_path, capsys):
+    """``sft_data`` through the CLI on the testbed (no env): every file line is a demonstration (one too long for
+    max_new_tokens is left out and counted), the loss falls over the steps, and the record says so; a resumed
+    run with a KL reference warms up again on the same file and ends where the uninterrupted one does."""
+    rng = random.Random(0)
+    lines = []
+    for _ in range(12):
+        a, b = rng.randint(10, 49), rng.randint(10, 49)
+        lines.append({"prompt": f"{a}+{b}=", "completion": "77"})  # something the testbed does not write: learnt
+    lines.append({"prompt": "1+1=", "completion": "2" * 40})  # longer than max_new_tokens=6
+    data = _write_jsonl(tmp_path / "sums.jsonl", lines)
+    args = [*TINY, "task=testbed", "sft_steps=4", "sft_batch_size=6", "sft_lr=1e-3", f"sft_data={data}", "steps=2",
+            "kl_coef=0.05", "save_every=1", "keep_last=3"]
+    full = tmp_path / "full"
+    assert cli(monkeypatch, "train", *args, f"output_dir={full}") == 0
+    err = capsys.readouterr().err
+    assert (f"warm-up: 4 supervised steps on 12 demonstrations of sft_data={data}; 1 left out, longer than an "
+            "episode allows") in err
+    info = json.loads((full / "run_info.json").read_text())["warmup"]
+    assert (info["examples"], info["too_long"], info["dropped"]) == (12, 0 + 1, 0)
+    assert info["loss_last"] < 0.5 * info["loss_first"]
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    latest_checkpoint(part).unlink()
+    assert cli(monkeypatch, "train", "--resume", str(part)) == 0
+    assert strip(read_jsonl(full / "metrics.jsonl")) == strip(read_jsonl(part / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("over, message", [
+    (["sft_steps=0", "sft_data={data}"], "sft_data='{data}': is set but sft_steps=0"),
+    (["sft_steps=1", "sft_data={missing}"], "sft_data='{missing}' cannot be read"),
+    (["sft_steps=1", "sft_data={bad}"], "sft_data {bad}:2: not JSON"),
+    (["env=feedback", "sft_steps=1", "sft_data={bad}"], "sft_data {bad}:2: not JSON"),
+])
+def test_bad_sft_data_exits_2_with_one_line(monkeypatch, tmp_path, capsys, over, message):
+    paths = {"data": _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "completion": "2"}]),
+             "missing": tmp_path / "none.jsonl",
+             "bad": _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "1+1=", "completion": "2"}, "{oops"])}
+    over = [o.format(**paths) for o in over]
+    assert cli(monkeypatch, "train", *TINY, "task=testbed", *over, "steps=1", f"output_dir={tmp_path / 'r'}") == 2
+    err = capsys.readouterr().err
+    assert message.format(**paths) in err and err.count("\n") == 1, err
+
+
+def test_a_file_replaces_the_environments_demonstrations(monkeypatch, tmp_path, capsys):
+    """With env and sft_data the file's demonstrations are used (feedback has none of its own), as episodes."""
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "12+34=", "turns": [
+        {"role": "assistant", "content": "45"}, {"role": "user", "content": "wrong, try again"},
+        {"role": "assistant", "content": "46"}]}])
+    assert cli(monkeypatch, "train", *TINY, "task=testbed", "env=feedback", "max_turns=2", "sft_steps=1",
+               "sft_batch_size=2", f"sft_data={data}", "steps=1", f"output_dir={tmp_path / 'r'}") == 0
+    assert f"warm-up: 1 supervised steps on 1 demonstrations of sft_data={data}" in capsys.readouterr().err
+    # one model turn at most: the same file is too long for the episode, and then nothing is left: one line, exit 2
+    assert cli(monkeypatch, "train", *TINY, "task=testbed", "env=feedback", "max_turns=1", "sft_steps=1",
+               f"sft_data={data}", "steps=1", f"output_dir={tmp_path / 'r2'}") == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"echotrain train: error: sft_data {data}: all 1 demonstrations are longer "
+                                            "than an episode allows (max_new_tokens=6, max_turns=1, max_episode_tokens=12)")
+    assert "Traceback" not in err

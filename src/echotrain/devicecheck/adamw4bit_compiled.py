@@ -122,11 +122,12 @@ def time_steps(shapes: list[tuple[int, ...]], device: torch.device, reps: int) -
     times, errors = time_optimizer_steps(makers, shapes, device, reps)
     for name, error in errors.items():
         _emit({"timing": name, "error": error})
-    base = statistics.median(times["torch_adamw_foreach"]) if "torch_adamw_foreach" in times else float("nan")
+    base = statistics.median(times["torch_adamw_foreach"]) if "torch_adamw_foreach" in times else None
     n = sum(torch.Size(s).numel() for s in shapes)
     for name, ts in times.items():
         med = statistics.median(ts)
-        _emit({"timing": name, "params": n, "median_step_ms": round(1e3 * med, 3), "vs_torch_adamw_foreach": round(med / base, 3)})
+        _emit({"timing": name, "params": n, "median_step_ms": round(1e3 * med, 3),
+               "vs_torch_adamw_foreach": None if base is None else round(med / base, 3)})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,7 +182,7 @@ def adamw4bit_tensor_update_(
             widened to int32 (``L / 2``), read instead of them (the new codes are still written
             to the uint8 tensors); the result is the same bit for bit. Compiled for 256-bit
             AVX2, a uint8 load of 8 codes goes through a stack buffer, which made unpacking the
-            nibbles 2.5x slower than from int32 (:class:`AdamW4bit`'s ``widen_codes``).
+            nibbles 3.2x slower than from int32 (:class:`AdamW4bit`'s ``widen_codes``).
     Source: AdamW (Loshchilov & Hutter 2019, Alg. 2) with the quantizers of arXiv 2309.01507.
     """
     n = p.numel()
@@ -333,14 +333,16 @@ class AdamW4bit(torch.optim.Optimizer):
             draws the same ones.
         seed: (ours) seed of the stochastic-rounding uniforms (default 0).
         widen_codes: (ours) the compiled update reads int32 copies of the packed uint8 codes
-            (one ATen conversion per piece before the kernel; 1 MiB of temporaries for a
-            2**18-element piece) instead of the codes themselves. Inductor's 256-bit (AVX2)
-            CPU kernels load 8 uint8 codes at a time through a stack buffer; with int32 copies
-            the 4-bit step took 0.74-0.77x the time under AVX2, and 0.95-1.06x (noise) under
-            AVX-512, where uint8 loads are masked loads (docs/benchmarks.md, "int32 codes for
-            inductor's AVX2 kernels"). ``None`` (default): widen when the step is compiled for
-            a CPU whose inductor vector ISA is AVX2; never on GPUs. ``ValueError`` for any
-            other value. Results are bit-identical either way.
+            (ATen conversions before the kernel, one for m's codes and one for v's unless
+            Factor; 1 MiB of temporaries for a 2**18-element piece) instead of the codes
+            themselves. Inductor's 256-bit (AVX2) CPU kernels load 8 uint8 codes at a time
+            through a stack buffer; with int32 copies the 4-bit step took 0.74-0.77x the time
+            under AVX2 at 1 thread (0.92-0.93x at 2), and 0.95-1.11x at 1 thread, 1.29x at 2
+            under AVX-512, where uint8 loads are masked loads (docs/benchmarks.md, "int32 codes
+            for inductor's AVX2 kernels"). ``None`` (default): widen when the step is compiled
+            for a CPU whose inductor vector ISA is AVX2; never on GPUs. ``True`` / ``False``
+            force it (any device); any other value is a ``ValueError``. Results are
+            bit-identical either way.
         check_finite: before writing anything, check every gradient of the step
             (:mod:`echotrain.optim.finite`: NaN, Inf, or |g| whose square overflows float32);
             on a bad one raise ``FloatingPointError`` naming the parameter (param group, index,
@@ -540,10 +542,11 @@ class AdamW4bit(torch.optim.Optimizer):
             if stochastic not in self._compiled:
                 fn, options = (_update_stochastic_ if stochastic else _update_nearest_), _compile_options(stochastic)
                 self._compiled[stochastic] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+            widened = {}
+            if self._widen(args[0].device):  # read int32 copies of the codes (see widen_codes)
+                widened = {"m_codes_in": args[2].to(torch.int32),
+                           "v_codes_in": None if args[4] is None else args[4].to(torch.int32)}
             try:  # (inside step's _compile_config: the raised recompile limit)
-                widened = {}
-                if self._widen(args[0].device):  # read int32 copies of the codes (see widen_codes)
-                    widened = {"m_codes_in": args[2].to(torch.int32), "v_codes_in": None if args[4] is None else args[4].to(torch.int32)}
                 self._compiled[stochastic](*args, hp=hp, v_kind=kind, block_size=block_size, m_seed=m_seed, **widened)
                 return
             except Exception as err:
@@ -585,6 +588,13 @@ class AdamW4bit(torch.optim.Optimizer):
                 p.copy_(q)
 
     # ---------------------------------------------------------------- state_dict
+
+    #: attributes of ours that ``copy.deepcopy`` and pickling keep (torch's ``Optimizer.__getstate__``
+    #: keeps only defaults, state and param_groups); the compiled functions are rebuilt on first use
+    _PICKLED = ("compile", "check_finite", "skip_nonfinite", "skipped_steps", "seed", "widen_codes", "_widen_auto")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), **{k: getattr(self, k) for k in self._PICKLED}, "_compiled": None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`, keeping the saved dtypes.

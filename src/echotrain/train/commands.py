@@ -142,12 +142,14 @@ def run_train(args: argparse.Namespace) -> int:
     from echotrain.train.async_rollouts import AsyncUnsupported, RolloutWorkerError
     from echotrain.train.lag import StalenessMismatch
     from echotrain.train.run_lock import RunDirBusy
+    from echotrain.train.warmup import WarmupError
 
     try:
         trainer = Trainer(cfg, task=task, resume=args.resume is not None)
-    except (OSError, WorldSizeMismatch, StalenessMismatch, AsyncUnsupported, RunDirBusy) as exc:  # a hub id that passed the checks but does
+    except (OSError, WorldSizeMismatch, StalenessMismatch, AsyncUnsupported, RunDirBusy, WarmupError) as exc:  # a hub id that passed the checks but does
         # not exist; a resume with another number of processes or another staleness; another
-        # process writing the run directory (exit 2, before the model loads)
+        # process writing the run directory (exit 2, before the model loads); a warm-up (sft_steps) without
+        # a demonstration it can use
         if getattr(args, "debug", False):
             raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)
@@ -217,8 +219,8 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
                         help="task name for echotrain.tasks.get_task. Default: with --model RUN_DIR (or one of its "
                              "checkpoints) the run's task and task_options, on its held-out prompts (the task's "
                              "held-out split, or seed + 1: the pool the run's own evaluations draw from), said in the "
-                             "first line; with --model testbed / testbed-length that model's task, held out the "
-                             "same way; else default")
+                             "first line; with a testbed policy's name (testbed, testbed-length, testbed-calc) that "
+                             "model's task, held out the same way; else default")
     parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
                         help="option for get_task, repeatable (e.g. --task-option seed=1 for questions other than "
                              "the training ones, which use seed 0); without --task, laid over the run's task_options "
@@ -226,11 +228,12 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", default=None,
                         help="play each sample as an episode with this environment (as train's env key, e.g. "
                              "calculator; 'none' for single completions). Default: a run directory's own env, "
-                             "else none")
+                             "testbed-calc's calculator (on its own task), else none")
     parser.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE",
                         help="option of --env (as train's env_options), repeatable")
     parser.add_argument("--max-turns", type=int, default=None,
-                        help="model turns an episode may take with --env (default: the run's max_turns, else 4)")
+                        help="model turns an episode may take with --env (default: the run's max_turns, "
+                             "testbed-calc's 2 with its calculator, else 4)")
     parser.add_argument("--plugins", action="append", default=[], metavar="MODULE|FILE.py",
                         help="import this module or .py file first (repeatable, or comma-separated), so the tasks "
                              "it registers are valid --task values (as train's plugins key)")
@@ -239,8 +242,9 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", default="1", help="comma-separated k values for unbiased pass@k, each <= n (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="response length cap (default: the run's max_new_tokens when evaluating a run on its "
-                             "own task, a testbed policy's (testbed 8, testbed-length 72, testbed-calc 96) on its own "
-                             f"task, else {EVAL_MAX_NEW_TOKENS} with --task, 1024 with --suite/--benchmark)")
+                             "own task, a testbed policy's on its own task ("
+                             + ", ".join(f"{m} {v['max_new_tokens']}" for m, v in _testbed_settings().items())
+                             + f"), else {EVAL_MAX_NEW_TOKENS} with --task, 1024 with --suite/--benchmark)")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 = greedy (default 0.7)")
     parser.add_argument("--seed", type=int, default=1234, help="seed for prompt choice and sampling (default 1234)")
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
@@ -378,16 +382,20 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def testbed_eval_settings(model: str | None) -> dict[str, Any]:
-    """The generation settings of a testbed policy's runs (:data:`echotrain.models.testbed.TESTBED_EVAL_SETTINGS`:
-    ``max_new_tokens``, and ``env`` / ``max_turns`` for testbed-calc), or ``{}`` for any other model."""
+def _testbed_settings() -> dict[str, dict[str, Any]]:
     from echotrain.models.testbed import TESTBED_EVAL_SETTINGS
 
-    return dict(TESTBED_EVAL_SETTINGS.get(model or "", {}))
+    return TESTBED_EVAL_SETTINGS
+
+
+def testbed_eval_settings(model: str | None) -> dict[str, Any]:
+    """The generation settings of a testbed policy's runs (:data:`echotrain.models.testbed.TESTBED_EVAL_SETTINGS`:
+    ``max_new_tokens``, and ``env`` / ``max_turns`` for testbed-calc), a copy, or ``{}`` for any other model."""
+    return dict(_testbed_settings().get(model or "", {}))
 
 
 #: ``echotrain eval --task``'s response length cap when neither ``--max-new-tokens`` nor a run's own
-#: setting gives one (short answers of the built-in tasks)
+#: setting nor a testbed policy's (:func:`testbed_eval_settings`) gives one (short answers of the built-in tasks)
 EVAL_MAX_NEW_TOKENS = 48
 
 
@@ -417,8 +425,9 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
     evaluations draw from (:func:`~echotrain.train.evaluate.default_eval_task`: the task's
     held-out split, or seed + 1)
     unless ``options`` are given, with the run's ``max_new_tokens``; a testbed policy name
-    (``testbed``, ``testbed-length``) on its own task, held out the same way; any other model on
-    ``default``. ``decode_loop`` / ``sampler`` (None = not given) default to the run's
+    (``testbed``, ``testbed-length``, ``testbed-calc``) on its own task, held out the same way, with its
+    runs' ``max_new_tokens`` and (testbed-calc) environment (:func:`testbed_eval_settings`; also when
+    ``task`` names that same task); any other model on ``default``. ``decode_loop`` / ``sampler`` (None = not given) default to the run's
     (:func:`echotrain.runtime.loading.generation_settings`). A run trained with ``env`` (or
     ``tools``) is evaluated as it evaluated itself: each sample an episode with its environment,
     ``max_turns`` and episode budget (:func:`echotrain.train.episodes.episodes_of_run`;
@@ -464,9 +473,11 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
         held_out, built = held is not built, held
     else:
         where = f"{built!r}" if source else ""
-    # what the model's own settings give: a run's config.yaml, or a testbed policy's (on its own task)
-    own_cfg = run_cfg if run is not None else testbed_eval_settings(model) if task is None else {}
-    from_run = max_new_tokens is None and task is None and "max_new_tokens" in own_cfg
+    # what the model's own settings give: a run's config.yaml (without --task), or a testbed policy's (on its own
+    # task, named or not: --task testbed-calc with 48 new tokens and no calculator would cut its tool calls)
+    own_task = task is None or (run is None and task == preflight.testbed_task_of(model))
+    own_cfg = run_cfg if run is not None else testbed_eval_settings(model) if own_task else {}
+    from_run = max_new_tokens is None and own_task and "max_new_tokens" in own_cfg
     if max_new_tokens is None:
         max_new_tokens = int(own_cfg["max_new_tokens"]) if from_run else EVAL_MAX_NEW_TOKENS
     note = []
@@ -480,7 +491,7 @@ def plan_eval_task(model: str | None, task: str | None, options: dict[str, Any],
             note.append(f"{', '.join(taken)} as the run ({gen_source})")
     elif from_run:
         note.append(f"max_new_tokens={max_new_tokens} as {model}'s runs (--max-new-tokens sets another)")
-    if note:
+    if note and (run is not None or task is None):
         note.append("--task, --task-option, --max-new-tokens, --decode-loop, --sampler set them" if run is not None
                     else "--task sets another")
     episodes = None

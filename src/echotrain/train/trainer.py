@@ -222,17 +222,21 @@ class Trainer:
         from echotrain.train.warmup import sft_warmup
 
         cfg = self.cfg
-        result = sft_warmup(self.model, self.tokenizer, task, env_factory_of(cfg), steps=cfg.sft_steps,
-                            batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, seed=cfg.seed,
+        episodes = bool(cfg.env or cfg.tools)  # without an environment a demonstration is one model turn
+        result = sft_warmup(self.model, self.tokenizer, task, env_factory_of(cfg) if episodes else None,
+                            steps=cfg.sft_steps, batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, seed=cfg.seed,
                             micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
                             autocast_dtype=self.autocast_dtype, max_new_tokens=cfg.max_new_tokens,
-                            max_turns=cfg.max_turns,
-                            max_episode_tokens=episode_budget(cfg.max_episode_tokens, cfg.max_turns, cfg.max_new_tokens))
+                            max_turns=cfg.max_turns if episodes else 1,
+                            max_episode_tokens=(episode_budget(cfg.max_episode_tokens, cfg.max_turns, cfg.max_new_tokens)
+                                                if episodes else None),
+                            data=cfg.sft_data or None)
         self.dist.broadcast_params(self.model)  # ranks warmed up alike; non-deterministic kernels may differ
         if self.dist.is_main:
             left_out = f"; {result.too_long} left out, longer than an episode allows" if result.too_long else ""
+            source = f"sft_data={cfg.sft_data}" if cfg.sft_data else f"env={cfg.env or 'tools'}"
             print(f"echotrain: warm-up: {result.steps} supervised steps on {result.examples} demonstrations of "
-                  f"env={cfg.env}{left_out} (cross-entropy {result.losses[0]:.3f} -> {result.losses[-1]:.3f} nats a "
+                  f"{source}{left_out} (cross-entropy {result.losses[0]:.3f} -> {result.losses[-1]:.3f} nats a "
                   f"target token, {result.seconds:.0f} s)", file=sys.stderr)
         return result
 

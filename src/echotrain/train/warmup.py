@@ -20,6 +20,15 @@ and so is one an episode of the run could not hold (a model turn longer than ``m
 with its end-of-turn id, more than ``max_turns`` model turns, more ids after the prompt than the
 episode budget): the warm-up teaches only episodes the rollouts can produce.
 
+Or the demonstrations come from a file (``sft_data=PATH``, JSONL; :func:`read_demonstrations`), with or
+without an environment: one demonstration a line, TRL's conversational format ``{"messages": [...]}``
+(the prompt is every message before the first assistant one), its prompt-completion format
+``{"prompt": P, "completion": "..."}`` (one model turn), or ``{"prompt": P, "turns": [...]}`` (what
+``env.reset`` and ``env.demonstration`` return: the turns after the prompt); ``P`` is a string for a
+model without a chat template (the byte-level testbeds) or a list of chat messages. They are encoded the
+same way and left out the same way when an episode (without an environment: one model turn) could not
+hold them; the task does not score them (a file line has no task example to score against).
+
 The demonstration contract (optional, an environment without it cannot warm up):
 ``env.demonstration(example, answer) -> list[{"role": "assistant" | "tool" | "user", "content"}] |
 None``: the turns after ``env.reset(example)``'s prompt, starting and ending with an assistant turn;
@@ -28,10 +37,12 @@ None``: the turns after ``env.reset(example)``'s prompt, starting and ending wit
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -41,7 +52,13 @@ from echotrain.runtime.episodes import TurnRenderer, encode_text
 from echotrain.runtime.precision import autocast
 from echotrain.runtime.rollout import encode_prompts, eos_ids_of, render_prompts
 
-__all__ = ["WarmupResult", "demonstration_rows", "reference_completion", "sft_warmup"]
+__all__ = ["WarmupError", "WarmupResult", "demonstration_rows", "encode_demonstration", "file_rows", "read_demonstrations",
+           "reference_completion", "sft_warmup"]
+
+class WarmupError(ValueError):
+    """The warm-up cannot run: no demonstration it can use, a chat demonstration for a model without a chat
+    template, a loss that is not finite (``echotrain train`` prints it as one error line, exit 2)."""
+
 
 #: added to the run's seed for the warm-up's example draw and order (the RL prompt stream is untouched)
 WARMUP_SEED_OFFSET = 7919
@@ -85,9 +102,7 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
         ValueError: the environment has no ``demonstration`` method, or a demonstration that does
             not start and end with an assistant turn.
     """
-    eos = eos_ids_of(model, tokenizer)
-    if not eos:
-        raise ValueError("the policy has no end-of-turn (eos) token id: a demonstration's turns cannot end")
+    eos = _eos_id(model, tokenizer)
     rows, dropped, too_long = [], 0, 0
     for ex in examples:
         env = make_env()
@@ -105,38 +120,168 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
         if task.score(turns[-1]["content"], ex) < 1.0:
             dropped += 1
             continue
-        chat = not isinstance(prompt, str)
-        renderer = TurnRenderer(tokenizer, chat, tokenizer.convert_ids_to_tokens(eos[0]) if chat else None)
-        ids_p, mask_p = encode_prompts(tokenizer, render_prompts(tokenizer, [prompt]))
-        ids = ids_p[0][mask_p[0].bool()].tolist()
-        labels = [-100] * len(ids)
-        history: Any = list(prompt) if chat else prompt
-        pending: list[dict[str, str]] = []
-        longest_turn, model_turns, prompt_len = 0, 0, len(ids)
-        for turn in turns:
-            if turn["role"] != "assistant":
-                pending.append(dict(turn))
-                continue
-            if pending:  # the environment's reply to the last model turn, as the episodes insert it
-                env_ids = renderer.delta(history, pending)
-                ids += env_ids
-                labels += [-100] * len(env_ids)
-                if chat:
-                    history = history + pending
-                pending = []
-            model_ids = encode_text(tokenizer, turn["content"]) + [eos[0]]
-            ids += model_ids
-            labels += model_ids
-            longest_turn, model_turns = max(longest_turn, len(model_ids)), model_turns + 1
-            if chat:
-                history = history + [{"role": "assistant", "content": turn["content"]}]
-        if ((max_new_tokens is not None and longest_turn > max_new_tokens)
-                or (max_turns is not None and model_turns > max_turns)
-                or (max_episode_tokens is not None and len(ids) - prompt_len > max_episode_tokens)):
+        row = encode_demonstration(tokenizer, eos, prompt, turns, max_new_tokens=max_new_tokens, max_turns=max_turns,
+                                   max_episode_tokens=max_episode_tokens)
+        if row is None:
             too_long += 1
-            continue
-        rows.append((ids, labels))
+        else:
+            rows.append(row)
     return rows, dropped, too_long
+
+
+def _eos_id(model: Any, tokenizer: Any) -> int:
+    eos = eos_ids_of(model, tokenizer)
+    if not eos:
+        raise ValueError("the policy has no end-of-turn (eos) token id: a demonstration's turns cannot end")
+    return eos[0]
+
+
+def encode_demonstration(tokenizer: Any, eos_id: int, prompt: Any, turns: Sequence[dict[str, str]], *,
+                         max_new_tokens: int | None = None, max_turns: int | None = None,
+                         max_episode_tokens: int | None = None) -> tuple[list[int], list[int]] | None:
+    """One demonstration as a training row ``(ids, labels)``, encoded as an episode's trajectory.
+
+    ``prompt`` (a string, or chat messages) as the rollouts encode it; each assistant turn's text
+    tokenised with ``eos_id`` appended (the targets); each run of other messages as the
+    :class:`~echotrain.runtime.episodes.TurnRenderer` delta the episodes insert (labels -100).
+    None when an episode could not hold it: a model turn longer than ``max_new_tokens`` with its
+    end-of-turn id, more than ``max_turns`` model turns, or more than ``max_episode_tokens`` ids
+    after the prompt (None = no limit). ``turns`` start and end with an assistant turn (the callers check).
+    """
+    chat = not isinstance(prompt, str)
+    renderer = TurnRenderer(tokenizer, chat, tokenizer.convert_ids_to_tokens(eos_id) if chat else None)
+    ids_p, mask_p = encode_prompts(tokenizer, render_prompts(tokenizer, [prompt]))
+    ids = ids_p[0][mask_p[0].bool()].tolist()
+    labels = [-100] * len(ids)
+    history: Any = list(prompt) if chat else prompt
+    pending: list[dict[str, str]] = []
+    longest_turn, model_turns, prompt_len = 0, 0, len(ids)
+    for turn in turns:
+        if turn["role"] != "assistant":
+            pending.append(dict(turn))
+            continue
+        if pending:  # the environment's reply to the last model turn, as the episodes insert it
+            env_ids = renderer.delta(history, pending)
+            ids += env_ids
+            labels += [-100] * len(env_ids)
+            if chat:
+                history = history + pending
+            pending = []
+        model_ids = encode_text(tokenizer, turn["content"]) + [eos_id]
+        ids += model_ids
+        labels += model_ids
+        longest_turn, model_turns = max(longest_turn, len(model_ids)), model_turns + 1
+        if chat:
+            history = history + [{"role": "assistant", "content": turn["content"]}]
+    if ((max_new_tokens is not None and longest_turn > max_new_tokens)
+            or (max_turns is not None and model_turns > max_turns)
+            or (max_episode_tokens is not None and len(ids) - prompt_len > max_episode_tokens)):
+        return None
+    return ids, labels
+
+
+#: the roles a demonstration's messages may have (after the prompt: assistant turns and what answers them)
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def read_demonstrations(path: str | Path) -> list[tuple[Any, list[dict[str, str]]]]:
+    """The demonstrations of an ``sft_data`` JSONL file (module docstring), as ``(prompt, turns)``.
+
+    Each line is a JSON object: ``{"messages": [...]}``, ``{"prompt": P, "completion": str}`` or
+    ``{"prompt": P, "turns": [...]}``, ``P`` a non-empty string or list of messages; a message is
+    ``{"role": system|user|assistant|tool, "content": str}``. Blank lines are skipped.
+
+    Returns:
+        ``(prompt, turns)`` per line: ``turns`` start and end with an assistant turn.
+
+    Raises:
+        ValueError: the file cannot be read, has no demonstration, or a line that is not one (naming
+            ``path:line`` and what is wrong).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"sft_data={str(path)!r} cannot be read: {exc}") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"sft_data {path}:{n}"
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{where}: not JSON ({exc})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: a line must be a JSON object, got {type(obj).__name__}")
+        if "messages" in obj:
+            messages = _messages(obj["messages"], where, "messages")
+            first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+            if not first:  # None (no assistant turn) or 0 (no prompt before it)
+                raise ValueError(f"{where}: messages need a prompt (system/user messages) before the first assistant "
+                                 "message, and an assistant message")
+            prompt, turns = messages[:first], messages[first:]
+        elif "prompt" in obj and ("completion" in obj) != ("turns" in obj):
+            prompt = obj["prompt"]
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise ValueError(f"{where}: prompt is empty")
+            else:
+                prompt = _messages(prompt, where, "prompt")
+            if "completion" in obj:
+                if not isinstance(obj["completion"], str):
+                    raise ValueError(f"{where}: completion must be a string, got {type(obj['completion']).__name__}")
+                turns = [{"role": "assistant", "content": obj["completion"]}]
+            else:
+                turns = _messages(obj["turns"], where, "turns")
+        else:
+            raise ValueError(f"{where}: a line is {{\"messages\": [...]}}, {{\"prompt\": ..., \"completion\": ...}} "
+                             f"or {{\"prompt\": ..., \"turns\": [...]}}; got the keys {sorted(obj)}")
+        if turns[0]["role"] != "assistant" or turns[-1]["role"] != "assistant":
+            raise ValueError(f"{where}: the turns after the prompt must start and end with an assistant message, got "
+                             f"{turns[0]['role']!r} ... {turns[-1]['role']!r}")
+        out.append((prompt, turns))
+    if not out:
+        raise ValueError(f"sft_data={str(path)!r} has no demonstration (an empty file)")
+    return out
+
+
+def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
+    """``value`` checked as a non-empty list of ``{"role", "content"}`` messages (copies)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: {key} must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: {key}[{i}] must be {{\"role\": one of {list(_ROLES)}, \"content\": a string}}, "
+                             f"got {m!r}"[:300])
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def file_rows(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: int | None = None,
+              max_turns: int | None = None, max_episode_tokens: int | None = None
+              ) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """The demonstrations of ``path`` (:func:`read_demonstrations`) as training rows
+    (:func:`encode_demonstration`); ``(rows, too_long)``.
+
+    Raises:
+        ValueError: as :func:`read_demonstrations`.
+        WarmupError: chat messages for a tokenizer without a chat template.
+    """
+    eos = _eos_id(model, tokenizer)
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    rows, too_long = [], 0
+    for k, (prompt, turns) in enumerate(read_demonstrations(path)):
+        if not isinstance(prompt, str) and not has_template:
+            raise WarmupError(f"sft_data {path}: demonstration {k + 1} has a chat prompt, but the model's tokenizer has "
+                             "no chat template: give the prompt as a string")
+        row = encode_demonstration(tokenizer, eos, prompt, turns, max_new_tokens=max_new_tokens, max_turns=max_turns,
+                                   max_episode_tokens=max_episode_tokens)
+        if row is None:
+            too_long += 1
+        else:
+            rows.append(row)
+    return rows, too_long
 
 
 @dataclass
@@ -162,16 +307,19 @@ class WarmupResult:
                 "target_tokens_per_step": self.target_tokens, "seconds": round(self.seconds, 1)}
 
 
-def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any], *, steps: int, batch_size: int,
-               lr: float, seed: int, micro_batch_size: int, max_grad_norm: float = 1.0,
+def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any] | None, *, steps: int,
+               batch_size: int, lr: float, seed: int, micro_batch_size: int, max_grad_norm: float = 1.0,
                autocast_dtype: torch.dtype | None = None, max_new_tokens: int | None = None,
-               max_turns: int | None = None, max_episode_tokens: int | None = None) -> WarmupResult:
+               max_turns: int | None = None, max_episode_tokens: int | None = None,
+               data: str | Path | None = None) -> WarmupResult:
     """``steps`` AdamW steps of cross-entropy on demonstrations (module docstring), in place.
 
     Args:
         model: the policy (trained in place, in train mode; left in the mode it came in).
         tokenizer, task, make_env: as :func:`demonstration_rows`; ``steps * batch_size`` examples are
-            drawn with ``task.sample(n, seed + WARMUP_SEED_OFFSET)``.
+            drawn with ``task.sample(n, seed + WARMUP_SEED_OFFSET)``. Not used with ``data``.
+        data: an ``sft_data`` JSONL file (:func:`file_rows`): its demonstrations instead of the
+            environment's (every one of them, cycled through in an order drawn from the seed).
         steps: optimizer steps (>= 1).
         batch_size: demonstrations per step (>= 1); a step's loss is the mean over its target
             tokens (micro-batches of ``micro_batch_size`` rows accumulate the token sum).
@@ -186,8 +334,9 @@ def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any
         :class:`WarmupResult`.
 
     Raises:
-        ValueError: ``steps``, ``batch_size`` or ``micro_batch_size`` < 1, ``lr`` not > 0, no
-            example with a demonstration, or a loss that is not finite.
+        ValueError: ``steps``, ``batch_size`` or ``micro_batch_size`` < 1, ``lr`` not > 0.
+        WarmupError: no example with a demonstration (no file demonstration an episode can hold), a chat
+            demonstration for a tokenizer without a chat template, or a loss that is not finite.
     """
     for name, v in (("sft_steps", steps), ("sft_batch_size", batch_size), ("micro_batch_size", micro_batch_size)):
         if v < 1:
@@ -195,14 +344,24 @@ def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any
     if not lr > 0:
         raise ValueError(f"sft_lr must be > 0, got {lr}")
     t0 = time.perf_counter()
-    examples = task.sample(steps * batch_size, seed + WARMUP_SEED_OFFSET)
-    rows, dropped, too_long = demonstration_rows(model, tokenizer, task, examples, make_env,
-                                                 max_new_tokens=max_new_tokens, max_turns=max_turns,
-                                                 max_episode_tokens=max_episode_tokens)
-    if not rows:
-        raise ValueError(f"sft_steps: none of {len(examples)} examples has a demonstration the task scores 1 "
-                         f"within the episode limits ({dropped} without one, {too_long} too long for max_new_tokens="
-                         f"{max_new_tokens}, max_turns={max_turns}, max_episode_tokens={max_episode_tokens})")
+    limits = f"max_new_tokens={max_new_tokens}, max_turns={max_turns}, max_episode_tokens={max_episode_tokens}"
+    if data is not None:
+        rows, too_long = file_rows(model, tokenizer, data, max_new_tokens=max_new_tokens, max_turns=max_turns,
+                                   max_episode_tokens=max_episode_tokens)
+        dropped = 0
+        if not rows:
+            raise WarmupError(f"sft_data {data}: all {too_long} demonstrations are longer than an episode allows "
+                             f"({limits})")
+    else:
+        if make_env is None:
+            raise WarmupError("sft_steps: no demonstrations: give an environment with a demonstration method or data")
+        examples = task.sample(steps * batch_size, seed + WARMUP_SEED_OFFSET)
+        rows, dropped, too_long = demonstration_rows(model, tokenizer, task, examples, make_env,
+                                                     max_new_tokens=max_new_tokens, max_turns=max_turns,
+                                                     max_episode_tokens=max_episode_tokens)
+        if not rows:
+            raise WarmupError(f"sft_steps: none of {len(examples)} examples has a demonstration the task scores 1 "
+                             f"within the episode limits ({dropped} without one, {too_long} too long for {limits})")
     order = list(range(len(rows)))
     random.Random(seed + WARMUP_SEED_OFFSET).shuffle(order)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -231,7 +390,7 @@ def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any
             total += float(loss.detach())
         mean = total / n_target
         if not math.isfinite(mean):
-            raise ValueError(f"sft_steps: the warm-up loss at step {step + 1} is {mean} (lower sft_lr)")
+            raise WarmupError(f"sft_steps: the warm-up loss at step {step + 1} is {mean} (lower sft_lr)")
         if max_grad_norm:
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         opt.step()

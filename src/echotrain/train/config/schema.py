@@ -217,7 +217,16 @@ class TrainConfig:
                         "warmed-up weights (fresh optimizer; the KL reference is the warmed-up policy, with LoRA the "
                         "base model). SFT-then-RL in one run, for a chat model that does not call a tool it "
                         "has only read about (SmolLM2-135M: 3 steps of 8 take it from 0 to ~0.8 calls an episode). "
-                        "0 = none.", group="environment")
+                        "With sft_data: that file's demonstrations instead, with or without env. 0 = none.",
+                        group="environment")
+    sft_data: str = _f("", "A JSONL file of demonstrations for the warm-up (sft_steps) instead of the environment's, "
+                       "with or without env (our flag; echotrain.train.warmup.read_demonstrations): a line is TRL's "
+                       "{\"messages\": [...]} (the prompt = the messages before the first assistant one) or "
+                       "{\"prompt\": P, \"completion\": \"...\"}, or {\"prompt\": P, \"turns\": [...]} (an "
+                       "episode's turns after the prompt); P a string (models without a chat template) or chat "
+                       "messages. Encoded as the rollouts encode them; one an episode (without env: one model turn "
+                       "of max_new_tokens) cannot hold is left out. \"\" = the environment's demonstrations.",
+                       group="environment")
     sft_batch_size: int = _f(8, "Demonstrations per warm-up step (sft_steps).", group="environment")
     sft_lr: float = _f(5e-5, "The warm-up's constant learning rate (sft_steps; AdamW, no weight decay).",
                        group="environment")

@@ -202,9 +202,18 @@ def _check_env(cfg: TrainConfig, need: Any) -> None:
     need(cfg.sft_steps >= 0, "sft_steps", "must be >= 0 (0 = no warm-up)")
     need(cfg.sft_batch_size >= 1, "sft_batch_size", "must be >= 1")
     need(cfg.sft_lr > 0, "sft_lr", "must be > 0")
+    if cfg.sft_data:
+        need(cfg.sft_steps >= 1, "sft_data", "is set but sft_steps=0: set sft_steps=N (the warm-up's steps)")
+        from echotrain.train.warmup import read_demonstrations
+
+        try:
+            read_demonstrations(cfg.sft_data)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if not env:
         need(not cfg.env_options, "env_options", "is set but env is not: name the environment (env=<name>)")
-        need(not cfg.sft_steps, "sft_steps", "warms up on an environment's demonstrations: set env=<name> too")
+        need(not cfg.sft_steps or bool(cfg.sft_data), "sft_steps",
+             "warms up on an environment's demonstrations or a file's: set env=<name> or sft_data=<file.jsonl> too")
         return
     from echotrain.envs import ENVIRONMENTS, env_names
     from echotrain.rl.advantages import ADV_NEEDS_BASELINE
@@ -234,9 +243,9 @@ def _check_env(cfg: TrainConfig, need: Any) -> None:
         make_env = env_factory_of(cfg)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"env={env!r}: {exc}") from None
-    need(not cfg.sft_steps or callable(getattr(make_env(), "demonstration", None)), "sft_steps",
+    need(not cfg.sft_steps or bool(cfg.sft_data) or callable(getattr(make_env(), "demonstration", None)), "sft_steps",
          f"env={env!r} demonstrates no worked episode to warm up on (no demonstration(example, answer) method; "
-         "docs/design/environments.md): use sft_steps=0")
+         "docs/design/environments.md): use sft_steps=0, or give demonstrations with sft_data=<file.jsonl>")
 
 
 def _check_learning_signal(cfg: TrainConfig) -> None:

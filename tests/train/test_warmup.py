@@ -3,6 +3,7 @@ encoded exactly as episodes, the loss a token mean exact under micro-batching, t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -14,8 +15,8 @@ from echotrain.envs.calculator import CalculatorEnv
 from echotrain.envs.base import EnvReply
 from echotrain.runtime.checkpoints import latest_checkpoint
 from echotrain.train.metrics import read_jsonl
-from echotrain.train.warmup import (demonstration_rows, file_rows, read_demonstrations, reference_completion,
-                                    sft_warmup)
+from echotrain.train.warmup import (WarmupError, demonstration_rows, encode_demonstration, file_rows,
+                                    read_demonstrations, reference_completion, sft_warmup)
 from tests.train.test_episodes_cli import TINY
 from tests.train.test_staleness import cli, strip
 
@@ -288,6 +289,13 @@ def test_file_demonstrations_encode_as_the_environments(tiny_model, tiny_tokeniz
                                                {"prompt": prompt, "completion": "<answer>7</answer>"}])
     rows, too_long = file_rows(tiny_model, tiny_tokenizer, path)
     assert too_long == 0 and rows[:2] == want + want
+    # TRL's conversational prompt-completion: the completion's messages are the turns
+    conv = _write_jsonl(tmp_path / "c.jsonl", [{"prompt": prompt, "completion": turns}])
+    assert file_rows(tiny_model, tiny_tokenizer, conv) == (want, 0)
+    # the text is taken as written (no stripping), the end-of-turn id appended
+    eos = tiny_tokenizer.eos_token_id
+    ids, labels = encode_demonstration(tiny_tokenizer, eos, prompt, [{"role": "assistant", "content": " 7 "}])
+    assert [t for t in labels if t != -100] == tiny_tokenizer(" 7 ", add_special_tokens=False)["input_ids"] + [eos]
     one = demonstration_rows(tiny_model, tiny_tokenizer, digit_task, [ex],
                              type("One", (SayEnv,), {"demonstration": lambda self, e, a: [{"role": "assistant",
                                                                                               "content": a}]}))[0]
@@ -316,7 +324,8 @@ def test_file_demonstrations_encode_as_the_environments(tiny_model, tiny_tokeniz
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0] must be"),
     ({"messages": []}, "messages must be a non-empty list of messages"),
     ({"prompt": "", "completion": "b"}, ":1: prompt is empty"),
-    ({"prompt": "a", "completion": 5}, "completion must be a string, got int"),
+    ({"prompt": "a", "completion": 5}, "completion must be a string or a list of messages, got int"),
+    ({"prompt": "a", "completion": [{"role": "user", "content": "b"}]}, "must start and end with an assistant message"),
     ({"prompt": "a", "turns": [{"role": "tool", "content": "t"}, {"role": "assistant", "content": "b"}]},
      "must start and end with an assistant message, got 'tool'"),
 ])
@@ -336,9 +345,13 @@ def test_an_empty_or_missing_file_and_a_chat_prompt_without_a_template(tmp_path,
     path = _write_jsonl(tmp_path / "c.jsonl", [{"prompt": "ab", "completion": "c"},
                                                {"messages": [{"role": "user", "content": "q"},
                                                              {"role": "assistant", "content": "a"}]}])
-    with pytest.raises(ValueError, match="demonstration 2 has a chat prompt, but the model's tokenizer has no chat "
-                                         "template"):
+    with pytest.raises(WarmupError, match=":2: a chat prompt, but the model's tokenizer has no chat template"):
         file_rows(tiny_model, tiny_tokenizer, path)
+    # a UTF-8 BOM is read; line numbers count blank lines
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes("\ufeff".encode() + b'{"prompt": "ab", "completion": "c"}\n\n{"prompt": "d", "turns": 1}\n')
+    with pytest.raises(ValueError, match=r"bom.jsonl:3: turns must be a non-empty list"):
+        read_demonstrations(bom)
 
 
 def test_cli_warm_up_on_a_file_without_an_environment(monkeypatch, tmp_path, capsys):
@@ -360,13 +373,26 @@ def test_cli_warm_up_on_a_file_without_an_environment(monkeypatch, tmp_path, cap
     assert (f"warm-up: 4 supervised steps on 12 demonstrations of sft_data={data}; 1 left out, longer than an "
             "episode allows") in err
     info = json.loads((full / "run_info.json").read_text())["warmup"]
-    assert (info["examples"], info["too_long"], info["dropped"]) == (12, 0 + 1, 0)
+    assert (info["examples"], info["too_long"], info["dropped"], info["data_rows"]) == (12, 0 + 1, 0, 12)
+    assert info["data"] == str(data) and info["data_sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
     assert info["loss_last"] < 0.5 * info["loss_first"]
     part = tmp_path / "part"
     shutil.copytree(full, part)
     latest_checkpoint(part).unlink()
+    again = tmp_path / "again"
+    shutil.copytree(part, again)
     assert cli(monkeypatch, "train", "--resume", str(part)) == 0
     assert strip(read_jsonl(full / "metrics.jsonl")) == strip(read_jsonl(part / "metrics.jsonl"))
+    # a file changed since: the reference would differ, refused (one line, exit 2); without a reference not read at all
+    data.write_text(data.read_text().replace("77", "78"))
+    capsys.readouterr()
+    assert cli(monkeypatch, "train", "--resume", str(again)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"echotrain train: error: sft_data={str(data)!r} changed since the run warmed up on it")
+    data.unlink()
+    assert cli(monkeypatch, "train", "--resume", str(again), "kl_coef=0") == 0
+    assert cli(monkeypatch, "train", "--resume", str(again), "kl_coef=0.05", "steps=3") == 2
+    assert "cannot be read" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("over, message", [
@@ -400,3 +426,23 @@ def test_a_file_replaces_the_environments_demonstrations(monkeypatch, tmp_path, 
     assert err.strip().splitlines()[-1] == (f"echotrain train: error: sft_data {data}: all 1 demonstrations are longer "
                                             "than an episode allows (max_new_tokens=6, max_turns=1, max_episode_tokens=12)")
     assert "Traceback" not in err
+
+
+def test_without_an_environment_a_demonstration_is_one_model_turn(monkeypatch, tmp_path, capsys):
+    """No env: a line of two model turns is left out before it is encoded (a template need not render it), counted;
+    the episode budget (max_episode_tokens) is an environment's: not applied; fewer rows used than the file holds
+    are said ("N of M"), and the order is the seed's."""
+    data = _write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "1+2=", "completion": "3"},
+        {"prompt": "2+2=", "turns": [{"role": "assistant", "content": "5"}, {"role": "user", "content": "no"},
+                                     {"role": "assistant", "content": "4"}]},
+        {"prompt": "3+4=", "completion": "7"}, {"prompt": "4+4=", "completion": "8888"}])
+    assert cli(monkeypatch, "train", *TINY, "task=testbed", "sft_steps=1", "sft_batch_size=1", f"sft_data={data}",
+               "max_episode_tokens=3", "steps=1", f"output_dir={tmp_path / 'r'}") == 0
+    assert f"warm-up: 1 supervised steps on 1 of 3 demonstrations of sft_data={data}; 1 left out" in capsys.readouterr().err
+    info = json.loads((tmp_path / "r" / "run_info.json").read_text())["warmup"]
+    assert (info["examples"], info["data_rows"], info["too_long"]) == (1, 3, 1)
+    # which one: the first of the seed's order over the 3 usable rows (targets: its answer's bytes + EOS)
+    order = list(range(3))
+    random.Random(0 + 7919).shuffle(order)
+    assert info["target_tokens_per_step"] == [2, 2, 5][order[0]]

@@ -78,7 +78,7 @@ CUDA_BRANCHES: dict[str, str] = {
     "train/config/validate.py:validate": "default_job",
     "train/dist.py:resolve_backend": "torchrun",  # nccl
     "train/metrics.py:peak_memory_mb": "default_job",  # memory/peak_mb from the CUDA allocator
-    "train/trainer.py:Trainer.__init__": "torchrun",  # cuda -> cuda:LOCAL_RANK under torchrun
+    "train/trainer.py:Trainer._init": "torchrun",  # cuda -> cuda:LOCAL_RANK under torchrun
 }
 
 

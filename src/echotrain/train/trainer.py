@@ -103,9 +103,18 @@ class Trainer:
             number of processes.
     """
 
-    def __init__(self, cfg: TrainConfig, *, model: Any = None, tokenizer: Any = None, task: Any = None,
-                 reward_fn: Any = None, resume: bool = False, callbacks: Sequence[StepCallback] = (),
-                 eval_task: Any = None):
+    def __init__(self, cfg: TrainConfig, **kwargs: Any):
+        self._run_lock = None
+        try:
+            self._init(cfg, **kwargs)
+        except BaseException:  # a failed setup (a resume, a warm-up) leaves the run directory to the next writer
+            if self._run_lock is not None:
+                self._run_lock.release()
+            raise
+
+    def _init(self, cfg: TrainConfig, *, model: Any = None, tokenizer: Any = None, task: Any = None,
+              reward_fn: Any = None, resume: bool = False, callbacks: Sequence[StepCallback] = (),
+              eval_task: Any = None) -> None:
         self.cfg = cfg
         #: the run's device and why (runtime/device.py: ``auto`` = cuda when usable): the startup line,
         #: run_info.json's device_reason
@@ -149,13 +158,14 @@ class Trainer:
         reward_fn = default_reward_fn(task, cfg.reward) if reward_fn is None else reward_fn
         #: the task's (or reward function's) step_metrics, or None (train/task_metrics.py)
         self.step_metrics = step_metrics_fn(task, reward_fn)
-        #: the supervised warm-up on the environment's demonstrations (sft_steps; train/warmup.py), or None.
-        #: A resumed run loads the warmed-up weights from its checkpoint, so the warm-up runs again only
-        #: to rebuild a KL reference (the warmed-up policy; deterministic given the seed)
+        #: the supervised warm-up on the environment's or sft_data's demonstrations (sft_steps; train/warmup.py),
+        #: or None. A resumed run loads the warmed-up weights from its checkpoint, so the warm-up runs again only
+        #: to rebuild a KL reference (the warmed-up policy; deterministic given the seed and, with sft_data, the
+        #: file: a file changed since is refused)
         self.warmup = None
         needs_reference = cfg.kl_coef > 0 and not is_lora(self.model)  # LoRA: the reference is the model with adapters off
         if cfg.sft_steps and (not resume or needs_reference):
-            self.warmup = self._warm_up(task)
+            self.warmup = self._warm_up(task, resume)
         #: on-policy distillation's teacher (train/distill.py), or None
         self.teacher = None
         if cfg.teacher:
@@ -216,12 +226,23 @@ class Trainer:
             self.logger = MetricsLogger(self.run_dir, report_to=cfg.report_to, project=cfg.wandb_project,
                                         config=cfg.to_dict(), start_step=self.start_step)
 
-    def _warm_up(self, task: Any) -> Any:
-        """Run the supervised warm-up (sft_steps) on the policy in place; its result."""
+    def _warm_up(self, task: Any, resume: bool = False) -> Any:
+        """Run the supervised warm-up (sft_steps) on the policy in place; its result.
+
+        Raises:
+            WarmupError: (resumed, with sft_data) the file differs from the one the run warmed up on.
+        """
         from echotrain.train.episodes import env_factory_of, episode_budget
-        from echotrain.train.warmup import sft_warmup
+        from echotrain.train.warmup import WarmupError, file_sha256, sft_warmup
 
         cfg = self.cfg
+        if resume and cfg.sft_data:
+            before = self._previous_warmup().get("data_sha256")
+            now = file_sha256(cfg.sft_data)
+            if before is not None and before != now:
+                raise WarmupError(f"sft_data={cfg.sft_data!r} changed since the run warmed up on it (sha256 {before[:12]}... "
+                                  f"then, {now[:12]}... now): the KL reference, the warmed-up policy, would differ; "
+                                  "restore the file or start a new run")
         episodes = bool(cfg.env or cfg.tools)  # without an environment a demonstration is one model turn
         result = sft_warmup(self.model, self.tokenizer, task, env_factory_of(cfg) if episodes else None,
                             steps=cfg.sft_steps, batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, seed=cfg.seed,
@@ -235,7 +256,8 @@ class Trainer:
         if self.dist.is_main:
             left_out = f"; {result.too_long} left out, longer than an episode allows" if result.too_long else ""
             source = f"sft_data={cfg.sft_data}" if cfg.sft_data else f"env={cfg.env or 'tools'}"
-            print(f"echotrain: warm-up: {result.steps} supervised steps on {result.examples} demonstrations of "
+            of = f" of {result.data_rows}" if result.data_rows not in (None, result.examples) else ""
+            print(f"echotrain: warm-up: {result.steps} supervised steps on {result.examples}{of} demonstrations of "
                   f"{source}{left_out} (cross-entropy {result.losses[0]:.3f} -> {result.losses[-1]:.3f} nats a "
                   f"target token, {result.seconds:.0f} s)", file=sys.stderr)
         return result
@@ -246,13 +268,16 @@ class Trainer:
         if self.warmup is not None:
             return self.warmup.summary()
         if self.cfg.sft_steps:  # resumed: the first run's record, if it wrote one
-            try:
-                before = json.loads((self.run_dir / "run_info.json").read_text()).get("warmup") or {}
-            except (OSError, ValueError):
-                before = {}
-            return {**before, "steps": self.cfg.sft_steps,
+            return {**self._previous_warmup(), "steps": self.cfg.sft_steps,
                     "note": "resumed: the warmed-up weights came from the checkpoint"}
         return None
+
+    def _previous_warmup(self) -> dict[str, Any]:
+        """run_info.json's ``warmup`` record as the run left it ({} when there is none)."""
+        try:
+            return json.loads((self.run_dir / "run_info.json").read_text()).get("warmup") or {}
+        except (OSError, ValueError, AttributeError):
+            return {}
 
     def _async_rollouts(self, tokenizer: Any, reward_fn: Any, pad_id: int) -> Any:
         """The :class:`~echotrain.train.async_rollouts.AsyncRollouts` of this run, the threads split

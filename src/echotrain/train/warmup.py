@@ -37,6 +37,7 @@ None``: the turns after ``env.reset(example)``'s prompt, starting and ending wit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -52,8 +53,8 @@ from echotrain.runtime.episodes import TurnRenderer, encode_text
 from echotrain.runtime.precision import autocast
 from echotrain.runtime.rollout import encode_prompts, eos_ids_of, render_prompts
 
-__all__ = ["WarmupError", "WarmupResult", "demonstration_rows", "encode_demonstration", "file_rows", "read_demonstrations",
-           "reference_completion", "sft_warmup"]
+__all__ = ["WarmupError", "WarmupResult", "demonstration_rows", "encode_demonstration", "file_rows", "file_sha256",
+           "read_demonstrations", "reference_completion", "sft_warmup"]
 
 class WarmupError(ValueError):
     """The warm-up cannot run: no demonstration it can use, a chat demonstration for a model without a chat
@@ -184,22 +185,23 @@ def encode_demonstration(tokenizer: Any, eos_id: int, prompt: Any, turns: Sequen
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-def read_demonstrations(path: str | Path) -> list[tuple[Any, list[dict[str, str]]]]:
-    """The demonstrations of an ``sft_data`` JSONL file (module docstring), as ``(prompt, turns)``.
+def read_demonstrations(path: str | Path) -> list[tuple[int, Any, list[dict[str, str]]]]:
+    """The demonstrations of an ``sft_data`` JSONL file (module docstring), as ``(line, prompt, turns)``.
 
-    Each line is a JSON object: ``{"messages": [...]}``, ``{"prompt": P, "completion": str}`` or
-    ``{"prompt": P, "turns": [...]}``, ``P`` a non-empty string or list of messages; a message is
-    ``{"role": system|user|assistant|tool, "content": str}``. Blank lines are skipped.
+    Each line is a JSON object: ``{"messages": [...]}``, ``{"prompt": P, "completion": C}`` or
+    ``{"prompt": P, "turns": [...]}``, ``P`` a non-empty string or list of messages, ``C`` a string or
+    (TRL's conversational prompt-completion) a list of messages; a message is
+    ``{"role": system|user|assistant|tool, "content": str}``. Blank lines are skipped; a UTF-8 BOM is read.
 
     Returns:
-        ``(prompt, turns)`` per line: ``turns`` start and end with an assistant turn.
+        ``(line number, prompt, turns)`` per demonstration: ``turns`` start and end with an assistant turn.
 
     Raises:
         ValueError: the file cannot be read, has no demonstration, or a line that is not one (naming
             ``path:line`` and what is wrong).
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"sft_data={str(path)!r} cannot be read: {exc}") from None
     out = []
@@ -228,9 +230,13 @@ def read_demonstrations(path: str | Path) -> list[tuple[Any, list[dict[str, str]
             else:
                 prompt = _messages(prompt, where, "prompt")
             if "completion" in obj:
-                if not isinstance(obj["completion"], str):
-                    raise ValueError(f"{where}: completion must be a string, got {type(obj['completion']).__name__}")
-                turns = [{"role": "assistant", "content": obj["completion"]}]
+                if isinstance(obj["completion"], list):  # TRL's conversational prompt-completion
+                    turns = _messages(obj["completion"], where, "completion")
+                elif isinstance(obj["completion"], str):
+                    turns = [{"role": "assistant", "content": obj["completion"]}]
+                else:
+                    raise ValueError(f"{where}: completion must be a string or a list of messages, got "
+                                     f"{type(obj['completion']).__name__}")
             else:
                 turns = _messages(obj["turns"], where, "turns")
         else:
@@ -239,7 +245,7 @@ def read_demonstrations(path: str | Path) -> list[tuple[Any, list[dict[str, str]
         if turns[0]["role"] != "assistant" or turns[-1]["role"] != "assistant":
             raise ValueError(f"{where}: the turns after the prompt must start and end with an assistant message, got "
                              f"{turns[0]['role']!r} ... {turns[-1]['role']!r}")
-        out.append((prompt, turns))
+        out.append((n, prompt, turns))
     if not out:
         raise ValueError(f"sft_data={str(path)!r} has no demonstration (an empty file)")
     return out
@@ -266,17 +272,25 @@ def file_rows(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: i
 
     Raises:
         ValueError: as :func:`read_demonstrations`.
-        WarmupError: chat messages for a tokenizer without a chat template.
+        WarmupError: chat messages for a tokenizer without a chat template, or a demonstration the
+            tokenizer or its chat template cannot encode (naming ``path:line``).
     """
     eos = _eos_id(model, tokenizer)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     rows, too_long = [], 0
-    for k, (prompt, turns) in enumerate(read_demonstrations(path)):
+    for line, prompt, turns in read_demonstrations(path):
         if not isinstance(prompt, str) and not has_template:
-            raise WarmupError(f"sft_data {path}: demonstration {k + 1} has a chat prompt, but the model's tokenizer has "
-                             "no chat template: give the prompt as a string")
-        row = encode_demonstration(tokenizer, eos, prompt, turns, max_new_tokens=max_new_tokens, max_turns=max_turns,
-                                   max_episode_tokens=max_episode_tokens)
+            raise WarmupError(f"sft_data {path}:{line}: a chat prompt, but the model's tokenizer has no chat template: "
+                              "give the prompt as a string")
+        if max_turns is not None and sum(t["role"] == "assistant" for t in turns) > max_turns:
+            too_long += 1  # (not encoded: its later turns may be more than a template can render)
+            continue
+        try:
+            row = encode_demonstration(tokenizer, eos, prompt, turns, max_new_tokens=max_new_tokens,
+                                       max_turns=max_turns, max_episode_tokens=max_episode_tokens)
+        except Exception as exc:  # noqa: BLE001 - a template or tokenizer error: name the line, one error line
+            raise WarmupError(f"sft_data {path}:{line}: cannot be encoded as an episode of this model: "
+                              f"{type(exc).__name__}: {exc}"[:500]) from None
         if row is None:
             too_long += 1
         else:
@@ -298,13 +312,26 @@ class WarmupResult:
     losses: list[float]
     target_tokens: float
     seconds: float
+    #: with ``data``: the file, its SHA-256 and how many of its demonstrations an episode holds (``examples``
+    #: of them were trained on: at most ``steps x batch_size``)
+    data: str | None = None
+    data_sha256: str | None = None
+    data_rows: int | None = None
 
     def summary(self) -> dict[str, Any]:
         """The run_info.json record."""
-        return {"steps": self.steps, "examples": self.examples, "dropped": self.dropped, "too_long": self.too_long,
-                "loss_first": self.losses[0] if self.losses else None,
-                "loss_last": self.losses[-1] if self.losses else None,
-                "target_tokens_per_step": self.target_tokens, "seconds": round(self.seconds, 1)}
+        out = {"steps": self.steps, "examples": self.examples, "dropped": self.dropped, "too_long": self.too_long,
+               "loss_first": self.losses[0] if self.losses else None,
+               "loss_last": self.losses[-1] if self.losses else None,
+               "target_tokens_per_step": self.target_tokens, "seconds": round(self.seconds, 1)}
+        if self.data is not None:
+            out.update(data=self.data, data_sha256=self.data_sha256, data_rows=self.data_rows)
+        return out
+
+
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 (hex) of the file at ``path``: what a resumed run compares before it warms up on it again."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any] | None, *, steps: int,
@@ -319,7 +346,8 @@ def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any
         tokenizer, task, make_env: as :func:`demonstration_rows`; ``steps * batch_size`` examples are
             drawn with ``task.sample(n, seed + WARMUP_SEED_OFFSET)``. Not used with ``data``.
         data: an ``sft_data`` JSONL file (:func:`file_rows`): its demonstrations instead of the
-            environment's (every one of them, cycled through in an order drawn from the seed).
+            environment's, in an order drawn from the seed: the first ``steps * batch_size`` of that
+            order, cycling through them again when the file holds fewer.
         steps: optimizer steps (>= 1).
         batch_size: demonstrations per step (>= 1); a step's loss is the mean over its target
             tokens (micro-batches of ``micro_batch_size`` rows accumulate the token sum).
@@ -334,7 +362,8 @@ def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any
         :class:`WarmupResult`.
 
     Raises:
-        ValueError: ``steps``, ``batch_size`` or ``micro_batch_size`` < 1, ``lr`` not > 0.
+        ValueError: ``steps``, ``batch_size`` or ``micro_batch_size`` < 1, ``lr`` not > 0; an
+            unreadable ``data`` file or a line of it that is not a demonstration (:func:`read_demonstrations`).
         WarmupError: no example with a demonstration (no file demonstration an episode can hold), a chat
             demonstration for a tokenizer without a chat template, or a loss that is not finite.
     """
@@ -399,5 +428,6 @@ def sft_warmup(model: Any, tokenizer: Any, task: Any, make_env: Callable[[], Any
     opt.zero_grad(set_to_none=True)
     del opt
     model.train(was_training)  # the trainer's policy runs in eval mode (train/features.py)
-    return WarmupResult(steps=steps, examples=len(rows), dropped=dropped, too_long=too_long, losses=losses,
-                        target_tokens=targets / steps, seconds=time.perf_counter() - t0)
+    file = {} if data is None else {"data": str(data), "data_sha256": file_sha256(data), "data_rows": len(rows)}
+    return WarmupResult(steps=steps, examples=min(len(rows), steps * batch_size), dropped=dropped, too_long=too_long,
+                        losses=losses, target_tokens=targets / steps, seconds=time.perf_counter() - t0, **file)

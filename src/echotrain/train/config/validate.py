@@ -202,14 +202,8 @@ def _check_env(cfg: TrainConfig, need: Any) -> None:
     need(cfg.sft_steps >= 0, "sft_steps", "must be >= 0 (0 = no warm-up)")
     need(cfg.sft_batch_size >= 1, "sft_batch_size", "must be >= 1")
     need(cfg.sft_lr > 0, "sft_lr", "must be > 0")
-    if cfg.sft_data:
-        need(cfg.sft_steps >= 1, "sft_data", "is set but sft_steps=0: set sft_steps=N (the warm-up's steps)")
-        from echotrain.train.warmup import read_demonstrations
-
-        try:
-            read_demonstrations(cfg.sft_data)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    # (the file itself is read by echotrain train's preflight: a resumed run without a KL reference needs it not)
+    need(not cfg.sft_data or cfg.sft_steps >= 1, "sft_data", "is set but sft_steps=0: set sft_steps=N (the warm-up's steps)")
     if not env:
         need(not cfg.env_options, "env_options", "is set but env is not: name the environment (env=<name>)")
         need(not cfg.sft_steps or bool(cfg.sft_data), "sft_steps",

@@ -257,3 +257,32 @@ def test_evaluation_of_an_env_run_scores_the_final_turn_of_episodes(monkeypatch)
     one_turn = dict(episodes, max_turns=1)
     assert evaluate(model, tok, task, num_prompts=6, n=1, max_new_tokens=8, temperature=0.0,
                     episodes=one_turn)["accuracy"] == 0.0
+
+
+def test_the_turn_end_is_the_eos_the_template_closes_turns_with(monkeypatch):
+    """A model whose generation config lists another eos first (Llama-3: <|end_of_text|> before <|eot_id|>) still
+    plays episodes: the environment's delta is cut after the id the template writes after an assistant turn
+    (before: "the chat template does not close an assistant turn with '<|endoftext|>'")."""
+    from echotrain.runtime.episodes import turn_end_id
+
+    tok = _smollm_tokenizer()
+    model = _tiny_llama(tok)
+    end_of_text, im_end = tok.convert_tokens_to_ids("<|endoftext|>"), tok.eos_token_id
+    assert end_of_text != im_end
+    model.generation_config.eos_token_id = [end_of_text, im_end]
+    assert turn_end_id(model, tok, True) == im_end
+    assert turn_end_id(model, tok, False) == end_of_text  # plain prompts: the first, as before
+    scripted = [[tok.convert_tokens_to_ids("h"), im_end], [tok.convert_tokens_to_ids("e"), end_of_text]]
+
+    def fake(model, ids, attn, *, max_new_tokens, **kw):
+        t = torch.tensor([scripted[fake.turn]] * ids.shape[0])
+        fake.turn += 1
+        return episodes_mod.Turn(t, torch.zeros(t.shape), torch.zeros(t.shape))
+
+    fake.turn = 0
+    monkeypatch.setattr(episodes_mod, "_sample", fake)
+    res = run_episodes(model, tok, [_chat_example("What is 3+4?")], 1, get_env_factory("feedback", message="Sure?"),
+                       max_new_tokens=4, max_turns=2, max_episode_tokens=64)
+    n = int(res.batch.attended_mask[0].sum())
+    env = tok("\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert res.batch.response_ids[0, :n].tolist() == scripted[0] + env + scripted[1]

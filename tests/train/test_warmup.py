@@ -446,3 +446,19 @@ def test_without_an_environment_a_demonstration_is_one_model_turn(monkeypatch, t
     order = list(range(3))
     random.Random(0 + 7919).shuffle(order)
     assert info["target_tokens_per_step"] == [2, 2, 5][order[0]]
+
+
+def test_chat_demonstrations_end_turns_with_the_templates_eos(tiny_model, tiny_tokenizer, tmp_path):
+    """Generation config eos ids [3, 2] with a template that closes turns with 2 (</s>): chat rows end each model
+    turn with 2 (and equal the template's rendering), string prompts keep the first id (3), as the episodes do."""
+    tiny_model.generation_config.eos_token_id = [3, 2]
+    path = _write_jsonl(tmp_path / "d.jsonl", [
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                      {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]},
+        {"prompt": "ab", "completion": "c"}])
+    (chat, _), (plain, plain_labels) = file_rows(tiny_model, tiny_tokenizer, path)[0]
+    text = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                               {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}],
+                                              tokenize=False)
+    assert chat == tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert plain[-1] == 3 and plain_labels[-1] == 3

@@ -43,7 +43,7 @@ from echotrain.runtime.rollout import (RolloutBatch, RolloutLogProbRecorder, _su
                                        eos_ids_of, left_pad, render_prompts)
 from echotrain.runtime.turn_cache import RowCache, cached_length, stack_row_caches
 
-__all__ = ["EPISODE_STATS", "EpisodeResult", "TurnRenderer", "encode_text", "run_episodes"]
+__all__ = ["EPISODE_STATS", "EpisodeResult", "TurnRenderer", "encode_text", "run_episodes", "turn_end_id"]
 
 #: Columns of ``RolloutBatch.episode_stats``: model turns, tool calls, failed tool calls,
 #: environment tokens, model tokens, cut by the token budget (0/1), cut by max_turns (0/1), the
@@ -60,6 +60,27 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     enc = tokenizer(text, add_special_tokens=False, return_tensors=None)
     ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
     return [int(i) for i in ids]
+
+
+def turn_end_id(model: Any, tokenizer: Any, chat: bool) -> int | None:
+    """The end-of-turn id that closes a model turn: for chat prompts, of the model's eos ids
+    (:func:`~echotrain.runtime.rollout.eos_ids_of`) the one whose token the chat template writes first after
+    an assistant message (Llama-3: ``<|eot_id|>``, not its generation config's first id ``<|end_of_text|>``;
+    ChatML: ``<|im_end|>``); else, or when the template writes none of them, the first eos id. None without one.
+    """
+    eos = eos_ids_of(model, tokenizer)
+    if not eos:
+        return None
+    if not chat or not getattr(tokenizer, "chat_template", None):
+        return eos[0]
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": _DUMMY}],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this: the first eos id, as before
+        return eos[0]
+    after = text.split(_DUMMY, 1)[1] if _DUMMY in text else ""
+    found = [(after.find(t), e) for e in eos if (t := tokenizer.convert_ids_to_tokens(e)) and t in after]
+    return min(found)[1] if found else eos[0]
 
 
 class TurnRenderer:
@@ -210,7 +231,7 @@ def run_episodes(model: Any, tokenizer: Any, examples: Sequence[Any], num_genera
     envs = [make_env() for _ in rows]
     prompts = [env.reset(ex) for env, ex in zip(envs, rows)]
     chat = not isinstance(prompts[0], str)
-    eos_text = tokenizer.convert_ids_to_tokens(eos[0]) if chat and eos else None
+    eos_text = tokenizer.convert_ids_to_tokens(turn_end_id(model, tokenizer, chat)) if chat and eos else None
     renderer = TurnRenderer(tokenizer, chat, eos_text)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, render_prompts(tokenizer, prompts), pad_id)
     real = [p[m.bool()].tolist() for p, m in zip(prompt_ids, prompt_mask)]

@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from echotrain.runtime.episodes import TurnRenderer, encode_text
+from echotrain.runtime.episodes import TurnRenderer, encode_text, turn_end_id
 from echotrain.runtime.precision import autocast
 from echotrain.runtime.rollout import encode_prompts, eos_ids_of, render_prompts
 
@@ -103,7 +103,7 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
         ValueError: the environment has no ``demonstration`` method, or a demonstration that does
             not start and end with an assistant turn.
     """
-    eos = _eos_id(model, tokenizer)
+    _eos_id(model, tokenizer)  # (raises without one)
     rows, dropped, too_long = [], 0, 0
     for ex in examples:
         env = make_env()
@@ -121,6 +121,7 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
         if task.score(turns[-1]["content"], ex) < 1.0:
             dropped += 1
             continue
+        eos = turn_end_id(model, tokenizer, not isinstance(prompt, str))
         row = encode_demonstration(tokenizer, eos, prompt, turns, max_new_tokens=max_new_tokens, max_turns=max_turns,
                                    max_episode_tokens=max_episode_tokens)
         if row is None:
@@ -143,7 +144,8 @@ def encode_demonstration(tokenizer: Any, eos_id: int, prompt: Any, turns: Sequen
     """One demonstration as a training row ``(ids, labels)``, encoded as an episode's trajectory.
 
     ``prompt`` (a string, or chat messages) as the rollouts encode it; each assistant turn's text
-    tokenised with ``eos_id`` appended (the targets); each run of other messages as the
+    tokenised with ``eos_id`` appended (the targets; the episodes' end-of-turn id,
+    :func:`~echotrain.runtime.episodes.turn_end_id`); each run of other messages as the
     :class:`~echotrain.runtime.episodes.TurnRenderer` delta the episodes insert (labels -100).
     None when an episode could not hold it: a model turn longer than ``max_new_tokens`` with its
     end-of-turn id, more than ``max_turns`` model turns, or more than ``max_episode_tokens`` ids
@@ -275,8 +277,9 @@ def file_rows(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: i
         WarmupError: chat messages for a tokenizer without a chat template, or a demonstration the
             tokenizer or its chat template cannot encode (naming ``path:line``).
     """
-    eos = _eos_id(model, tokenizer)
+    _eos_id(model, tokenizer)  # (raises without one)
     has_template = bool(getattr(tokenizer, "chat_template", None))
+    eos = {chat: turn_end_id(model, tokenizer, chat and has_template) for chat in (False, True)}
     rows, too_long = [], 0
     for line, prompt, turns in read_demonstrations(path):
         if not isinstance(prompt, str) and not has_template:
@@ -286,8 +289,9 @@ def file_rows(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: i
             too_long += 1  # (not encoded: its later turns may be more than a template can render)
             continue
         try:
-            row = encode_demonstration(tokenizer, eos, prompt, turns, max_new_tokens=max_new_tokens,
-                                       max_turns=max_turns, max_episode_tokens=max_episode_tokens)
+            row = encode_demonstration(tokenizer, eos[not isinstance(prompt, str)], prompt, turns,
+                                       max_new_tokens=max_new_tokens, max_turns=max_turns,
+                                       max_episode_tokens=max_episode_tokens)
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error: name the line, one error line
             raise WarmupError(f"sft_data {path}:{line}: cannot be encoded as an episode of this model: "
                               f"{type(exc).__name__}: {exc}"[:500]) from None

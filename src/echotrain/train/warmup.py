@@ -23,7 +23,8 @@ episode budget): the warm-up teaches only episodes the rollouts can produce.
 Or the demonstrations come from a file (``sft_data=PATH``, JSONL; :func:`read_demonstrations`), with or
 without an environment: one demonstration a line, TRL's conversational format ``{"messages": [...]}``
 (the prompt is every message before the first assistant one), its prompt-completion format
-``{"prompt": P, "completion": "..."}`` (one model turn), or ``{"prompt": P, "turns": [...]}`` (what
+``{"prompt": P, "completion": C}`` (``C`` a string: one model turn; or a list of messages), or
+``{"prompt": P, "turns": [...]}`` (what
 ``env.reset`` and ``env.demonstration`` return: the turns after the prompt); ``P`` is a string for a
 model without a chat template (the byte-level testbeds) or a list of chat messages. They are encoded the
 same way and left out the same way when an episode (without an environment: one model turn) could not

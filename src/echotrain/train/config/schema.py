@@ -222,7 +222,7 @@ class TrainConfig:
     sft_data: str = _f("", "A JSONL file of demonstrations for the warm-up (sft_steps) instead of the environment's, "
                        "with or without env (our flag; echotrain.train.warmup.read_demonstrations): a line is TRL's "
                        "{\"messages\": [...]} (the prompt = the messages before the first assistant one) or "
-                       "{\"prompt\": P, \"completion\": \"...\"}, or {\"prompt\": P, \"turns\": [...]} (an "
+                       "{\"prompt\": P, \"completion\": C} (C a string or messages), or {\"prompt\": P, \"turns\": [...]} (an "
                        "episode's turns after the prompt); P a string (models without a chat template) or chat "
                        "messages. Encoded as the rollouts encode them; one an episode (without env: one model turn "
                        "of max_new_tokens) cannot hold is left out. \"\" = the environment's demonstrations.",

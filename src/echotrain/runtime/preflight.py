@@ -230,29 +230,6 @@ def check_task(name: str, options: dict[str, Any], key: str = "task") -> Any:
         raise ConfigError(f"{key}={name!r} task_options={opts}: {exc}") from None
 
 
-def warmup_reruns_on_resume(cfg: Any) -> bool:
-    """Whether a resumed run warms up again (``sft_steps``): only to rebuild a KL reference (``kl_coef`` > 0,
-    not LoRA, whose reference is the base model): the warmed-up weights come from the checkpoint."""
-    return bool(cfg.sft_steps) and cfg.kl_coef > 0 and not cfg.lora_r
-
-
-def check_sft_data(cfg: Any, *, resume: bool) -> None:
-    """``sft_data``'s file is a JSONL file of demonstrations (:func:`echotrain.train.warmup.read_demonstrations`),
-    checked before the model loads; not read when a resumed run will not warm up again.
-
-    Raises:
-        ConfigError: the file cannot be read, is empty, or has a line that is not a demonstration (``path:line``).
-    """
-    if not cfg.sft_data or (resume and not warmup_reruns_on_resume(cfg)):
-        return
-    from echotrain.train.warmup import read_demonstrations
-
-    try:
-        read_demonstrations(cfg.sft_data)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
 def testbed_task_of(model: str | None) -> str | None:
     """The task a byte-level testbed policy was built for (``testbed`` -> ``testbed``,
     ``testbed-length`` -> ``testbed-length``; :data:`echotrain.models.testbed.TESTBED_CONFIGS`),

@@ -113,7 +113,9 @@ def run_train(args: argparse.Namespace) -> int:
                 return 0
         preflight.check_output_dir(cfg.output_dir, resume=args.resume is not None)
         preflight.check_chat_template(cfg.chat_template)
-        preflight.check_sft_data(cfg, resume=args.resume is not None)
+        from echotrain.train.warmup import check_sft_data
+
+        check_sft_data(cfg, resume=args.resume is not None)
         if cfg.reward:
             from echotrain.rewards.custom import load_reward
 

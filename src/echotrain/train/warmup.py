@@ -54,8 +54,8 @@ from echotrain.runtime.episodes import TurnRenderer, encode_text, turn_end_id
 from echotrain.runtime.precision import autocast
 from echotrain.runtime.rollout import encode_prompts, eos_ids_of, render_prompts
 
-__all__ = ["WarmupError", "WarmupResult", "demonstration_rows", "encode_demonstration", "file_rows", "file_sha256",
-           "read_demonstrations", "reference_completion", "sft_warmup"]
+__all__ = ["WarmupError", "WarmupResult", "check_sft_data", "demonstration_rows", "encode_demonstration", "file_rows",
+           "file_sha256", "read_demonstrations", "reference_completion", "sft_warmup"]
 
 class WarmupError(ValueError):
     """The warm-up cannot run: no demonstration it can use, a chat demonstration for a model without a chat
@@ -265,6 +265,29 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
                              f"got {m!r}"[:300])
         out.append({"role": m["role"], "content": m["content"]})
     return out
+
+
+def warmup_reruns_on_resume(cfg: Any) -> bool:
+    """Whether a resumed run warms up again (``sft_steps``): only to rebuild a KL reference (``kl_coef`` > 0,
+    not LoRA, whose reference is the base model): the warmed-up weights come from the checkpoint."""
+    return bool(cfg.sft_steps) and cfg.kl_coef > 0 and not cfg.lora_r
+
+
+def check_sft_data(cfg: Any, *, resume: bool) -> None:
+    """``sft_data``'s file is a JSONL file of demonstrations (:func:`read_demonstrations`), checked by
+    ``echotrain train`` before the model loads; not read when a resumed run will not warm up again.
+
+    Raises:
+        ConfigError: the file cannot be read, is empty, or has a line that is not a demonstration (``path:line``).
+    """
+    from echotrain.errors import ConfigError
+
+    if not cfg.sft_data or (resume and not warmup_reruns_on_resume(cfg)):
+        return
+    try:
+        read_demonstrations(cfg.sft_data)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def file_rows(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: int | None = None,

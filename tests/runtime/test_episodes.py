@@ -286,3 +286,23 @@ def test_the_turn_end_is_the_eos_the_template_closes_turns_with(monkeypatch):
     n = int(res.batch.attended_mask[0].sum())
     env = tok("\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert res.batch.response_ids[0, :n].tolist() == scripted[0] + env + scripted[1]
+
+
+def test_the_delta_of_a_template_that_requires_alternating_roles():
+    """A Mistral/Llama-2-style template that refuses two assistant turns in a row: the environment's delta after a
+    history ending with the model's turn renders (the placeholder takes that turn's place), and it is what the
+    template writes for the whole conversation after that turn's end-of-turn."""
+    from tests.train.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'assistant') != (loop.index0 % 2 == 1) %}"
+        "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+        "<s>{{ m['role'] }}:{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    eos_text = tok.convert_ids_to_tokens(tok.eos_token_id)
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    delta = TurnRenderer(tok, True, eos_text).delta_text(history, [{"role": "user", "content": "c"}])
+    whole = tok.apply_chat_template(history + [{"role": "user", "content": "c"}], tokenize=False,
+                                    add_generation_prompt=True)
+    assert delta == "<s>user:c</s><s>assistant:"
+    assert whole.endswith("b</s>" + delta)

@@ -89,7 +89,9 @@ class TurnRenderer:
     Chat prompts: the ids of ``template(history + [assistant X] + env_messages, add_generation_prompt)``
     minus ``template(history + [assistant X])``, plus what the template writes after the
     end-of-turn token that closed ``X`` (ChatML: ``"\\n"``), tokenised on their own; the model's
-    ids are never part of the text tokenised. Plain-string prompts (byte-level policies, no
+    ids are never part of the text tokenised. ``X`` is a placeholder for the model's turn: when the
+    history already ends with that assistant turn, ``X`` takes its place (two assistant turns in a
+    row are refused by templates that require alternating roles). Plain-string prompts (byte-level policies, no
     template): a ``tool`` message is ``<tool_response>...</tool_response>`` + newline, any other
     message its content + newline.
 
@@ -112,7 +114,13 @@ class TurnRenderer:
         if not self.chat:
             return "".join(f"<tool_response>{m['content']}</tool_response>\n" if m["role"] == "tool"
                            else f"{m['content']}\n" for m in env_messages)
-        convo = list(history) + [{"role": "assistant", "content": _DUMMY}]
+        # the model's turn (the history's last message when it is one) stands as the placeholder turn: a
+        # template that requires alternating roles (Mistral, Llama-2) refuses two assistant turns in a row, and
+        # the delta depends only on what follows the placeholder's end-of-turn
+        convo = list(history)
+        if convo and convo[-1].get("role") == "assistant":
+            convo = convo[:-1]
+        convo.append({"role": "assistant", "content": _DUMMY})
         base = self.tokenizer.apply_chat_template(convo, tokenize=False)
         full = self.tokenizer.apply_chat_template(convo + list(env_messages), tokenize=False,
                                                   add_generation_prompt=True)

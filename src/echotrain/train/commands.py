@@ -216,6 +216,8 @@ def disk_note(run_dir: str | Path, keep_last: int) -> str:
 
 def register_eval(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``echotrain eval`` to ``parser``."""
+    from echotrain.models.testbed import TESTBED_EVAL_SETTINGS
+
     parser.add_argument("--model", default=None, help="HF name/path, a .gguf file, a run directory (final_model or "
                         "latest checkpoint) or a checkpoint file; default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--task", default=None,
@@ -246,7 +248,7 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="response length cap (default: the run's max_new_tokens when evaluating a run on its "
                              "own task, a testbed policy's on its own task ("
-                             + ", ".join(f"{m} {v['max_new_tokens']}" for m, v in _testbed_settings().items())
+                             + ", ".join(f"{m} {v['max_new_tokens']}" for m, v in TESTBED_EVAL_SETTINGS.items())
                              + f"), else {EVAL_MAX_NEW_TOKENS} with --task, 1024 with --suite/--benchmark)")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 = greedy (default 0.7)")
     parser.add_argument("--seed", type=int, default=1234, help="seed for prompt choice and sampling (default 1234)")
@@ -385,16 +387,12 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _testbed_settings() -> dict[str, dict[str, Any]]:
-    from echotrain.models.testbed import TESTBED_EVAL_SETTINGS
-
-    return TESTBED_EVAL_SETTINGS
-
-
 def testbed_eval_settings(model: str | None) -> dict[str, Any]:
     """The generation settings of a testbed policy's runs (:data:`echotrain.models.testbed.TESTBED_EVAL_SETTINGS`:
     ``max_new_tokens``, and ``env`` / ``max_turns`` for testbed-calc), a copy, or ``{}`` for any other model."""
-    return dict(_testbed_settings().get(model or "", {}))
+    from echotrain.models.testbed import TESTBED_EVAL_SETTINGS
+
+    return dict(TESTBED_EVAL_SETTINGS.get(model or "", {}))
 
 
 #: ``echotrain eval --task``'s response length cap when neither ``--max-new-tokens`` nor a run's own

@@ -104,7 +104,7 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
         ValueError: the environment has no ``demonstration`` method, or a demonstration that does
             not start and end with an assistant turn.
     """
-    _eos_id(model, tokenizer)  # (raises without one)
+    eos = _turn_ends(model, tokenizer)
     rows, dropped, too_long = [], 0, 0
     for ex in examples:
         env = make_env()
@@ -122,8 +122,7 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
         if task.score(turns[-1]["content"], ex) < 1.0:
             dropped += 1
             continue
-        eos = turn_end_id(model, tokenizer, not isinstance(prompt, str))
-        row = encode_demonstration(tokenizer, eos, prompt, turns, max_new_tokens=max_new_tokens, max_turns=max_turns,
+        row = encode_demonstration(tokenizer, eos[not isinstance(prompt, str)], prompt, turns, max_new_tokens=max_new_tokens, max_turns=max_turns,
                                    max_episode_tokens=max_episode_tokens)
         if row is None:
             too_long += 1
@@ -132,11 +131,16 @@ def demonstration_rows(model: Any, tokenizer: Any, task: Any, examples: Sequence
     return rows, dropped, too_long
 
 
-def _eos_id(model: Any, tokenizer: Any) -> int:
-    eos = eos_ids_of(model, tokenizer)
-    if not eos:
+def _turn_ends(model: Any, tokenizer: Any) -> dict[bool, int]:
+    """The end-of-turn id of plain (False) and chat (True) prompts (:func:`~echotrain.runtime.episodes.turn_end_id`),
+    decided once per call of the callers (it renders the chat template).
+
+    Raises:
+        ValueError: the policy has no eos id.
+    """
+    if not eos_ids_of(model, tokenizer):
         raise ValueError("the policy has no end-of-turn (eos) token id: a demonstration's turns cannot end")
-    return eos[0]
+    return {chat: turn_end_id(model, tokenizer, chat) for chat in (False, True)}
 
 
 def encode_demonstration(tokenizer: Any, eos_id: int, prompt: Any, turns: Sequence[dict[str, str]], *,
@@ -301,9 +305,8 @@ def file_rows(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: i
         WarmupError: chat messages for a tokenizer without a chat template, or a demonstration the
             tokenizer or its chat template cannot encode (naming ``path:line``).
     """
-    _eos_id(model, tokenizer)  # (raises without one)
+    eos = _turn_ends(model, tokenizer)
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    eos = {chat: turn_end_id(model, tokenizer, chat and has_template) for chat in (False, True)}
     rows, too_long = [], 0
     for line, prompt, turns in read_demonstrations(path):
         if not isinstance(prompt, str) and not has_template:

@@ -462,3 +462,59 @@ def test_chat_demonstrations_end_turns_with_the_templates_eos(tiny_model, tiny_t
                                               tokenize=False)
     assert chat == tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
     assert plain[-1] == 3 and plain_labels[-1] == 3
+
+
+def test_history_dependent_template_rows_equal_the_whole_conversation(tiny_tokenizer, tmp_path):
+    """A template whose rendering of a message depends on the history before it (it numbers the messages): three
+    model turns, one reply of two messages; the row still equals the template's rendering of the whole conversation,
+    so each delta was rendered after the right history (the prompt, every model turn and every earlier reply)."""
+    tok = tiny_tokenizer
+    tok.chat_template = ("{% for m in messages %}<s>{{ loop.index }}{{ m['role'] }}:{{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s>{{ messages | length + 1 }}assistant:{% endif %}")
+    prompt = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "add 2 3"}]
+    turns = [{"role": "assistant", "content": "call 2 3"}, {"role": "tool", "content": "5"},
+             {"role": "user", "content": "sure"}, {"role": "assistant", "content": "call 5 0"},
+             {"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}]
+    ids, labels = encode_demonstration(tok, tok.eos_token_id, prompt, turns)
+    text = tok.apply_chat_template(prompt + turns, tokenize=False)
+    assert "<s>8assistant:5</s>" in text  # (the numbering is there to be matched)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert "".join(tok.convert_ids_to_tokens([t for t in labels if t != -100])) == "call 2 3</s>call 5 0</s>5</s>"
+
+
+def test_a_string_prompt_gets_the_tokenizers_bos_and_plain_deltas(tiny_tokenizer):
+    """A string prompt is encoded as the rollouts encode it (one BOS where the tokenizer's post-processor puts one;
+    :func:`~echotrain.runtime.rollout.encode_prompts`), and its environment replies are the plain-text deltas even
+    when the tokenizer has a chat template: the prompt's type decides, as in the episodes."""
+    from tokenizers.processors import TemplateProcessing
+
+    from echotrain.runtime.episodes import TurnRenderer
+    from echotrain.runtime.rollout import encode_prompts
+
+    tok = tiny_tokenizer
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    assert tok("ab")["input_ids"][0] == 1 and tok.chat_template  # BOS added; a chat template present
+    eos = tok.eos_token_id
+    turns = [{"role": "assistant", "content": "c"}, {"role": "user", "content": "no"}, {"role": "assistant", "content": "d"}]
+    ids, labels = encode_demonstration(tok, eos, "ab", turns)
+    prompt_ids = encode_prompts(tok, ["ab"])[0][0].tolist()
+    assert prompt_ids[0] == 1
+    delta = TurnRenderer(tok, False, None).delta("ab", [turns[1]])
+    c, d = (tok(x, add_special_tokens=False)["input_ids"] for x in "cd")
+    assert ids == prompt_ids + c + [eos] + delta + d + [eos]
+    assert labels == [-100] * len(prompt_ids) + c + [eos] + [-100] * len(delta) + d + [eos]
+
+
+def test_cli_tools_without_an_environment_warm_up_on_multi_turn_lines(monkeypatch, tmp_path, capsys):
+    """``tools=[...]`` without ``env`` runs episodes (max_turns model turns), so a file line of a tool call, its
+    result and the answer is a demonstration of it, not left out as longer than one model turn."""
+    (tmp_path / "my_tools.py").write_text('def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: first.\n'
+                                          '        b: second.\n    """\n    return a + b\n')
+    monkeypatch.chdir(tmp_path)
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "2+3=", "turns": [
+        {"role": "assistant", "content": "c2+3"}, {"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}]}])
+    assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", "tools=[my_tools.py:add]", "max_turns=2", "max_episode_tokens=64",
+               "sft_steps=1", "sft_batch_size=1", f"sft_data={data}", "steps=1", "save_every=0", f"output_dir={tmp_path / 'r'}") == 0
+    assert f"warm-up: 1 supervised steps on 1 demonstrations of sft_data={data}\x20(" in capsys.readouterr().err
+    info = json.loads((tmp_path / "r" / "run_info.json").read_text())["warmup"]
+    assert (info["examples"], info["too_long"]) == (1, 0)

@@ -58,6 +58,7 @@ from echotrain.train.stability import stability_flags
 from echotrain.rl.correction import parse_rollout_correction, rollout_mismatch_metrics
 from echotrain.train.step import StepData
 from echotrain.train.task_metrics import step_metrics_fn, task_step_metrics
+from echotrain.train.warmup import warmup_reruns_on_resume
 from echotrain.train.utilisation import build_meter
 from echotrain.train.async_rollouts import RolloutWorkerError
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
@@ -164,7 +165,7 @@ class Trainer:
         #: file: a file changed since is refused)
         self.warmup = None
         needs_reference = cfg.kl_coef > 0 and not is_lora(self.model)  # LoRA: the reference is the model with adapters off
-        if cfg.sft_steps and (not resume or needs_reference):
+        if cfg.sft_steps and (not resume or warmup_reruns_on_resume(cfg, lora=is_lora(self.model))):
             self.warmup = self._warm_up(task, resume)
         #: on-policy distillation's teacher (train/distill.py), or None
         self.teacher = None

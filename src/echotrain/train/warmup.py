@@ -271,10 +271,12 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
     return out
 
 
-def warmup_reruns_on_resume(cfg: Any) -> bool:
+def warmup_reruns_on_resume(cfg: Any, lora: bool | None = None) -> bool:
     """Whether a resumed run warms up again (``sft_steps``): only to rebuild a KL reference (``kl_coef`` > 0,
-    not LoRA, whose reference is the base model): the warmed-up weights come from the checkpoint."""
-    return bool(cfg.sft_steps) and cfg.kl_coef > 0 and not cfg.lora_r
+    not LoRA, whose reference is the base model): the warmed-up weights come from the checkpoint.
+    ``lora``: whether the policy has LoRA adapters (default: ``cfg.lora_r`` > 0, before the model is loaded)."""
+    lora = bool(cfg.lora_r) if lora is None else lora
+    return bool(cfg.sft_steps) and cfg.kl_coef > 0 and not lora
 
 
 def check_sft_data(cfg: Any, *, resume: bool) -> None:

@@ -306,3 +306,31 @@ def test_the_delta_of_a_template_that_requires_alternating_roles():
                                     add_generation_prompt=True)
     assert delta == "<s>user:c</s><s>assistant:"
     assert whole.endswith("b</s>" + delta)
+
+
+#: Gemma's rule: a system message goes into the first user turn, then user and model turns alternate; no ``tool``
+#: role (its template raises on one)
+GEMMA_LIKE = ("{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + ' ' %}"
+              "{% set rest = messages[1:] %}{% else %}{% set first = '' %}{% set rest = messages %}{% endif %}"
+              "{% for m in rest %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('Conversation roles must alternate user/model/user/model/...') }}{% endif %}"
+              "<s>{{ 'model' if m['role'] == 'assistant' else m['role'] }}:{{ first if loop.first else '' }}"
+              "{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>model:{% endif %}")
+
+
+def test_a_reply_the_template_refuses_is_a_template_error_naming_the_remedy():
+    """A Gemma-style template renders a user reply but refuses a tool result: TemplateError (a ValueError) with the
+    role, the template's own message and the remedy (chat_template=FILE), not jinja's bare exception."""
+    from tests.train.conftest import make_tokenizer
+    from echotrain.runtime.episodes import TemplateError
+
+    tok = make_tokenizer()
+    tok.chat_template = GEMMA_LIKE
+    renderer = TurnRenderer(tok, True, "</s>")
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert renderer.delta_text(history, [{"role": "user", "content": "c"}]) == "<s>user:c</s><s>model:"
+    with pytest.raises(TemplateError, match=r"cannot render the environment's reply \(role 'tool'\) after a model "
+                                            r"turn: TemplateError: Conversation roles must alternate .*"
+                                            r"chat_template=FILE") as err:
+        renderer.delta_text(history, [{"role": "tool", "content": "c"}])
+    assert isinstance(err.value, ValueError) and err.value.__cause__ is not None

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from echotrain.runtime.checkpoints import latest_checkpoint
 from echotrain.train.episodes import EPISODE_METRICS
@@ -298,3 +299,52 @@ def test_eval_env_flags_errors_exit_2_with_one_line(monkeypatch, capsys, flags, 
     assert cli(monkeypatch, "eval", "--model", "testbed", "--prompts", "2", "--threads", "1", *flags) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_a_chat_template_without_a_tool_role_is_one_error_line(monkeypatch, tmp_path, capsys):
+    """A chat model whose template refuses tool results (Gemma's rule) in an environment that replies with them:
+    exit 2 and one error line naming chat_template=FILE at the first reply, no traceback; the same run with a
+    template that has a tool role (chat_template=FILE) trains."""
+    from tests.runtime.test_episodes import GEMMA_LIKE
+    from tests.train.conftest import CHAT_TEMPLATE, make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    tok.chat_template = GEMMA_LIKE
+    model_dir = tmp_path / "gemma-like"
+    model = make_model(tok)
+    with torch.no_grad():  # a policy that ends every turn at once: the residual stream is the token's embedding,
+        for layer in model.model.layers:  # and only its dim 0 (1, or 10 for EOS) reaches the tied head
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.model.embed_tokens.weight[tok.eos_token_id, 0] = 10.0
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    (tmp_path / "tool_env.py").write_text(
+        "from echotrain.envs.base import EnvReply, register_env\n\n\n"
+        "@register_env('always-tool')\nclass AlwaysTool:\n"
+        "    def reset(self, example):\n        return list(example.messages)\n\n"
+        "    def step(self, completion):\n        return EnvReply(messages=[{'role': 'tool', 'content': 'ok'}])\n")
+    (tmp_path / "with_tool.jinja").write_text(CHAT_TEMPLATE)
+    monkeypatch.chdir(tmp_path)
+    args = ["train", f"model={model_dir}", "plugins=[./tool_env.py]", "env=always-tool", "max_turns=2",
+            "prompts_per_step=2", "num_generations=2", "max_new_tokens=4", "max_episode_tokens=64", "micro_batch_size=4",
+            "num_threads=1", "eval_prompts=0", "plots=false", "save_final_model=false", "progress=false", "steps=1",
+            "save_every=0"]
+    assert cli(monkeypatch, *args, f"output_dir={tmp_path / 'r'}") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        "echotrain train: error: the chat template cannot render the environment's reply (role 'tool') after a model "
+        "turn: TemplateError: Conversation roles must alternate")
+    assert cli(monkeypatch, *args, "chat_template=with_tool.jinja", f"output_dir={tmp_path / 'r2'}") == 0
+    assert read_jsonl(tmp_path / "r2" / "metrics.jsonl")[0]["episode/env_tokens"] > 0
+    # echotrain eval with that environment: the same line
+    capsys.readouterr()
+    assert cli(monkeypatch, "eval", "--model", str(model_dir), "--plugins", "./tool_env.py", "--env", "always-tool",
+               "--max-turns", "2", "--prompts", "2", "--threads", "1") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        "echotrain eval: error: the chat template cannot render the environment's reply (role 'tool')")

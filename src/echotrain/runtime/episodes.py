@@ -43,7 +43,7 @@ from echotrain.runtime.rollout import (RolloutBatch, RolloutLogProbRecorder, _su
                                        eos_ids_of, left_pad, render_prompts)
 from echotrain.runtime.turn_cache import RowCache, cached_length, stack_row_caches
 
-__all__ = ["EPISODE_STATS", "EpisodeResult", "TurnRenderer", "encode_text", "run_episodes", "turn_end_id"]
+__all__ = ["EPISODE_STATS", "EpisodeResult", "TemplateError", "TurnRenderer", "encode_text", "run_episodes", "turn_end_id"]
 
 #: Columns of ``RolloutBatch.episode_stats``: model turns, tool calls, failed tool calls,
 #: environment tokens, model tokens, cut by the token budget (0/1), cut by max_turns (0/1), the
@@ -83,6 +83,13 @@ def turn_end_id(model: Any, tokenizer: Any, chat: bool) -> int | None:
     return min(found)[1] if found else eos[0]
 
 
+class TemplateError(ValueError):
+    """The chat template cannot render an episode's environment turn (:meth:`TurnRenderer.delta_text`): it
+    refuses the environment's messages (Gemma's template, for one, has no ``tool`` role and requires
+    user/assistant to alternate), rewrites history, or does not close an assistant turn with the end-of-turn
+    token. A setting of the run (``model``, ``chat_template``, ``env``), not a fault of one episode."""
+
+
 class TurnRenderer:
     """Token ids of an environment's messages, inserted after a model turn.
 
@@ -101,9 +108,10 @@ class TurnRenderer:
         eos_text: the end-of-turn token's text (ChatML: ``<|im_end|>``); None for plain prompts.
 
     Raises:
-        ValueError: (at :meth:`delta`) a template whose rendering of a longer conversation does
-            not start with its rendering of the shorter one (it rewrites history), or that does
-            not write ``eos_text`` after an assistant turn.
+        TemplateError: (at :meth:`delta`) a template that cannot render the environment's messages after a
+            model turn (its own error named), whose rendering of a longer conversation does not start with its
+            rendering of the shorter one (it rewrites history), or that does not write ``eos_text`` after an
+            assistant turn.
     """
 
     def __init__(self, tokenizer: Any, chat: bool, eos_text: str | None):
@@ -121,16 +129,24 @@ class TurnRenderer:
         if convo and convo[-1].get("role") == "assistant":
             convo = convo[:-1]
         convo.append({"role": "assistant", "content": _DUMMY})
-        base = self.tokenizer.apply_chat_template(convo, tokenize=False)
-        full = self.tokenizer.apply_chat_template(convo + list(env_messages), tokenize=False,
-                                                  add_generation_prompt=True)
+        try:
+            base = self.tokenizer.apply_chat_template(convo, tokenize=False)
+            full = self.tokenizer.apply_chat_template(convo + list(env_messages), tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception, ...
+            roles = ", ".join(sorted({repr(m.get("role")) for m in env_messages}))
+            raise TemplateError(
+                f"the chat template cannot render the environment's reply (role {roles}) after a model turn: "
+                f"{type(exc).__name__}: {exc}. Give a template that renders it (echotrain train's chat_template=FILE; "
+                "for tool results, one with a 'tool' role), or an environment whose replies have roles this "
+                "template accepts") from exc
         if not full.startswith(base):
-            raise ValueError("the chat template renders a conversation differently once more turns follow "
-                             "(it rewrites history); multi-turn token continuity needs a prefix-stable template")
+            raise TemplateError("the chat template renders a conversation differently once more turns follow "
+                                "(it rewrites history); multi-turn token continuity needs a prefix-stable template")
         at = base.rfind(_DUMMY)
         close = base.find(self.eos_text, at) if self.eos_text else -1
         if close < 0:
-            raise ValueError(f"the chat template does not close an assistant turn with {self.eos_text!r}")
+            raise TemplateError(f"the chat template does not close an assistant turn with {self.eos_text!r}")
         return base[close + len(self.eos_text):] + full[len(base):]
 
     def delta(self, history: list[dict[str, str]] | str, env_messages: list[dict[str, str]]) -> list[int]:

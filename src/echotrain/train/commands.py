@@ -146,13 +146,15 @@ def run_train(args: argparse.Namespace) -> int:
     from echotrain.train.lag import StalenessMismatch
     from echotrain.train.run_lock import RunDirBusy
     from echotrain.train.warmup import WarmupError
+    from echotrain.runtime.episodes import TemplateError
 
     try:
         trainer = Trainer(cfg, task=task, resume=args.resume is not None)
-    except (OSError, WorldSizeMismatch, StalenessMismatch, AsyncUnsupported, RunDirBusy, WarmupError) as exc:  # a hub id that passed the checks but does
+    except (OSError, WorldSizeMismatch, StalenessMismatch, AsyncUnsupported, RunDirBusy, WarmupError,
+            TemplateError) as exc:  # a hub id that passed the checks but does
         # not exist; a resume with another number of processes or another staleness; another
         # process writing the run directory (exit 2, before the model loads); a warm-up (sft_steps) without
-        # a demonstration it can use
+        # a demonstration it can use, or whose environment replies the chat template cannot render
         if getattr(args, "debug", False):
             raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)
@@ -178,6 +180,11 @@ def run_train(args: argparse.Namespace) -> int:
             raise
         print(f"echotrain train: error: {exc}", file=sys.stderr)
         return 1
+    except TemplateError as exc:  # an environment reply the chat template cannot render: a setting, exit 2
+        if getattr(args, "debug", False):
+            raise
+        print(f"echotrain train: error: {exc}", file=sys.stderr)
+        return 2
     total = time.perf_counter() - t0
     train_s = getattr(trainer, "train_seconds", total)
     glance = "plots/summary.png: the run at a glance" if cfg.plots else "metrics.jsonl: one line per step; plots=false"
@@ -365,12 +372,20 @@ def run_eval(args: argparse.Namespace) -> int:
             raise
         print(f"echotrain eval: error: {exc}", file=sys.stderr)
         return 2
+    from echotrain.runtime.episodes import TemplateError
+
     t0 = time.perf_counter()
-    with autocast(model, resolve_for(model, args.autocast)):
-        res = evaluate(model, tok, plan.task, num_prompts=args.prompts, n=args.n, ks=ks,
-                       max_new_tokens=plan.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                       keep_samples=max(3, args.show or 0), episodes=plan.episodes, decode_linear=args.decode_linear,
-                       **plan.generation)
+    try:
+        with autocast(model, resolve_for(model, args.autocast)):
+            res = evaluate(model, tok, plan.task, num_prompts=args.prompts, n=args.n, ks=ks,
+                           max_new_tokens=plan.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                           keep_samples=max(3, args.show or 0), episodes=plan.episodes,
+                           decode_linear=args.decode_linear, **plan.generation)
+    except TemplateError as exc:  # --env's replies the model's chat template cannot render
+        if getattr(args, "debug", False):
+            raise
+        print(f"echotrain eval: error: {exc}", file=sys.stderr)
+        return 2
     res["seconds"] = time.perf_counter() - t0
     samples = res.pop("samples", [])
     show = args.show if args.show is not None else (3 if res["accuracy"] == 0 else 0)

@@ -291,8 +291,16 @@ def test_read_only_output_dir(cwd, capsys, no_model_load):
         ro.chmod(0o755)
 
 
+def test_eval_suite_options_without_a_suite_are_refused(cwd, capsys, no_model_load):
+    """--out, --limit, --top-p ... belong to the benchmark suites: with --task (or none) they would be silently unused."""
+    fails(capsys, cwd, ["eval", "--model", "testbed", "--out", "x"], "--out is an option of --suite / --benchmark")
+    fails(capsys, cwd, ["eval", "--limit", "5", "--top-p", "0.9", "--data-dir", "d"],
+          "--data-dir, --limit, --top-p are options of --suite / --benchmark")
+    fails(capsys, cwd, ["eval", "--batch-size", "4", "--no-progress"], "--batch-size, --no-progress are options")
+
+
 def test_eval_greedy_with_several_samples_is_refused(cwd, capsys, no_model_load):
-    fails(capsys, cwd, ["eval", "--temperature", "0"], "temperature=0", "n=4", "--n 1")
+    fails(capsys, cwd, ["eval", "--temperature", "0", "--n", "4"], "temperature=0", "n=4", "--n 1")
     fails(capsys, cwd, ["eval", "--temperature", "0", "--n", "2", "--k", "1,2"], "n=2", "identical")
     fails(capsys, cwd, ["eval", "--temperature", "-1", "--n", "1"], "--temperature must be >= 0")
     # the suite path refuses with the same rule

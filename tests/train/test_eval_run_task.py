@@ -112,6 +112,14 @@ def test_eval_of_a_testbed_policy_generates_as_its_runs(offline, capsys):
     assert res["max_new_tokens"] == 48 and not any("max_new_tokens=" in line for line in err)
 
 
+def test_the_default_n_follows_the_temperature(offline, capsys):
+    """Without ``--n``: 4 samples a prompt when sampling, 1 at ``--temperature 0`` (greedy: the same sample n times);
+    an explicit ``--n 4`` there is refused (tests/train/test_cli_errors.py)."""
+    rest = ["--prompts", "2", "--threads", "1", "--json", "--max-new-tokens", "4"]
+    assert _eval(capsys, ["--model", "testbed", "--temperature", "0", *rest])[0]["n"] == 1
+    assert _eval(capsys, ["--model", "testbed", *rest])[0]["n"] == 4
+
+
 def test_testbed_eval_settings_are_those_of_its_configs():
     """``TESTBED_EVAL_SETTINGS`` (what ``echotrain eval --model NAME`` uses) agree with ``configs/testbed*.yaml``,
     one entry for each testbed policy."""

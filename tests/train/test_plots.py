@@ -11,6 +11,18 @@ from echotrain.train.metrics import builtin_metrics
 from echotrain.train.plots import moving_mean, panel_file, plot_metrics, smoothing_window
 
 
+def test_eval_decoding_is_read_from_the_records():
+    """eval.jsonl's eval/temperature says how the evaluations decoded (records without it: greedy)."""
+    from echotrain.train.plots import eval_decoding, smoothing_note
+
+    assert eval_decoding([{"step": 0}, {"step": 4, "eval/temperature": 0.0}]) == "greedy"
+    assert eval_decoding(None) == "greedy"
+    assert eval_decoding([{"step": 0, "eval/temperature": 1.0}]) == "sampled at T=1"
+    assert eval_decoding([{"eval/temperature": 0.6}, {"eval/temperature": 1.0}]) == "sampled at T=0.6/1"
+    assert smoothing_note(1, True, "sampled at T=1").endswith("diamonds: evaluations on fixed prompts (sampled at T=1), "
+                                                              "not joined")
+
+
 def test_moving_mean_hand_values():
     assert moving_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert moving_mean([2.0, 4.0], 1) == [2.0, 4.0]
@@ -57,7 +69,7 @@ def test_summary_figure_written(tmp_path, monkeypatch):
     assert dict((t, y) for t, y, _ in summary)["Truncated responses"] == "fraction of completions"
     assert all(ylabel for _, ylabel, _ in summary)
     acc = [legend for t, _, legend in summary if t == "Accuracy"][0]
-    assert "greedy eval (fixed prompts)" in acc
+    assert "eval (greedy, fixed prompts)" in acc
     plt.close("all")
 
 
@@ -87,11 +99,12 @@ def test_greedy_evals_are_markers_not_a_trend_line_and_smoothing_is_said_once(tm
     for name, panel in (("summary.png", "Accuracy"), ("accuracy.png", "Accuracy")):
         (fig,) = [f for k, f in seen.items() if os.path.basename(k).startswith(f".{name}.tmp")]
         (ax,) = [a for a in fig.axes if a.get_title() == panel]
-        (ev,) = [ln for ln in ax.get_lines() if "greedy eval" in ln.get_label()]
+        (ev,) = [ln for ln in ax.get_lines() if "(greedy, fixed prompts)" in ln.get_label()]
         assert ev.get_linestyle() == "None" and ev.get_marker() == "D", name  # markers only
         assert list(ev.get_xdata()) == [0, 8, 16]
         notes = [t.get_text() for t in fig.texts]
-        assert any("trailing mean of the last 2 steps" in t and "not joined" in t for t in notes), notes
+        assert any("trailing mean of the last 2 steps" in t and "evaluations on fixed prompts (greedy), not joined" in t
+                   for t in notes), notes
     (fig,) = [f for k, f in seen.items() if os.path.basename(k).startswith(".summary.png.tmp")]
     (length,) = [a for a in fig.axes if a.get_title() == "Response length"]
     labels = [t.get_text() for t in length.get_legend().get_texts()]

@@ -34,6 +34,13 @@ def test_summary_keeps_metric_names_whole_and_says_which_steps_ran(capsys):
     for name in ("throughput/tokens_per_s", "response_length/mean", "eval/format_rate (greedy)"):
         assert name in err, err
     assert "6 steps in metrics.jsonl; steps 4-6 ran in 77 s" in " ".join(err.split())
+    assert "eval rows: greedy on fixed prompts at step 0 (first) and 6 (last)" in " ".join(err.split())
+    # sampled evaluations (eval_temperature > 0) are not called greedy
+    sampled = [{**e, "eval/temperature": 1.0} for e in evals]
+    print_summary(records, "runs/a", 77.2, evals=sampled, steps_run=(4, 6))
+    err = " ".join(capsys.readouterr().err.split())
+    assert "eval rows: sampled at T=1 on fixed prompts" in err and "eval/accuracy (sampled)" in err
+    assert "greedy" not in err
 
 
 def test_resumed_run_title_counts_the_steps_it_ran(tmp_path, tiny_tokenizer, make_tiny_model, digit_task, capsys):

@@ -328,12 +328,62 @@ def test_file_demonstrations_encode_as_the_environments(tiny_model, tiny_tokeniz
     ({"prompt": "a", "completion": [{"role": "user", "content": "b"}]}, "must start and end with an assistant message"),
     ({"prompt": "a", "turns": [{"role": "tool", "content": "t"}, {"role": "assistant", "content": "b"}]},
      "must start and end with an assistant message, got 'tool'"),
+    ({"prompt": "a", "completion": ""}, "assistant turn 1 is empty (no content, no tool_calls)"),
+    ({"prompt": "a", "turns": [{"role": "assistant", "content": "b"}, {"role": "user", "content": "no"},
+                               {"role": "assistant", "content": ""}]}, "assistant turn 2 is empty"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
+     "messages[1] must be {\"role\": one of"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": "f"}]},
+     "messages[1].tool_calls must be a list, got str"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0] must be {\"type\": \"function\", \"function\": {\"name\": a string"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"function": {}}]}]},
+     "messages[1].tool_calls[0] must be"),
 ])
 def test_bad_demonstration_lines_are_named(tmp_path, line, message):
     path = _write_jsonl(tmp_path / "d.jsonl", [line])
     with pytest.raises(ValueError) as err:
         read_demonstrations(path)
     assert f"sft_data {path}:1: " in str(err.value) and message in str(err.value)
+
+
+def test_trl_tool_calls_become_the_text_the_episodes_parse(tiny_model, tiny_tokenizer, tmp_path):
+    """An assistant message's structured tool_calls (TRL / OpenAI; content null, missing or text; arguments an object
+    or a JSON string) are the Hermes text after its content, a call a line, which the environment's parser reads back;
+    the row equals that of the same line written as text."""
+    from echotrain.envs.tools import parse_tool_calls
+
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    other = {"type": "function", "function": {"name": "neg", "arguments": {"x": 5}}}
+    structured = [{"role": "user", "content": "add 2 3"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "content": "5", "name": "add", "tool_call_id": "0"},
+                  {"role": "assistant", "content": "so", "tool_calls": [other, call]},
+                  {"role": "tool", "content": "-5"}, {"role": "tool", "content": "5"},
+                  {"role": "assistant", "content": "5"}]
+    text_one = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    text_two = 'so\n<tool_call>{"name": "neg", "arguments": {"x": 5}}</tool_call>\n' + text_one
+    (_, prompt, turns), = read_demonstrations(_write_jsonl(tmp_path / "s.jsonl", [{"messages": structured}]))
+    assert prompt == structured[:1]
+    assert [t["content"] for t in turns] == [text_one, "5", text_two, "-5", "5", "5"]
+    assert [(c.name, c.arguments) for c in parse_tool_calls(text_two)] == [("neg", {"x": 5}), ("add", {"a": 2, "b": 3})]
+    as_text = [{**m, "content": c} for m, c in zip(structured[1:], [text_one, "5", text_two, "-5", "5", "5"])]
+    for m in as_text:
+        m.pop("tool_calls", None)
+    plain = _write_jsonl(tmp_path / "t.jsonl", [{"messages": structured[:1] + as_text}])
+    assert file_rows(tiny_model, tiny_tokenizer, tmp_path / "s.jsonl") == file_rows(tiny_model, tiny_tokenizer, plain)
+
+
+def test_a_turn_ending_with_the_end_of_turn_token_is_refused(tiny_model, tiny_tokenizer, tmp_path):
+    """The warm-up appends the end-of-turn id to each assistant turn: a turn that already ends with it would train it
+    twice (and the token after it), so the line is refused, named; the same token inside a turn is text."""
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "completion": "c d"},
+                                               {"prompt": "ab", "completion": "c</s>"}])
+    with pytest.raises(WarmupError, match=r"d.jsonl:2: the assistant turn 'c</s>' ends with the end-of-turn token "
+                                          r"'</s>', which the warm-up appends"):
+        file_rows(tiny_model, tiny_tokenizer, path)
+    ok = _write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "ab", "completion": "c</s>d"}])
+    assert file_rows(tiny_model, tiny_tokenizer, ok)[0][0][0][-2:] == [tiny_tokenizer.convert_tokens_to_ids("d"), 2]
 
 
 def test_an_empty_or_missing_file_and_a_chat_prompt_without_a_template(tmp_path, tiny_model, tiny_tokenizer):
@@ -418,7 +468,7 @@ def test_a_file_replaces_the_environments_demonstrations(monkeypatch, tmp_path, 
         {"role": "assistant", "content": "46"}]}])
     assert cli(monkeypatch, "train", *TINY, "task=testbed", "env=feedback", "max_turns=2", "sft_steps=1",
                "sft_batch_size=2", f"sft_data={data}", "steps=1", f"output_dir={tmp_path / 'r'}") == 0
-    assert f"warm-up: 1 supervised steps on 1 demonstrations of sft_data={data}" in capsys.readouterr().err
+    assert f"warm-up: 1 supervised step on 1 demonstration of sft_data={data}" in capsys.readouterr().err
     # one model turn at most: the same file is too long for the episode, and then nothing is left: one line, exit 2
     assert cli(monkeypatch, "train", *TINY, "task=testbed", "env=feedback", "max_turns=1", "sft_steps=1",
                f"sft_data={data}", "steps=1", f"output_dir={tmp_path / 'r2'}") == 2
@@ -439,7 +489,7 @@ def test_without_an_environment_a_demonstration_is_one_model_turn(monkeypatch, t
         {"prompt": "3+4=", "completion": "7"}, {"prompt": "4+4=", "completion": "8888"}])
     assert cli(monkeypatch, "train", *TINY, "task=testbed", "sft_steps=1", "sft_batch_size=1", f"sft_data={data}",
                "max_episode_tokens=3", "steps=1", f"output_dir={tmp_path / 'r'}") == 0
-    assert f"warm-up: 1 supervised steps on 1 of 3 demonstrations of sft_data={data}; 1 left out" in capsys.readouterr().err
+    assert f"warm-up: 1 supervised step on 1 of 3 demonstrations of sft_data={data}; 1 left out" in capsys.readouterr().err
     info = json.loads((tmp_path / "r" / "run_info.json").read_text())["warmup"]
     assert (info["examples"], info["data_rows"], info["too_long"]) == (1, 3, 1)
     # which one: the first of the seed's order over the 3 usable rows (targets: its answer's bytes + EOS)
@@ -515,6 +565,28 @@ def test_cli_tools_without_an_environment_warm_up_on_multi_turn_lines(monkeypatc
         {"role": "assistant", "content": "c2+3"}, {"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}]}])
     assert cli(monkeypatch, "train", *TINY, "task=testbed-calc", "tools=[my_tools.py:add]", "max_turns=2", "max_episode_tokens=64",
                "sft_steps=1", "sft_batch_size=1", f"sft_data={data}", "steps=1", "save_every=0", f"output_dir={tmp_path / 'r'}") == 0
-    assert f"warm-up: 1 supervised steps on 1 demonstrations of sft_data={data}\x20(" in capsys.readouterr().err
+    assert f"warm-up: 1 supervised step on 1 demonstration of sft_data={data}\x20(" in capsys.readouterr().err
     info = json.loads((tmp_path / "r" / "run_info.json").read_text())["warmup"]
     assert (info["examples"], info["too_long"]) == (1, 0)
+
+
+def test_a_relative_sft_data_path_is_kept_absolute_and_resumes_from_another_folder(monkeypatch, tmp_path, capsys):
+    """``sft_data=demos.jsonl`` is read from the working directory and kept absolute in config.yaml and run_info.json,
+    so a resume from another folder that warms up again (KL reference) reads the same file."""
+    import yaml
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    _write_jsonl(work / "demos.jsonl", [{"prompt": "1+2=", "completion": "3"}, {"prompt": "2+2=", "completion": "4"}])
+    monkeypatch.chdir(work)
+    run = tmp_path / "run"
+    assert cli(monkeypatch, "train", *TINY, "task=testbed", "sft_steps=1", "sft_batch_size=2", "sft_data=demos.jsonl",
+               "kl_coef=0.05", "steps=1", "save_every=1", f"output_dir={run}") == 0
+    absolute = str(work / "demos.jsonl")
+    assert yaml.safe_load((run / "config.yaml").read_text())["sft_data"] == absolute
+    assert json.loads((run / "run_info.json").read_text())["warmup"]["data"] == absolute
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert cli(monkeypatch, "train", "--resume", str(run), "steps=2") == 0
+    assert f"warm-up: 1 supervised step on 2 demonstrations of sft_data={absolute}" in capsys.readouterr().err

@@ -30,8 +30,8 @@ def greedy_samples_error(n: int, temperature: float) -> str | None:
     """Why ``n`` samples at ``temperature`` are refused, or None: ``temperature=0`` decodes
     greedily, so every sample of a prompt is the same and ``n > 1`` only repeats the work (and
     makes pass@k for k > 1 equal pass@1). ``echotrain eval`` (``--task`` and ``--suite``) refuses
-    it with exit 2 rather than silently resetting ``n`` (a documented choice: the command line the
-    user wrote is the one that runs)."""
+    an explicit ``--n`` > 1 with ``--temperature 0`` (exit 2) rather than silently resetting it (a documented
+    choice: the command line the user wrote is the one that runs); without ``--n`` its default is 1 there."""
     if temperature == 0 and n > 1:
         return (f"temperature=0 (--temperature 0) decodes greedily, so the n={n} samples of a prompt would be "
                 "identical; use --n 1, or a temperature > 0 to sample")

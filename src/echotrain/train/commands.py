@@ -116,6 +116,8 @@ def run_train(args: argparse.Namespace) -> int:
         from echotrain.train.warmup import check_sft_data
 
         check_sft_data(cfg, resume=args.resume is not None)
+        if cfg.sft_data:  # config.yaml and run_info.json name the file itself: a resume from another folder finds it
+            cfg.sft_data = str(Path(cfg.sft_data).resolve())
         if cfg.reward:
             from echotrain.rewards.custom import load_reward
 
@@ -250,7 +252,8 @@ def register_eval(parser: argparse.ArgumentParser) -> None:
                         help="import this module or .py file first (repeatable, or comma-separated), so the tasks "
                              "it registers are valid --task values (as train's plugins key)")
     parser.add_argument("--prompts", type=int, default=64, help="number of task prompts (default 64)")
-    parser.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
+    parser.add_argument("--n", type=int, default=None,
+                        help="samples per prompt (default 4; 1 with --temperature 0, which decodes greedily)")
     parser.add_argument("--k", default="1", help="comma-separated k values for unbiased pass@k, each <= n (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="response length cap (default: the run's max_new_tokens when evaluating a run on its "
@@ -296,6 +299,9 @@ def run_eval(args: argparse.Namespace) -> int:
     from echotrain.evalsuite.cli import run_suite_command, wants_suite
     from echotrain.plugins import PluginError, load_plugins
 
+    if args.n is None:  # greedy decoding gives one distinct sample a prompt: the default follows the temperature
+        args.n = 1 if args.temperature == 0 else 4
+
     try:  # before any name is looked up: a plugin's task or benchmark is valid then
         load_plugins([p for item in getattr(args, "plugins", []) for p in item.split(",") if p.strip()])
     except PluginError as exc:
@@ -305,6 +311,15 @@ def run_eval(args: argparse.Namespace) -> int:
         return 2
     if wants_suite(args):
         return run_suite_command(args)
+    suite_only = [flag for flag, given in (("--data-dir", args.data_dir is not None), ("--limit", args.limit is not None),
+                                           ("--top-p", args.top_p != 1.0), ("--batch-size", args.batch_size != 8),
+                                           ("--out", args.out is not None), ("--no-progress", args.no_progress))
+                  if given]
+    if suite_only:  # options of the benchmark suites: silently unused here otherwise
+        print(f"echotrain eval: error: {', '.join(suite_only)} {'is an option' if len(suite_only) == 1 else 'are options'} "
+              "of --suite / --benchmark (benchmark files); a --task evaluation (or one without --task) does not take "
+              "it: leave it out, or evaluate a suite", file=sys.stderr)
+        return 2
 
     try:
         ks = [int(k) for k in str(args.k).split(",") if k.strip()]

@@ -87,15 +87,18 @@ _step("throughput/tokens_per_s", "tokens per second", "valid response tokens / s
 _step("memory/peak_mb", "MiB", "peak memory: CUDA max allocated on GPU, else peak RSS", volatile=True,
       panel="Peak memory", label="peak")
 for _name, _unit, _help, _label in (
-        ("eval/accuracy", "mean score", "mean score on the fixed evaluation prompts (greedy unless eval_temperature > 0)", "greedy eval"),
-        ("eval/format_rate", "fraction of completions", "greedy answer format rate on the fixed evaluation prompts",
-         "greedy eval format rate")):
+        ("eval/accuracy", "mean score", "mean score on the fixed evaluation prompts (greedy unless eval_temperature > 0: "
+         "then the mean over eval_n samples, avg@n)", "eval"),
+        ("eval/format_rate", "fraction of completions", "answer format rate on the fixed evaluation prompts",
+         "eval format rate")):
     _step(_name, _unit, _help, file="eval", when="eval_prompts > 0, evaluation steps", label=_label,
           panel="Accuracy" if _name == "eval/accuracy" else None)
 _step("eval/pass@n", "fraction of prompts", "share of the fixed evaluation prompts with at least one correct sample "
       "of eval_n (eval/accuracy is then avg@n)", file="eval", when="eval_n > 1, evaluation steps", label="pass@n",
       panel="Accuracy")
 _step("eval/prompts", "prompts", "number of fixed evaluation prompts", file="eval", when="eval_prompts > 0")
+_step("eval/temperature", "temperature", "sampling temperature of the evaluation (eval_temperature; 0 = greedy)",
+      file="eval", when="eval_prompts > 0")
 _step("time/eval", "seconds", "wall seconds of the evaluation", file="eval", when="eval_prompts > 0", volatile=True)
 
 
@@ -355,10 +358,15 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
     ran = (f"steps {first}-{last} ran" if last > first else f"step {first} ran" if last == first else "no step ran")
     title = (f"echotrain run summary - {run_dir}\n{len(records)} steps in metrics.jsonl; {ran} in {wall_s:.0f} s "
              f"(training, model loading excluded)")
+    from echotrain.train.plots import eval_decoding
+
+    decoding = eval_decoding(evals)
+    tag = "greedy" if decoding == "greedy" else "sampled"
     if evals:
-        title += f"\neval rows: greedy on fixed prompts at step {evals[0]['step']} (first) and {evals[-1]['step']} (last)"
+        title += (f"\neval rows: {decoding} on fixed prompts at step {evals[0]['step']} (first) and "
+                  f"{evals[-1]['step']} (last)")
     table = Table(title=title)
-    width = max([len(r[0]) for r in summary_rows(records, head)] + [len("eval/format_rate (greedy)")])
+    width = max([len(r[0]) for r in summary_rows(records, head)] + [len(f"eval/format_rate ({tag})")])
     table.add_column("metric", no_wrap=True, min_width=width)  # never cut a metric name
     for col in (f"first {head} steps", f"last {head} steps", "min", "max"):
         table.add_column(col, justify="right")
@@ -368,7 +376,7 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
         for key in ("eval/accuracy", "eval/format_rate"):
             vals = [e[key] for e in evals if key in e]
             # first/last columns: the evaluations at the first and last evaluated steps
-            table.add_row(f"{key} (greedy)", f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{min(vals):.4g}",
+            table.add_row(f"{key} ({tag})", f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{min(vals):.4g}",
                           f"{max(vals):.4g}")
     captions = []
     if stability is not None:

@@ -2,7 +2,7 @@
 
 - ``plots/summary.png``: one multi-panel figure to read a run at a glance: the panels of
   :func:`echotrain.metrics.panels`, each drawing the metrics declared on it (sampled accuracy
-  with the greedy-eval points, reward, entropy, response length, truncated responses, policy
+  with the evaluation points (greedy or sampled, as eval_temperature), reward, entropy, response length, truncated responses, policy
   drift, clip fractions, ECHO's batch ratio, gradient norm, step time, and any panel a plugin's
   metric names). Every series is drawn as its raw per-step points plus a trailing moving mean
   (window :func:`smoothing_window`); every y axis names its unit (the panel's first metric's).
@@ -49,11 +49,12 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], l
     return [p[0] for p in pts], [float(p[1]) for p in pts]
 
 
-def smoothing_note(window: int, with_evals: bool = False) -> str:
+def smoothing_note(window: int, with_evals: bool = False, decoding: str = "greedy") -> str:
     """The figure's one line on how its curves are drawn: dots, lines (trailing mean over
-    ``window`` steps) and, ``with_evals``, the greedy-evaluation markers."""
+    ``window`` steps) and, ``with_evals``, the evaluation markers (``decoding``:
+    :func:`eval_decoding`)."""
     lines = f"lines: trailing mean of the last {window} steps" if window > 1 else "lines join them (no smoothing)"
-    evals = "; diamonds: greedy evaluations on fixed prompts, not joined" if with_evals else ""
+    evals = f"; diamonds: evaluations on fixed prompts ({decoding}), not joined" if with_evals else ""
     return f"dots: each step's value; {lines}{evals}"
 
 
@@ -63,11 +64,13 @@ def _draw(ax, xs: list[float], ys: list[float], label: str, color: str, window: 
     ax.plot(xs, moving_mean(ys, window), color=color, linewidth=1.6, label=label)
 
 
-def _draw_evals(ax, evals: Sequence[dict[str, Any]], label: str) -> None:
-    """eval.jsonl's greedy accuracy as markers only: separate evaluations, not a trend line."""
-    xs, ys = _series(evals, "eval/accuracy")
-    if xs:
-        ax.plot(xs, ys, linestyle="none", marker="D", markersize=6, color="black", label=label)
+def eval_decoding(evals: Sequence[dict[str, Any]] | None) -> str:
+    """How eval.jsonl's evaluations decoded: ``"greedy"``, or ``"sampled at T=1"`` from their ``eval/temperature``
+    (a record without it, written before the key existed, counts as greedy)."""
+    temps = sorted({float(e.get("eval/temperature", 0.0)) for e in evals or []})
+    if not temps or temps == [0.0]:
+        return "greedy"
+    return "sampled at T=" + "/".join(f"{t:g}" for t in temps)
 
 
 def plain_tick_labels(fig) -> None:
@@ -107,7 +110,7 @@ def _present(records: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]] 
 
 def _draw_panel(ax, title: str, metrics: list[Metric], records, evals, colors, legend_size: int,
                 window: int) -> bool:
-    """Draw one panel; True when it drew greedy-evaluation markers."""
+    """Draw one panel; True when it drew evaluation markers."""
     i, drew_evals = 0, False
     for m in metrics:
         if m.file == "eval":
@@ -115,7 +118,7 @@ def _draw_panel(ax, title: str, metrics: list[Metric], records, evals, colors, l
             if xs:
                 # separate evaluations: markers only, never joined into a trend line
                 ax.plot(xs, ys, linestyle="none", marker="D", markersize=6, color="black",
-                        label=f"{m.short} (fixed prompts)")
+                        label=f"{m.short} ({eval_decoding(evals)}, fixed prompts)")
                 drew_evals = True
             continue
         xs, ys = _series(records, m.name)
@@ -137,7 +140,7 @@ def plot_summary(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     """Write ``summary.png``: the declared panels whose metrics appear in ``records``.
 
     Args:
-        records: metrics.jsonl lines. evals: eval.jsonl lines (greedy accuracy points, step 0 included).
+        records: metrics.jsonl lines. evals: eval.jsonl lines (accuracy points, step 0 included).
         out_dir: folder (created). title: figure title (e.g. the run directory).
 
     Returns:
@@ -163,7 +166,7 @@ def plot_summary(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     if title:
         fig.suptitle(title, fontsize=10)
     with_evals = bool(evals and _series(evals, "eval/accuracy")[0])
-    fig.text(0.5, 0.005, smoothing_note(window, with_evals), ha="center", va="bottom", fontsize=9, color="dimgray")
+    fig.text(0.5, 0.005, smoothing_note(window, with_evals, eval_decoding(evals)), ha="center", va="bottom", fontsize=9, color="dimgray")
     fig.tight_layout(rect=(0, 0.025, 1, 1))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -180,7 +183,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     Args:
         records: metrics.jsonl lines (dicts with ``step`` and metric keys).
         out_dir: folder for the PNGs (created).
-        evals: eval.jsonl lines; their greedy accuracy is marked on the accuracy plots.
+        evals: eval.jsonl lines; their accuracy is marked on the accuracy plots (with how they decoded).
         title: title of the summary figure.
 
     Returns:
@@ -202,7 +205,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     for ptitle, metrics in _present(records, evals):
         fig, ax = plt.subplots(figsize=(7, 4.3))
         with_evals = _draw_panel(ax, ptitle, metrics, records, evals, colors, 8, window)
-        fig.text(0.5, 0.01, smoothing_note(window, with_evals), ha="center", va="bottom", fontsize=7.5, color="dimgray")
+        fig.text(0.5, 0.01, smoothing_note(window, with_evals, eval_decoding(evals)), ha="center", va="bottom", fontsize=7.5, color="dimgray")
         fig.tight_layout(rect=(0, 0.04, 1, 1))
         written.append(_save(fig, out, panel_file(ptitle)))
         plt.close(fig)

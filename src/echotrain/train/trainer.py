@@ -258,7 +258,9 @@ class Trainer:
             left_out = f"; {result.too_long} left out, longer than an episode allows" if result.too_long else ""
             source = f"sft_data={cfg.sft_data}" if cfg.sft_data else f"env={cfg.env or 'tools'}"
             of = f" of {result.data_rows}" if result.data_rows not in (None, result.examples) else ""
-            print(f"echotrain: warm-up: {result.steps} supervised steps on {result.examples}{of} demonstrations of "
+            steps, demos = f"{result.steps} supervised step" + "s" * (result.steps != 1), "demonstration" + "s" * (
+                (result.data_rows or result.examples) != 1)
+            print(f"echotrain: warm-up: {steps} on {result.examples}{of} {demos} of "
                   f"{source}{left_out} (cross-entropy {result.losses[0]:.3f} -> {result.losses[-1]:.3f} nats a "
                   f"target token, {result.seconds:.0f} s)", file=sys.stderr)
         return result
@@ -541,7 +543,7 @@ class Trainer:
         if cfg.eval_n > 1:
             out["eval/pass@n"] = res[f"pass@{cfg.eval_n}"]
         self.logger.log_eval({"step": step, **out, "eval/prompts": cfg.eval_prompts,
-                              "time/eval": time.perf_counter() - t0})
+                              "eval/temperature": cfg.eval_temperature, "time/eval": time.perf_counter() - t0})
         return out
 
     # ------------------------------------------------------------------ the loop

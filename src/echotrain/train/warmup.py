@@ -252,6 +252,11 @@ def read_demonstrations(path: str | Path) -> list[tuple[int, Any, list[dict[str,
         if turns[0]["role"] != "assistant" or turns[-1]["role"] != "assistant":
             raise ValueError(f"{where}: the turns after the prompt must start and end with an assistant message, got "
                              f"{turns[0]['role']!r} ... {turns[-1]['role']!r}")
+        empty = next((j for j, t in enumerate(turns) if t["role"] == "assistant" and not t["content"]), None)
+        if empty is not None:
+            nth = sum(t["role"] == "assistant" for t in turns[:empty + 1])
+            raise ValueError(f"{where}: assistant turn {nth} is empty (no content, no tool_calls): it would teach the "
+                             "end-of-turn token alone")
         out.append((n, prompt, turns))
     if not out:
         raise ValueError(f"sft_data={str(path)!r} has no demonstration (an empty file)")
@@ -259,16 +264,49 @@ def read_demonstrations(path: str | Path) -> list[tuple[int, Any, list[dict[str,
 
 
 def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
-    """``value`` checked as a non-empty list of ``{"role", "content"}`` messages (copies)."""
+    """``value`` checked as a non-empty list of ``{"role", "content"}`` messages (copies). An assistant message's
+    ``tool_calls`` (TRL / OpenAI: ``[{"type": "function", "function": {"name", "arguments"}}]``, arguments a dict
+    or a JSON string; ``content`` then may be null or missing) become text after its content, one
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` a call (``json.dumps``), on lines of their own:
+    what the episodes parse (:mod:`echotrain.envs.tools`), so the warm-up teaches calls the environment runs."""
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: {key} must be a non-empty list of messages")
     out = []
     for i, m in enumerate(value):
-        if not (isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)):
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        content = m.get("content") if isinstance(m, dict) else None
+        if calls is not None and content is None:
+            content = ""
+        if not (isinstance(m, dict) and m.get("role") in _ROLES and isinstance(content, str)):
             raise ValueError(f"{where}: {key}[{i}] must be {{\"role\": one of {list(_ROLES)}, \"content\": a string}}, "
                              f"got {m!r}"[:300])
-        out.append({"role": m["role"], "content": m["content"]})
+        if calls is not None:
+            content = "\n".join([content] * bool(content) + [_tool_call_text(c, f"{where}: {key}[{i}].tool_calls[{j}]")
+                                                            for j, c in enumerate(_as_list(calls, where, key, i))])
+        out.append({"role": m["role"], "content": content})
     return out
+
+
+def _as_list(calls: Any, where: str, key: str, i: int) -> list[Any]:
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}: {key}[{i}].tool_calls must be a list, got {type(calls).__name__}")
+    return calls
+
+
+def _tool_call_text(call: Any, where: str) -> str:
+    """One TRL/OpenAI tool call as the Hermes/Qwen text the episodes parse."""
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    args = fn.get("arguments", {}) if isinstance(fn, dict) else None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            args = None
+    if not (isinstance(name, str) and name and isinstance(args, dict)):
+        raise ValueError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": a string, "
+                         f"\"arguments\": an object or its JSON}}}}, got {call!r}"[:300])
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
 
 
 def warmup_reruns_on_resume(cfg: Any, lora: bool | None = None) -> bool:
@@ -304,8 +342,9 @@ def file_rows(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: i
 
     Raises:
         ValueError: as :func:`read_demonstrations`.
-        WarmupError: chat messages for a tokenizer without a chat template, or a demonstration the
-            tokenizer or its chat template cannot encode (naming ``path:line``).
+        WarmupError: chat messages for a tokenizer without a chat template, an assistant turn that ends with the
+            end-of-turn token (appended here: it would be trained twice), or a demonstration the tokenizer or its
+            chat template cannot encode (naming ``path:line``).
     """
     eos = _turn_ends(model, tokenizer)
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -317,8 +356,15 @@ def file_rows(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: i
         if max_turns is not None and sum(t["role"] == "assistant" for t in turns) > max_turns:
             too_long += 1  # (not encoded: its later turns may be more than a template can render)
             continue
+        eos_id = eos[not isinstance(prompt, str)]
+        ends = next((t["content"] for t in turns if t["role"] == "assistant"
+                     and encode_text(tokenizer, t["content"])[-1:] == [eos_id]), None)
+        if ends is not None:
+            raise WarmupError(f"sft_data {path}:{line}: the assistant turn {ends[-40:]!r} ends with the end-of-turn "
+                              f"token {tokenizer.convert_ids_to_tokens(eos_id)!r}, which the warm-up appends to every "
+                              "assistant turn: leave it out of the file")
         try:
-            row = encode_demonstration(tokenizer, eos[not isinstance(prompt, str)], prompt, turns,
+            row = encode_demonstration(tokenizer, eos_id, prompt, turns,
                                        max_new_tokens=max_new_tokens, max_turns=max_turns,
                                        max_episode_tokens=max_episode_tokens)
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error: name the line, one error line

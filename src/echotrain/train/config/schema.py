@@ -224,8 +224,10 @@ class TrainConfig:
                        "{\"messages\": [...]} (the prompt = the messages before the first assistant one) or "
                        "{\"prompt\": P, \"completion\": C} (C a string or messages), or {\"prompt\": P, \"turns\": [...]} (an "
                        "episode's turns after the prompt); P a string (models without a chat template) or chat "
-                       "messages. Encoded as the rollouts encode them; one an episode (without env: one model turn "
-                       "of max_new_tokens) cannot hold is left out. \"\" = the environment's demonstrations.",
+                       "messages; an assistant message's tool_calls become <tool_call> text. Encoded as the rollouts encode them "
+                       "(the end-of-turn token appended to each assistant turn: leave it out); one an episode (without "
+                       "env: one model turn of max_new_tokens) cannot hold is left out. Kept as an absolute path. "
+                       "\"\" = the environment's demonstrations.",
                        group="environment")
     sft_batch_size: int = _f(8, "Demonstrations per warm-up step (sft_steps).", group="environment")
     sft_lr: float = _f(5e-5, "The warm-up's constant learning rate (sft_steps; AdamW, no weight decay).",

@@ -13,7 +13,8 @@ from echotrain.train.plots import moving_mean, panel_file, plot_metrics, smoothi
 
 def test_eval_decoding_is_read_from_the_records():
     """eval.jsonl's eval/temperature says how the evaluations decoded (records without it: greedy)."""
-    from echotrain.train.plots import eval_decoding, smoothing_note
+    from echotrain.train.metrics import eval_decoding
+    from echotrain.train.plots import smoothing_note
 
     assert eval_decoding([{"step": 0}, {"step": 4, "eval/temperature": 0.0}]) == "greedy"
     assert eval_decoding(None) == "greedy"

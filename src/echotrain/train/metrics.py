@@ -339,6 +339,15 @@ def summary_rows(records: list[dict[str, Any]], head: int = 3) -> list[tuple[str
     return rows
 
 
+def eval_decoding(evals: Iterable[dict[str, Any]] | None) -> str:
+    """How eval.jsonl's evaluations decoded: ``"greedy"``, or ``"sampled at T=1"`` from their ``eval/temperature``
+    (a record without it, written before the key existed, counts as greedy)."""
+    temps = sorted({float(e.get("eval/temperature", 0.0)) for e in evals or []})
+    if not temps or temps == [0.0]:
+        return "greedy"
+    return "sampled at T=" + "/".join(f"{t:g}" for t in temps)
+
+
 def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wall_s: float,
                   evals: list[dict[str, Any]] | None = None, steps_run: tuple[int, int] | None = None,
                   stability: dict[str, Any] | None = None) -> None:
@@ -358,8 +367,6 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
     ran = (f"steps {first}-{last} ran" if last > first else f"step {first} ran" if last == first else "no step ran")
     title = (f"echotrain run summary - {run_dir}\n{len(records)} steps in metrics.jsonl; {ran} in {wall_s:.0f} s "
              f"(training, model loading excluded)")
-    from echotrain.train.plots import eval_decoding
-
     decoding = eval_decoding(evals)
     tag = "greedy" if decoding == "greedy" else "sampled"
     if evals:

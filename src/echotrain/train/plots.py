@@ -52,25 +52,22 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], l
 def smoothing_note(window: int, with_evals: bool = False, decoding: str = "greedy") -> str:
     """The figure's one line on how its curves are drawn: dots, lines (trailing mean over
     ``window`` steps) and, ``with_evals``, the evaluation markers (``decoding``:
-    :func:`eval_decoding`)."""
+    :func:`echotrain.train.metrics.eval_decoding`)."""
     lines = f"lines: trailing mean of the last {window} steps" if window > 1 else "lines join them (no smoothing)"
     evals = f"; diamonds: evaluations on fixed prompts ({decoding}), not joined" if with_evals else ""
     return f"dots: each step's value; {lines}{evals}"
+
+
+def _decoding(evals: Sequence[dict[str, Any]] | None) -> str:
+    from echotrain.train.metrics import eval_decoding  # (lazy: train.metrics imports torch)
+
+    return eval_decoding(evals)
 
 
 def _draw(ax, xs: list[float], ys: list[float], label: str, color: str, window: int) -> None:
     """Raw points plus their trailing moving mean over ``window`` steps as a line (labelled)."""
     ax.plot(xs, ys, linestyle="none", marker="o", markersize=2.5, alpha=0.45, color=color)
     ax.plot(xs, moving_mean(ys, window), color=color, linewidth=1.6, label=label)
-
-
-def eval_decoding(evals: Sequence[dict[str, Any]] | None) -> str:
-    """How eval.jsonl's evaluations decoded: ``"greedy"``, or ``"sampled at T=1"`` from their ``eval/temperature``
-    (a record without it, written before the key existed, counts as greedy)."""
-    temps = sorted({float(e.get("eval/temperature", 0.0)) for e in evals or []})
-    if not temps or temps == [0.0]:
-        return "greedy"
-    return "sampled at T=" + "/".join(f"{t:g}" for t in temps)
 
 
 def plain_tick_labels(fig) -> None:
@@ -118,7 +115,7 @@ def _draw_panel(ax, title: str, metrics: list[Metric], records, evals, colors, l
             if xs:
                 # separate evaluations: markers only, never joined into a trend line
                 ax.plot(xs, ys, linestyle="none", marker="D", markersize=6, color="black",
-                        label=f"{m.short} ({eval_decoding(evals)}, fixed prompts)")
+                        label=f"{m.short} ({_decoding(evals)}, fixed prompts)")
                 drew_evals = True
             continue
         xs, ys = _series(records, m.name)
@@ -166,7 +163,7 @@ def plot_summary(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     if title:
         fig.suptitle(title, fontsize=10)
     with_evals = bool(evals and _series(evals, "eval/accuracy")[0])
-    fig.text(0.5, 0.005, smoothing_note(window, with_evals, eval_decoding(evals)), ha="center", va="bottom", fontsize=9, color="dimgray")
+    fig.text(0.5, 0.005, smoothing_note(window, with_evals, _decoding(evals)), ha="center", va="bottom", fontsize=9, color="dimgray")
     fig.tight_layout(rect=(0, 0.025, 1, 1))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +202,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     for ptitle, metrics in _present(records, evals):
         fig, ax = plt.subplots(figsize=(7, 4.3))
         with_evals = _draw_panel(ax, ptitle, metrics, records, evals, colors, 8, window)
-        fig.text(0.5, 0.01, smoothing_note(window, with_evals, eval_decoding(evals)), ha="center", va="bottom", fontsize=7.5, color="dimgray")
+        fig.text(0.5, 0.01, smoothing_note(window, with_evals, _decoding(evals)), ha="center", va="bottom", fontsize=7.5, color="dimgray")
         fig.tight_layout(rect=(0, 0.04, 1, 1))
         written.append(_save(fig, out, panel_file(ptitle)))
         plt.close(fig)

@@ -137,3 +137,13 @@ def test_token_mean_bonus_ignores_masked_entropies_even_if_non_finite_there():
 def test_applied_coefficient_at_the_target_counts_as_below():
     """Skywork-OR1 / TRL: the bonus applies when the last entropy is <= the target (equality included)."""
     assert applied_entropy_coef(0.3, 0.2, 0.2) == 0.3
+
+
+def test_keeping_every_token_returns_a_new_mask():
+    """At top_entropy_quantile=1 the result is every valid token, as a new tensor: changing it in place leaves the
+    caller's (bool) response_mask alone."""
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    out = high_entropy_mask(torch.rand(2, 3), mask, 1.0)
+    assert out.tolist() == mask.tolist() and out.data_ptr() != mask.data_ptr()
+    out[0, 0] = False
+    assert mask[0, 0]

@@ -381,6 +381,22 @@ def test_study_whose_confirmation_has_not_run_opens_with_the_exploration(tmp_pat
     assert md.index("## Summary (confirmation seeds)") < md.index("## Verdict rule") < md.index("## Exploration seeds")
 
 
+def test_a_confirmation_without_exploration_runs_has_no_empty_exploration_section(tmp_path):
+    """A study that confirms a screening run elsewhere (only its confirmation seeds ran here): no empty
+    "Exploration seeds none" section, and the seeds line says so."""
+    root = tmp_path / "cmp"
+    _study(root)
+    import shutil
+
+    for seed in range(3):
+        for arm in ("grpo", "echo"):
+            shutil.rmtree(root / "cells" / f"{arm}__s{seed}")
+    md = write_report([root], plots=False).read_text()
+    assert "Exploration seeds" not in md
+    assert "Seeds: confirmation 10-14 only (no exploration seed ran in this comparison)." in md
+    assert md.index("## Summary (confirmation seeds)") < md.index("## Verdict rule")
+
+
 def test_sweep_report_has_a_dose_response_figure_and_table(tmp_path, monkeypatch):
     """Issue 36: every report of a sweep plots AUC and final against the sweep value, one line per
     arm, with the mean's t-interval and the change from the first value, paired by seed (numbers by

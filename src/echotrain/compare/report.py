@@ -933,6 +933,7 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
     vr = summary.get("verdict_rule") or {}
     explo = summary.get("exploration")
     confirmed = bool(summary["arms"])  # a confirmation seed has run (or there is one phase)
+    explored = bool(explo and explo.get("seeds"))  # (a confirmation of a screening run in another comparison: none)
 
     def exploration_section() -> list[str]:
         out = [f"## Exploration seeds {_seed_list(explo['seeds'])} (exploration: not verdicts)", ""]
@@ -955,10 +956,13 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
                   f"{_seed_list(vr.get('seeds', []))} have not run yet. Below: the exploration results (a "
                   "screening, not verdicts); the verdicts wait for the confirmation seeds.", ""]
         lines += exploration_section()
-    elif explo:
+    elif explored:
         lines += [f"Seeds: exploration {_seed_list(explo['seeds'])}; confirmation {_seed_list(vr.get('seeds', []))}. "
                   "The summary, the paired comparisons and the verdicts use the confirmation seeds only; the "
                   "exploration seeds are reported at the end, as exploration.", ""]
+    elif explo:
+        lines += [f"Seeds: confirmation {_seed_list(vr.get('seeds', []))} only (no exploration seed ran in this "
+                  "comparison). The summary, the paired comparisons and the verdicts use them.", ""]
     if confirmed:
         lines += ["## Summary" + (" (confirmation seeds)" if explo else ""), ""]
         lines += _arm_table(summary["arms"], metric, th, b)
@@ -974,7 +978,7 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[Path], out_dir: Pat
             lines.append("")
         for d in summary.get("dropped_verdicts") or []:
             lines.append(f"- not evaluated ({d['reason']}): {d['claim']}")
-    if explo and confirmed:
+    if explored and confirmed:
         lines += [""] + exploration_section()
     rules = summary.get("stability_rules", {})
     lines += ["", "## Stability flags per run", "", "Rules: " + "; ".join(f"`{k}`: {v}" for k, v in rules.items()), "",

@@ -101,7 +101,8 @@ SELECTIONS = {"testbed": "grpo,echo", "smollm": "grpo,echo", "balanced_testbed":
               "echo_grpo_trust": "grpo_nokl", "staleness_k1": "grpo_nokl",
               "staleness_k4": "grpo_nokl,decoupled_tis", "calc_tool": "tool_grpo,tool_echo",
               "balanced_calc": "token_mean,balanced", "lr_fair_pilot": "echo_k8", "lr_fair": "cispo_k8,echo_k8", "smollm_length": "grpo,echo",
-              "echo_token_clip": "echo_no_token_clip,echo"}
+              "echo_token_clip": "echo_no_token_clip,echo",
+              "echo_token_clip_k0": "echo_no_token_clip,echo"}
 
 
 def test_every_shipped_config_is_covered():

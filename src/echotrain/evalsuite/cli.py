@@ -24,6 +24,18 @@ from echotrain.runtime.cpu_linear import DEFAULT_DECODE_LINEAR
 from echotrain.evalsuite.runner import DEFAULT_MAX_NEW_TOKENS as SUITE_MAX_NEW_TOKENS
 
 
+#: the options only a suite evaluation reads, with their defaults (``echotrain eval`` without --suite/--benchmark
+#: refuses them when given otherwise: :func:`suite_only_given`)
+SUITE_ONLY_DEFAULTS: dict[str, Any] = {"--data-dir": None, "--limit": None, "--top-p": 1.0, "--batch-size": 8,
+                                       "--out": None, "--no-progress": False}
+
+
+def suite_only_given(args: argparse.Namespace) -> list[str]:
+    """The suite-only options (:data:`SUITE_ONLY_DEFAULTS`) ``args`` sets to something other than their default."""
+    return [flag for flag, default in SUITE_ONLY_DEFAULTS.items()
+            if getattr(args, flag[2:].replace("-", "_"), default) != default]
+
+
 def add_suite_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark-suite options to ``echotrain eval``'s parser."""
     from echotrain.evalsuite import SUITES, benchmark_names
@@ -41,13 +53,14 @@ def add_suite_arguments(parser: argparse.ArgumentParser) -> None:
                         "NAME=PATH (a JSONL file or a folder with test.jsonl), NAME=hf:DATASET[:CONFIG][@SPLIT], or "
                         "KIND:NAME=PATH for your own file (KIND math or choice). Registered: " +
                         ", ".join(benchmark_names()))
-    g.add_argument("--data-dir", default=None, metavar="DIR",
+    g.add_argument("--data-dir", default=SUITE_ONLY_DEFAULTS["--data-dir"], metavar="DIR",
                    help="folder holding <benchmark>/test.jsonl (or <benchmark>.jsonl) files")
-    g.add_argument("--limit", type=int, default=None, metavar="N", help="first N problems of each benchmark")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)")
-    g.add_argument("--batch-size", type=int, default=8, metavar="B",
-                   help="problems per generate call, each with its --n samples (default 8)")
-    g.add_argument("--out", default=None, metavar="DIR",
+    g.add_argument("--limit", type=int, default=SUITE_ONLY_DEFAULTS["--limit"], metavar="N", help="first N problems of each benchmark")
+    g.add_argument("--top-p", type=float, default=SUITE_ONLY_DEFAULTS["--top-p"],
+                   help=f"nucleus sampling mass in (0, 1] (default {SUITE_ONLY_DEFAULTS['--top-p']})")
+    g.add_argument("--batch-size", type=int, default=SUITE_ONLY_DEFAULTS["--batch-size"], metavar="B",
+                   help=f"problems per generate call, each with its --n samples (default {SUITE_ONLY_DEFAULTS['--batch-size']})")
+    g.add_argument("--out", default=SUITE_ONLY_DEFAULTS["--out"], metavar="DIR",
                    help="output folder (default runs/eval-<suite>-<UTC timestamp>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -296,7 +296,7 @@ def run_eval(args: argparse.Namespace) -> int:
     """Entry point of ``echotrain eval``."""
     import yaml
 
-    from echotrain.evalsuite.cli import run_suite_command, wants_suite
+    from echotrain.evalsuite.cli import run_suite_command, suite_only_given, wants_suite
     from echotrain.plugins import PluginError, load_plugins
 
     if args.n is None:  # greedy decoding gives one distinct sample a prompt: the default follows the temperature
@@ -311,10 +311,7 @@ def run_eval(args: argparse.Namespace) -> int:
         return 2
     if wants_suite(args):
         return run_suite_command(args)
-    suite_only = [flag for flag, given in (("--data-dir", args.data_dir is not None), ("--limit", args.limit is not None),
-                                           ("--top-p", args.top_p != 1.0), ("--batch-size", args.batch_size != 8),
-                                           ("--out", args.out is not None), ("--no-progress", args.no_progress))
-                  if given]
+    suite_only = suite_only_given(args)
     if suite_only:  # options of the benchmark suites: silently unused here otherwise
         print(f"echotrain eval: error: {', '.join(suite_only)} {'is an option' if len(suite_only) == 1 else 'are options'} "
               "of --suite / --benchmark (benchmark files); a --task evaluation (or one without --task) does not take "

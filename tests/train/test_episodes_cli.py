@@ -348,3 +348,46 @@ def test_a_chat_template_without_a_tool_role_is_one_error_line(monkeypatch, tmp_
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
         "echotrain eval: error: the chat template cannot render the environment's reply (role 'tool')")
+
+
+@pytest.mark.parametrize("mode, first_tool", [([], 5), (["staleness=1"], 13)], ids=["on_policy", "staleness_1"])
+def test_a_reply_the_template_refuses_later_keeps_the_completed_steps(monkeypatch, tmp_path, capsys, mode, first_tool):
+    """An environment whose replies the template accepts at first (user) and refuses later (tool, from a reply of
+    the second step's generation: the fifth on-policy, the thirteenth with staleness 1, whose rollouts are generated
+    ahead): exit 2 with one error line, and step 1 is checkpointed (nothing of the failed step applied)."""
+    from tests.runtime.test_episodes import GEMMA_LIKE
+    from tests.train.conftest import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    tok.chat_template = GEMMA_LIKE
+    model_dir = tmp_path / "gemma-like"
+    model = make_model(tok)
+    with torch.no_grad():  # (as above: every turn ends at once)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.model.embed_tokens.weight[tok.eos_token_id, 0] = 10.0
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    name = f"late-tool-{len(mode)}"  # (a name per case: the registry is the process's)
+    (tmp_path / "late_tool_env.py").write_text(
+        "from echotrain.envs.base import EnvReply, register_env\n\nCALLS = [0]\n\n\n"
+        f"@register_env('{name}')\nclass LateTool:\n"
+        "    def reset(self, example):\n        return list(example.messages)\n\n"
+        "    def step(self, completion):\n        CALLS[0] += 1\n"
+        f"        return EnvReply(messages=[{{'role': 'tool' if CALLS[0] >= {first_tool} else 'user', 'content': 'ok'}}])\n")
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "r"
+    rc = cli(monkeypatch, "train", f"model={model_dir}", "plugins=[./late_tool_env.py]", f"env={name}", "max_turns=2",
+             "prompts_per_step=2", "num_generations=2", "max_new_tokens=4", "max_episode_tokens=64",
+             "micro_batch_size=4", "eval_prompts=0", "plots=false", "save_final_model=false", "progress=false",
+             "steps=3", "save_every=0", "num_threads=1", *mode, f"output_dir={run}")
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("echotrain train: error: the chat template cannot render the "
+                                                   "environment's reply (role 'tool')")
+    assert latest_checkpoint(run).name == "step_00000001.pt"
+

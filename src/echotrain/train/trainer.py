@@ -61,6 +61,7 @@ from echotrain.train.task_metrics import step_metrics_fn, task_step_metrics
 from echotrain.train.warmup import warmup_reruns_on_resume
 from echotrain.train.utilisation import build_meter
 from echotrain.train.async_rollouts import RolloutWorkerError
+from echotrain.runtime.episodes import TemplateError
 from echotrain.train.update import (batched_log_probs, mini_batch_splits, old_log_probs, policy_log_probs,
                                     sampler_is_learner, update_mini_batch)
 
@@ -614,7 +615,7 @@ class Trainer:
             for step in range(self.start_step + 1, cfg.steps + 1):
                 try:
                     record = self.train_step(step)
-                except RolloutWorkerError:  # nothing of this step is applied: keep the last completed one
+                except (RolloutWorkerError, TemplateError):  # nothing of this step is applied: keep the last completed one
                     if step - 1 > last_saved:
                         self.save(step - 1)
                     raise

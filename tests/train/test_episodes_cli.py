@@ -350,11 +350,16 @@ def test_a_chat_template_without_a_tool_role_is_one_error_line(monkeypatch, tmp_
         "echotrain eval: error: the chat template cannot render the environment's reply (role 'tool')")
 
 
-@pytest.mark.parametrize("mode, first_tool", [([], 5), (["staleness=1"], 13)], ids=["on_policy", "staleness_1"])
+@pytest.mark.parametrize("mode, first_tool", [([], 5), (["staleness=1"], 13), (["eval_prompts=2", "eval_every=1"], 13)],
+                         ids=["on_policy", "staleness_1", "in_an_evaluation"])
 def test_a_reply_the_template_refuses_later_keeps_the_completed_steps(monkeypatch, tmp_path, capsys, mode, first_tool):
-    """An environment whose replies the template accepts at first (user) and refuses later (tool, from a reply of
-    the second step's generation: the fifth on-policy, the thirteenth with staleness 1, whose rollouts are generated
-    ahead): exit 2 with one error line, and step 1 is checkpointed (nothing of the failed step applied)."""
+    """An environment whose replies the template accepts at first (user) and refuses later (tool): exit 2 with one
+    error line, and step 1 is checkpointed. An episode of max_turns 2 gets two replies, of which only the first is
+    rendered (the second ends it): a training step's 4 episodes make replies 1-4 (rendered) and 5-8; so from the
+    5th reply on the first refusal is in step 2's generation (the 9th; with staleness 1, steps 1 and 2 are generated
+    at step 1 and the 17th is the first in step 3's, generated at step 2): nothing of step 2 is applied. With an
+    evaluation at steps 0 and 1 (2 episodes, replies 1-4 and 13-16), from the 13th on the refusal is in the
+    evaluation after step 1: step 1 is applied, logged and checkpointed."""
     from tests.runtime.test_episodes import GEMMA_LIKE
     from tests.train.conftest import make_model, make_tokenizer
 
@@ -390,4 +395,5 @@ def test_a_reply_the_template_refuses_later_keeps_the_completed_steps(monkeypatc
     assert err.strip().splitlines()[-1].startswith("echotrain train: error: the chat template cannot render the "
                                                    "environment's reply (role 'tool')")
     assert latest_checkpoint(run).name == "step_00000001.pt"
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1]
 

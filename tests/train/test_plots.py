@@ -20,6 +20,7 @@ def test_eval_decoding_is_read_from_the_records():
     assert eval_decoding(None) == "greedy"
     assert eval_decoding([{"step": 0, "eval/temperature": 1.0}]) == "sampled at T=1"
     assert eval_decoding([{"eval/temperature": 0.6}, {"eval/temperature": 1.0}]) == "sampled at T=0.6/1"
+    assert eval_decoding([{"step": 0}, {"eval/temperature": 0.7}]) == "greedy and sampled at T=0.7"  # resumed otherwise
     assert smoothing_note(1, True, "sampled at T=1").endswith("diamonds: evaluations on fixed prompts (sampled at T=1), "
                                                               "not joined")
 

@@ -329,6 +329,7 @@ def test_file_demonstrations_encode_as_the_environments(tiny_model, tiny_tokeniz
     ({"prompt": "a", "turns": [{"role": "tool", "content": "t"}, {"role": "assistant", "content": "b"}]},
      "must start and end with an assistant message, got 'tool'"),
     ({"prompt": "a", "completion": ""}, "assistant turn 1 is empty (no content, no tool_calls)"),
+    ({"prompt": "a", "completion": " \n "}, "assistant turn 1 is empty"),
     ({"prompt": "a", "turns": [{"role": "assistant", "content": "b"}, {"role": "user", "content": "no"},
                                {"role": "assistant", "content": ""}]}, "assistant turn 2 is empty"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
@@ -354,6 +355,11 @@ def test_trl_tool_calls_become_the_text_the_episodes_parse(tiny_model, tiny_toke
     the row equals that of the same line written as text."""
     from echotrain.envs.tools import parse_tool_calls
 
+    (_, _, (solo,)), = read_demonstrations(_write_jsonl(tmp_path / "n.jsonl", [{"prompt": "q", "completion": [
+        {"role": "assistant", "tool_calls": [{"function": {"name": "now", "arguments": ""}},
+                                             {"function": {"name": "café", "arguments": None}}]}]}]))
+    assert solo["content"] == ('<tool_call>{"name": "now", "arguments": {}}</tool_call>\n'
+                               '<tool_call>{"name": "café", "arguments": {}}</tool_call>')  # (no arguments; not \\u00e9)
     call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
     other = {"type": "function", "function": {"name": "neg", "arguments": {"x": 5}}}
     structured = [{"role": "user", "content": "add 2 3"}, {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -374,16 +380,14 @@ def test_trl_tool_calls_become_the_text_the_episodes_parse(tiny_model, tiny_toke
     assert file_rows(tiny_model, tiny_tokenizer, tmp_path / "s.jsonl") == file_rows(tiny_model, tiny_tokenizer, plain)
 
 
-def test_a_turn_ending_with_the_end_of_turn_token_is_refused(tiny_model, tiny_tokenizer, tmp_path):
-    """The warm-up appends the end-of-turn id to each assistant turn: a turn that already ends with it would train it
-    twice (and the token after it), so the line is refused, named; the same token inside a turn is text."""
-    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "completion": "c d"},
-                                               {"prompt": "ab", "completion": "c</s>"}])
-    with pytest.raises(WarmupError, match=r"d.jsonl:2: the assistant turn 'c</s>' ends with the end-of-turn token "
-                                          r"'</s>', which the warm-up appends"):
+@pytest.mark.parametrize("text", ["c</s>", "c</s>d"])
+def test_a_turn_holding_the_end_of_turn_token_is_refused(tiny_model, tiny_tokenizer, tmp_path, text):
+    """The warm-up appends the end-of-turn id to each assistant turn, and an episode's turn ends at its first one: a
+    turn that holds it (at its end: trained twice; inside: a turn no episode can make) is refused, named."""
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "completion": "c d"}, {"prompt": "ab", "completion": text}])
+    with pytest.raises(WarmupError, match=rf"d.jsonl:2: the assistant turn '{text}' contains the end-of-turn token "
+                                          r"'</s>': a model turn ends there"):
         file_rows(tiny_model, tiny_tokenizer, path)
-    ok = _write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "ab", "completion": "c</s>d"}])
-    assert file_rows(tiny_model, tiny_tokenizer, ok)[0][0][0][-2:] == [tiny_tokenizer.convert_tokens_to_ids("d"), 2]
 
 
 def test_an_empty_or_missing_file_and_a_chat_prompt_without_a_template(tmp_path, tiny_model, tiny_tokenizer):
@@ -590,3 +594,22 @@ def test_a_relative_sft_data_path_is_kept_absolute_and_resumes_from_another_fold
     capsys.readouterr()
     assert cli(monkeypatch, "train", "--resume", str(run), "steps=2") == 0
     assert f"warm-up: 1 supervised step on 2 demonstrations of sft_data={absolute}" in capsys.readouterr().err
+
+
+def test_a_file_reply_the_template_refuses_is_a_template_error_with_its_line(tiny_model, tiny_tokenizer, tmp_path):
+    """A line whose tool reply the chat template cannot render: TemplateError naming PATH:LINE, whole (the remedy,
+    chat_template=FILE, at its end is not cut whatever the path's length)."""
+    from echotrain.runtime.episodes import TemplateError
+    from tests.runtime.test_episodes import GEMMA_LIKE
+
+    tiny_tokenizer.chat_template = GEMMA_LIKE
+    deep = tmp_path / ("a-rather-long-folder-name-" * 8)
+    deep.mkdir()
+    path = _write_jsonl(deep / "d.jsonl", [{"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "call"}, {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "5"}]}])
+    with pytest.raises(TemplateError) as err:
+        file_rows(tiny_model, tiny_tokenizer, path)
+    text = str(err.value)
+    assert text.startswith(f"sft_data {path}:1: the chat template cannot render the environment's reply (role 'tool')")
+    assert text.endswith("or an environment whose replies have roles this template accepts")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -117,7 +118,7 @@ def run_train(args: argparse.Namespace) -> int:
 
         check_sft_data(cfg, resume=args.resume is not None)
         if cfg.sft_data:  # config.yaml and run_info.json name the file itself: a resume from another folder finds it
-            cfg.sft_data = str(Path(cfg.sft_data).resolve())
+            cfg.sft_data = os.path.abspath(cfg.sft_data)  # (abspath: the name given, symlinks not followed)
         if cfg.reward:
             from echotrain.rewards.custom import load_reward
 

@@ -345,7 +345,8 @@ def eval_decoding(evals: Iterable[dict[str, Any]] | None) -> str:
     temps = sorted({float(e.get("eval/temperature", 0.0)) for e in evals or []})
     if not temps or temps == [0.0]:
         return "greedy"
-    return "sampled at T=" + "/".join(f"{t:g}" for t in temps)
+    sampled = "sampled at T=" + "/".join(f"{t:g}" for t in temps if t != 0)
+    return f"greedy and {sampled}" if temps[0] == 0 else sampled  # (a run resumed with another eval_temperature)
 
 
 def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wall_s: float,
@@ -368,7 +369,7 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
     title = (f"echotrain run summary - {run_dir}\n{len(records)} steps in metrics.jsonl; {ran} in {wall_s:.0f} s "
              f"(training, model loading excluded)")
     decoding = eval_decoding(evals)
-    tag = "greedy" if decoding == "greedy" else "sampled"
+    tag = {"greedy": "greedy"}.get(decoding, "greedy/sampled" if decoding.startswith("greedy and") else "sampled")
     if evals:
         title += (f"\neval rows: {decoding} on fixed prompts at step {evals[0]['step']} (first) and "
                   f"{evals[-1]['step']} (last)")

@@ -12,7 +12,7 @@ them in its summary table; ``echotrain compare`` counts them per arm. Each flag 
   mean over the first window (the policy turned near-deterministic; DAPO arXiv 2503.14476 §3.1).
 - ``grad_explosion``: some step's ``grad_norm`` (before clipping) above ``grad_factor`` (10) x the
   median ``grad_norm`` of the first window.
-- ``accuracy_collapse``: the last held-out greedy accuracy (``eval/accuracy``, from ``eval.jsonl``
+- ``accuracy_collapse``: the last held-out accuracy (``eval/accuracy``: greedy, or sampled at ``eval_temperature``; from ``eval.jsonl``
   when given, else the step records) below ``accuracy_ratio`` (0.5) x the first one (step 0, the
   starting policy, when evaluated) **and** at least ``accuracy_drop`` (0.10, i.e. 10 points)
   below it. Both conditions: halving from 4% to 2% is noise on a few hundred prompts, and a

@@ -95,7 +95,7 @@ class Trainer:
             RNG states, data position); metrics lines after it are dropped and recomputed.
         callbacks: ``fn(step, record)`` called after each step's metrics are written (before its
             checkpoint); tests use one to simulate a kill.
-        eval_task: task for the start/end greedy evaluation (``cfg.eval_prompts``); default:
+        eval_task: task for the fixed-prompt evaluations (``cfg.eval_prompts``; greedy unless ``eval_temperature``); default:
             ``task.eval_task()`` when the task has one (its held-out split), else the task built
             with ``seed + 1`` when it takes a seed, else the training task.
 
@@ -616,13 +616,19 @@ class Trainer:
                 try:
                     record = self.train_step(step)
                 except (RolloutWorkerError, TemplateError):  # nothing of this step is applied: keep the last completed one
-                    if step - 1 > last_saved:
+                    if step - 1 > last_saved and not self.dist.enabled:  # (torchrun: the others are in another collective)
                         self.save(step - 1)
                     raise
                 self.rollouts.after_step(step)  # async: publish the weights of version `step` to the worker
                 self.last_step, stop = step, False
                 if main and cfg.eval_prompts and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-                    record.update(self.evaluate(step))
+                    try:
+                        record.update(self.evaluate(step))
+                    except TemplateError:  # the step is applied: log and keep it, then stop
+                        if not self.dist.enabled:
+                            self.logger.log(record)
+                            self.save(step)
+                        raise
                     if self.best.update(step, record) and cfg.keep_best:
                         self.save_best(step)
                     stop = self.best.should_stop and step < cfg.steps

@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from echotrain.runtime.episodes import TurnRenderer, encode_text, turn_end_id
+from echotrain.runtime.episodes import TemplateError, TurnRenderer, encode_text, turn_end_id
 from echotrain.runtime.precision import autocast
 from echotrain.runtime.rollout import encode_prompts, eos_ids_of, render_prompts
 
@@ -198,14 +198,16 @@ def read_demonstrations(path: str | Path) -> list[tuple[int, Any, list[dict[str,
     Each line is a JSON object: ``{"messages": [...]}``, ``{"prompt": P, "completion": C}`` or
     ``{"prompt": P, "turns": [...]}``, ``P`` a non-empty string or list of messages, ``C`` a string or
     (TRL's conversational prompt-completion) a list of messages; a message is
-    ``{"role": system|user|assistant|tool, "content": str}``. Blank lines are skipped; a UTF-8 BOM is read.
+    ``{"role": system|user|assistant|tool, "content": str}``, an assistant one possibly with TRL's ``tool_calls``
+    (then ``content`` may be null; :func:`_messages`). Blank lines are skipped; a UTF-8 BOM is read.
 
     Returns:
         ``(line number, prompt, turns)`` per demonstration: ``turns`` start and end with an assistant turn.
 
     Raises:
         ValueError: the file cannot be read, has no demonstration, or a line that is not one (naming
-            ``path:line`` and what is wrong).
+            ``path:line`` and what is wrong: bad JSON or keys, a malformed message or tool call, turns that do not
+            start and end with an assistant turn, an empty or blank assistant turn).
     """
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
@@ -252,7 +254,7 @@ def read_demonstrations(path: str | Path) -> list[tuple[int, Any, list[dict[str,
         if turns[0]["role"] != "assistant" or turns[-1]["role"] != "assistant":
             raise ValueError(f"{where}: the turns after the prompt must start and end with an assistant message, got "
                              f"{turns[0]['role']!r} ... {turns[-1]['role']!r}")
-        empty = next((j for j, t in enumerate(turns) if t["role"] == "assistant" and not t["content"]), None)
+        empty = next((j for j, t in enumerate(turns) if t["role"] == "assistant" and not t["content"].strip()), None)
         if empty is not None:
             nth = sum(t["role"] == "assistant" for t in turns[:empty + 1])
             raise ValueError(f"{where}: assistant turn {nth} is empty (no content, no tool_calls): it would teach the "
@@ -267,7 +269,8 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
     """``value`` checked as a non-empty list of ``{"role", "content"}`` messages (copies). An assistant message's
     ``tool_calls`` (TRL / OpenAI: ``[{"type": "function", "function": {"name", "arguments"}}]``, arguments a dict
     or a JSON string; ``content`` then may be null or missing) become text after its content, one
-    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` a call (``json.dumps``), on lines of their own:
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` a call (``json.dumps``, non-ASCII kept; arguments
+    null or "" are ``{}``), on lines of their own:
     what the episodes parse (:mod:`echotrain.envs.tools`), so the warm-up teaches calls the environment runs."""
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: {key} must be a non-empty list of messages")
@@ -297,7 +300,9 @@ def _tool_call_text(call: Any, where: str) -> str:
     """One TRL/OpenAI tool call as the Hermes/Qwen text the episodes parse."""
     fn = call.get("function", call) if isinstance(call, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
-    args = fn.get("arguments", {}) if isinstance(fn, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    if args is None or args == "":  # (exports write a call without arguments so)
+        args = {}
     if isinstance(args, str):
         try:
             args = json.loads(args)
@@ -306,7 +311,7 @@ def _tool_call_text(call: Any, where: str) -> str:
     if not (isinstance(name, str) and name and isinstance(args, dict)):
         raise ValueError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": a string, "
                          f"\"arguments\": an object or its JSON}}}}, got {call!r}"[:300])
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}</tool_call>"
 
 
 def warmup_reruns_on_resume(cfg: Any, lora: bool | None = None) -> bool:
@@ -342,9 +347,10 @@ def file_rows(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: i
 
     Raises:
         ValueError: as :func:`read_demonstrations`.
-        WarmupError: chat messages for a tokenizer without a chat template, an assistant turn that ends with the
-            end-of-turn token (appended here: it would be trained twice), or a demonstration the tokenizer or its
+        WarmupError: chat messages for a tokenizer without a chat template, an assistant turn that contains the
+            end-of-turn token (appended here; an episode's turn ends at it), or a demonstration the tokenizer or its
             chat template cannot encode (naming ``path:line``).
+        TemplateError: the chat template refuses an environment message of a line (``path:line`` and the remedy).
     """
     eos = _turn_ends(model, tokenizer)
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -357,16 +363,18 @@ def file_rows(model: Any, tokenizer: Any, path: str | Path, *, max_new_tokens: i
             too_long += 1  # (not encoded: its later turns may be more than a template can render)
             continue
         eos_id = eos[not isinstance(prompt, str)]
-        ends = next((t["content"] for t in turns if t["role"] == "assistant"
-                     and encode_text(tokenizer, t["content"])[-1:] == [eos_id]), None)
-        if ends is not None:
-            raise WarmupError(f"sft_data {path}:{line}: the assistant turn {ends[-40:]!r} ends with the end-of-turn "
-                              f"token {tokenizer.convert_ids_to_tokens(eos_id)!r}, which the warm-up appends to every "
-                              "assistant turn: leave it out of the file")
+        holding = next((t["content"] for t in turns if t["role"] == "assistant"
+                        and eos_id in encode_text(tokenizer, t["content"])), None)
+        if holding is not None:  # an episode's turn ends at its first end-of-turn id: it cannot hold one inside
+            raise WarmupError(f"sft_data {path}:{line}: the assistant turn {holding[:60]!r} contains the end-of-turn "
+                              f"token {tokenizer.convert_ids_to_tokens(eos_id)!r}: a model turn ends there (the "
+                              "warm-up appends it to every assistant turn), so leave it out of the text")
         try:
             row = encode_demonstration(tokenizer, eos_id, prompt, turns,
                                        max_new_tokens=max_new_tokens, max_turns=max_turns,
                                        max_episode_tokens=max_episode_tokens)
+        except TemplateError as exc:  # the template refuses an environment reply: whole (its remedy is at the end)
+            raise TemplateError(f"sft_data {path}:{line}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error: name the line, one error line
             raise WarmupError(f"sft_data {path}:{line}: cannot be encoded as an episode of this model: "
                               f"{type(exc).__name__}: {exc}"[:500]) from None

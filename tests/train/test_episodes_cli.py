@@ -301,27 +301,35 @@ def test_eval_env_flags_errors_exit_2_with_one_line(monkeypatch, capsys, flags, 
     assert message in err and err.count("\n") == 1, err
 
 
-def test_a_chat_template_without_a_tool_role_is_one_error_line(monkeypatch, tmp_path, capsys):
-    """A chat model whose template refuses tool results (Gemma's rule) in an environment that replies with them:
-    exit 2 and one error line naming chat_template=FILE at the first reply, no traceback; the same run with a
-    template that has a tool role (chat_template=FILE) trains."""
+def _gemma_like_policy(folder):
+    """A tiny Llama saved to ``folder`` with a Gemma-style template (no tool role) that ends every turn at once: the
+    residual stream is the token's embedding, and only its dim 0 (1, or 10 for EOS) reaches the tied head."""
     from tests.runtime.test_episodes import GEMMA_LIKE
-    from tests.train.conftest import CHAT_TEMPLATE, make_model, make_tokenizer
+    from tests.train.conftest import make_model, make_tokenizer
 
     tok = make_tokenizer()
     tok.chat_template = GEMMA_LIKE
-    model_dir = tmp_path / "gemma-like"
     model = make_model(tok)
-    with torch.no_grad():  # a policy that ends every turn at once: the residual stream is the token's embedding,
-        for layer in model.model.layers:  # and only its dim 0 (1, or 10 for EOS) reaches the tied head
+    with torch.no_grad():
+        for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.model.norm.weight.zero_()
         model.model.norm.weight[0] = 1.0
         model.model.embed_tokens.weight[:, 0] = 1.0
         model.model.embed_tokens.weight[tok.eos_token_id, 0] = 10.0
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_a_chat_template_without_a_tool_role_is_one_error_line(monkeypatch, tmp_path, capsys):
+    """A chat model whose template refuses tool results (Gemma's rule) in an environment that replies with them:
+    exit 2 and one error line naming chat_template=FILE at the first reply, no traceback; the same run with a
+    template that has a tool role (chat_template=FILE) trains."""
+    from tests.train.conftest import CHAT_TEMPLATE
+
+    model_dir = _gemma_like_policy(tmp_path / "gemma-like")
     (tmp_path / "tool_env.py").write_text(
         "from echotrain.envs.base import EnvReply, register_env\n\n\n"
         "@register_env('always-tool')\nclass AlwaysTool:\n"
@@ -360,23 +368,7 @@ def test_a_reply_the_template_refuses_later_keeps_the_completed_steps(monkeypatc
     at step 1 and the 17th is the first in step 3's, generated at step 2): nothing of step 2 is applied. With an
     evaluation at steps 0 and 1 (2 episodes, replies 1-4 and 13-16), from the 13th on the refusal is in the
     evaluation after step 1: step 1 is applied, logged and checkpointed."""
-    from tests.runtime.test_episodes import GEMMA_LIKE
-    from tests.train.conftest import make_model, make_tokenizer
-
-    tok = make_tokenizer()
-    tok.chat_template = GEMMA_LIKE
-    model_dir = tmp_path / "gemma-like"
-    model = make_model(tok)
-    with torch.no_grad():  # (as above: every turn ends at once)
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.norm.weight.zero_()
-        model.model.norm.weight[0] = 1.0
-        model.model.embed_tokens.weight[:, 0] = 1.0
-        model.model.embed_tokens.weight[tok.eos_token_id, 0] = 10.0
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = _gemma_like_policy(tmp_path / "gemma-like")
     name = f"late-tool-{len(mode)}"  # (a name per case: the registry is the process's)
     (tmp_path / "late_tool_env.py").write_text(
         "from echotrain.envs.base import EnvReply, register_env\n\nCALLS = [0]\n\n\n"

@@ -369,7 +369,7 @@ def print_summary(records: list[dict[str, Any]], run_dir: str | os.PathLike, wal
     title = (f"echotrain run summary - {run_dir}\n{len(records)} steps in metrics.jsonl; {ran} in {wall_s:.0f} s "
              f"(training, model loading excluded)")
     decoding = eval_decoding(evals)
-    tag = {"greedy": "greedy"}.get(decoding, "greedy/sampled" if decoding.startswith("greedy and") else "sampled")
+    tag = "greedy" if decoding == "greedy" else "greedy/sampled" if decoding.startswith("greedy and") else "sampled"
     if evals:
         title += (f"\neval rows: {decoding} on fixed prompts at step {evals[0]['step']} (first) and "
                   f"{evals[-1]['step']} (last)")

@@ -59,6 +59,7 @@ def smoothing_note(window: int, with_evals: bool = False, decoding: str = "greed
 
 
 def _decoding(evals: Sequence[dict[str, Any]] | None) -> str:
+    """:func:`echotrain.train.metrics.eval_decoding`, once per figure."""
     from echotrain.train.metrics import eval_decoding  # (lazy: train.metrics imports torch)
 
     return eval_decoding(evals)
@@ -106,8 +107,8 @@ def _present(records: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]] 
 
 
 def _draw_panel(ax, title: str, metrics: list[Metric], records, evals, colors, legend_size: int,
-                window: int) -> bool:
-    """Draw one panel; True when it drew evaluation markers."""
+                window: int, decoding: str = "greedy") -> bool:
+    """Draw one panel; True when it drew evaluation markers (labelled with ``decoding``, :func:`_decoding`)."""
     i, drew_evals = 0, False
     for m in metrics:
         if m.file == "eval":
@@ -115,7 +116,7 @@ def _draw_panel(ax, title: str, metrics: list[Metric], records, evals, colors, l
             if xs:
                 # separate evaluations: markers only, never joined into a trend line
                 ax.plot(xs, ys, linestyle="none", marker="D", markersize=6, color="black",
-                        label=f"{m.short} ({_decoding(evals)}, fixed prompts)")
+                        label=f"{m.short} ({decoding}, fixed prompts)")
                 drew_evals = True
             continue
         xs, ys = _series(records, m.name)
@@ -155,15 +156,15 @@ def plot_summary(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     rows = max(1, (len(shown) + cols - 1) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.3 * rows), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    window = smoothing_window(len(records))
+    window, decoding = smoothing_window(len(records)), _decoding(evals)
     for ax, (ptitle, metrics) in zip(axes.flat, shown):
-        _draw_panel(ax, ptitle, metrics, records, evals, colors, 7, window)
+        _draw_panel(ax, ptitle, metrics, records, evals, colors, 7, window, decoding)
     for ax in list(axes.flat)[len(shown):]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title, fontsize=10)
     with_evals = bool(evals and _series(evals, "eval/accuracy")[0])
-    fig.text(0.5, 0.005, smoothing_note(window, with_evals, _decoding(evals)), ha="center", va="bottom", fontsize=9, color="dimgray")
+    fig.text(0.5, 0.005, smoothing_note(window, with_evals, decoding), ha="center", va="bottom", fontsize=9, color="dimgray")
     fig.tight_layout(rect=(0, 0.025, 1, 1))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,11 +199,11 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
     if summary is not None:
         written.append(summary)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    window = smoothing_window(len(records))
+    window, decoding = smoothing_window(len(records)), _decoding(evals)
     for ptitle, metrics in _present(records, evals):
         fig, ax = plt.subplots(figsize=(7, 4.3))
-        with_evals = _draw_panel(ax, ptitle, metrics, records, evals, colors, 8, window)
-        fig.text(0.5, 0.01, smoothing_note(window, with_evals, _decoding(evals)), ha="center", va="bottom", fontsize=7.5, color="dimgray")
+        with_evals = _draw_panel(ax, ptitle, metrics, records, evals, colors, 8, window, decoding)
+        fig.text(0.5, 0.01, smoothing_note(window, with_evals, decoding), ha="center", va="bottom", fontsize=7.5, color="dimgray")
         fig.tight_layout(rect=(0, 0.04, 1, 1))
         written.append(_save(fig, out, panel_file(ptitle)))
         plt.close(fig)

@@ -284,16 +284,13 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
             raise ValueError(f"{where}: {key}[{i}] must be {{\"role\": one of {list(_ROLES)}, \"content\": a string}}, "
                              f"got {m!r}"[:300])
         if calls is not None:
-            content = "\n".join([content] * bool(content) + [_tool_call_text(c, f"{where}: {key}[{i}].tool_calls[{j}]")
-                                                            for j, c in enumerate(_as_list(calls, where, key, i))])
+            if not isinstance(calls, list):
+                raise ValueError(f"{where}: {key}[{i}].tool_calls must be a list, got {type(calls).__name__}")
+            lines = [content] if content else []
+            lines += [_tool_call_text(c, f"{where}: {key}[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+            content = "\n".join(lines)
         out.append({"role": m["role"], "content": content})
     return out
-
-
-def _as_list(calls: Any, where: str, key: str, i: int) -> list[Any]:
-    if not isinstance(calls, list):
-        raise ValueError(f"{where}: {key}[{i}].tool_calls must be a list, got {type(calls).__name__}")
-    return calls
 
 
 def _tool_call_text(call: Any, where: str) -> str:
